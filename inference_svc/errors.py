@@ -1,0 +1,31 @@
+"""The inference service's exception hierarchy: one base, one subclass per outcome a caller must tell apart.
+
+Contract: the engine and server raise only these on purpose. `inference_svc.server` maps each class to one gRPC
+status code, in one table; nothing else in the package chooses status codes. Messages name the offending field.
+"""
+
+from __future__ import annotations
+
+
+class InferenceError(Exception):
+    """Base class of every deliberate inference_svc error."""
+
+
+class InvalidRequestError(InferenceError, ValueError):
+    """The request itself is wrong (maps to INVALID_ARGUMENT). `field` names the offending request field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class CapacityError(InferenceError):
+    """The service is full right now: bounded queue by requests or tokens (maps to RESOURCE_EXHAUSTED)."""
+
+
+class EngineStoppedError(InferenceError):
+    """The engine is draining or stopped and takes no new work (maps to UNAVAILABLE)."""
+
+
+class ModelLoadError(InferenceError):
+    """The model folder could not be loaded into the engine."""
