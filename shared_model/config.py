@@ -128,7 +128,9 @@ class ModelConfig:
                 raise ConfigError(f"{name}={tok} is outside the vocabulary [0, {self.vocab_size})")
         for tok in self.eos_token_ids:
             if not 0 <= tok < self.vocab_size:
-                raise ConfigError(f"eos_token_ids contains {tok}, outside the vocabulary [0, {self.vocab_size})")
+                raise ConfigError(
+                    f"eos_token_ids contains {tok}, outside the vocabulary [0, {self.vocab_size})"
+                )
 
     # ----------------------------------------------------------------- derived sizes
     @property
@@ -202,7 +204,9 @@ class ModelConfig:
         out["rope_parameters"] = rope_parameters
         if self.model_type == "qwen2":
             if not (self.attention_bias and not self.attention_out_bias):
-                raise ConfigError("model_type qwen2 requires attention_bias=True and attention_out_bias=False")
+                raise ConfigError(
+                    "model_type qwen2 requires attention_bias=True and attention_out_bias=False"
+                )
             out["use_sliding_window"] = False
         else:
             if self.attention_bias != self.attention_out_bias:
@@ -401,7 +405,9 @@ def _from_hf(raw: dict[str, Any]) -> ModelConfig:
 def _check_value(raw: dict[str, Any], key: str, allowed: set[Any]) -> None:
     if key in raw and raw[key] not in allowed:
         shown = sorted(repr(a) for a in allowed if a is not None)
-        raise ConfigError(f"config.json field '{key}'={raw[key]!r} is not supported (supported: {', '.join(shown)})")
+        raise ConfigError(
+            f"config.json field '{key}'={raw[key]!r} is not supported (supported: {', '.join(shown)})"
+        )
 
 
 # --------------------------------------------------------------------------------------------- presets
@@ -521,4 +527,3 @@ def get_preset(name: str) -> ModelConfig:
         return PRESETS[name].config
     except KeyError:
         raise ConfigError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
-

@@ -39,7 +39,10 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] in fp32, with Llama 3 scaling applied when configured."""
     dim = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponent = (
+        torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    )  # cpu even under meta init
+    inv = 1.0 / (config.rope_theta**exponent)
     s = config.rope_scaling
     if s is None:
         return inv
@@ -189,7 +192,9 @@ class CausalLM(nn.Module):
         elif positions.dim() == 1:
             positions = positions[None].expand_as(input_ids)
         if positions.shape != input_ids.shape:
-            raise ValueError(f"positions shape {tuple(positions.shape)} != input_ids {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"positions shape {tuple(positions.shape)} != input_ids {tuple(input_ids.shape)}"
+            )
         backend = CAUSAL if attention is None else attention
         x = self.model.embed_tokens(input_ids)  # [B, T, hidden]
         cos, sin = self.model.rotary_emb(positions, x.dtype)

@@ -1,0 +1,320 @@
+"""Weight bundles: a Hugging Face–compatible folder written and read by Tandem.
+
+Layout: `config.json`, `model.safetensors` (or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`
+above `max_shard_bytes`), `tokenizer.json`, `tokenizer_config.json`, `generation_config.json`.
+
+Contract:
+- `save_bundle` writes into a temporary sibling folder and renames it into place: a reader never sees a half
+  bundle, and a failure leaves any previous bundle untouched. safetensors only, never pickle.
+- `load_bundle` reads any Llama/Qwen2/Qwen3 folder in that layout (Tandem's or transformers' `save_pretrained`)
+  in a chosen dtype. A missing file, an unknown model_type, a missing, unexpected or misshapen tensor is a
+  `BundleError` naming the file or the tensor (and both shapes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shared_model.config import ModelConfig
+from shared_model.errors import BundleError, ConfigError
+from shared_model.model import CausalLM
+from shared_model.tokenizer import Tokenizer
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+GENERATION_FILE = "generation_config.json"
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+# Tensors some checkpoints carry that are derived, not learned: ignored on load.
+_DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """'bf16' / 'bfloat16' / torch.bfloat16 → torch.bfloat16; the error lists valid names."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise BundleError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class Bundle:
+    """A loaded model folder."""
+
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    dtype: torch.dtype
+    path: Path
+
+
+# ------------------------------------------------------------------------------------------------ reading
+def read_config(folder: str | Path) -> ModelConfig:
+    """The ModelConfig of a folder's config.json."""
+    folder = Path(folder)
+    raw = _read_json(folder / CONFIG_FILE)
+    try:
+        return ModelConfig.from_hf_dict(raw)
+    except ConfigError as exc:
+        raise BundleError(f"{folder / CONFIG_FILE}: {exc}") from exc
+
+
+def folder_dtype(folder: str | Path) -> torch.dtype | None:
+    """The dtype a folder's config.json declares (torch_dtype or dtype), if any."""
+    raw = _read_json(Path(folder) / CONFIG_FILE)
+    name = raw.get("torch_dtype") or raw.get("dtype")
+    return DTYPES.get(name) if isinstance(name, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise BundleError(f"missing file: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise BundleError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise BundleError(f"{path} must hold a JSON object")
+    return data
+
+
+def weight_files(folder: str | Path) -> list[Path]:
+    """The safetensors files of a folder, single-file or sharded with an index."""
+    folder = Path(folder)
+    if (folder / INDEX_FILE).is_file():
+        index = _read_json(folder / INDEX_FILE)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise BundleError(f"{folder / INDEX_FILE} has no weight_map")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise BundleError(f"missing file: {f} (listed in {INDEX_FILE})")
+        return files
+    single = folder / WEIGHTS_FILE
+    if single.is_file():
+        return [single]
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        raise BundleError(f"{folder} holds only pickle weights (*.bin/*.pt); Tandem loads safetensors only")
+    raise BundleError(f"missing file: {single} (and no {INDEX_FILE})")
+
+
+def read_state_dict(folder: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder by name, optionally cast to `dtype`."""
+    out: dict[str, torch.Tensor] = {}
+    for file in weight_files(folder):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    t = f.get_tensor(name)
+                    out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        except BundleError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            raise BundleError(f"cannot read {file}: {exc}") from exc
+    return out
+
+
+def load_bundle(
+    folder: str | Path,
+    dtype: str | torch.dtype | None = torch.float32,
+    device: str | torch.device = "cpu",
+    load_tokenizer: bool = True,
+) -> Bundle:
+    """Load a model folder. dtype None or 'auto' means the folder's own dtype (float32 if it names none)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise BundleError(f"model folder not found: {folder}")
+    config = read_config(folder)
+    if dtype is None or dtype == "auto":
+        target = folder_dtype(folder) or torch.float32
+    else:
+        target = parse_dtype(dtype)
+    state = read_state_dict(folder, target)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    expected = model.state_dict()
+    _check_tensors(config, expected, state)
+    state = {k: v for k, v in state.items() if k in expected}
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, assign=True, strict=True)
+    if config.tie_word_embeddings:  # assign=True replaced both parameters: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(device).eval()
+    tokenizer = None
+    if load_tokenizer and (folder / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.load(folder)
+    return Bundle(model=model, config=config, tokenizer=tokenizer, dtype=target, path=folder)
+
+
+def _check_tensors(
+    config: ModelConfig, expected: Mapping[str, torch.Tensor], found: Mapping[str, torch.Tensor]
+) -> None:
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = [k for k in expected if k not in found and k not in optional]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise BundleError(f"missing tensor(s): {shown}")
+    unexpected = [k for k in found if k not in expected and not k.endswith(_DERIVED_SUFFIXES)]
+    if unexpected:
+        shown = ", ".join(unexpected[:5]) + (f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else "")
+        raise BundleError(f"unexpected tensor(s) for this config: {shown}")
+    for name, ref in expected.items():
+        if name in found and tuple(found[name].shape) != tuple(ref.shape):
+            raise BundleError(
+                f"tensor {name} has shape {tuple(found[name].shape)}, expected {tuple(ref.shape)} from config.json"
+            )
+
+
+# ------------------------------------------------------------------------------------------------ writing
+def save_bundle(
+    out_dir: str | Path,
+    config: ModelConfig,
+    state_dict: Mapping[str, torch.Tensor] | CausalLM,
+    tokenizer: Tokenizer | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
+    """Write a bundle atomically and return its path. `state_dict` may be a model; dtype None keeps each
+    tensor's own dtype (the config records the dtype of the first floating tensor)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise BundleError(f"{out_dir} already exists (pass overwrite=True to replace it)")
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise BundleError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {config.vocab_size}"
+        )
+    sd = state_dict.state_dict() if isinstance(state_dict, CausalLM) else dict(state_dict)
+    if tokenizer is not None:
+        config = _with_tokenizer_ids(config, tokenizer)
+    tensors = _tensors_to_write(config, sd, None if dtype is None else parse_dtype(dtype))
+    first_float = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _write_weights(tmp, tensors, max_shard_bytes)
+        _write_json(tmp / CONFIG_FILE, config.to_hf_dict(torch_dtype=dtype_name(first_float)))
+        _write_json(tmp / GENERATION_FILE, _generation_config(config))
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        _fsync_dir(tmp)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _tensors_to_write(
+    config: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        reference = CausalLM(config).state_dict()
+    _check_tensors(config, reference, sd)
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name in reference:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: stored once, as transformers does
+        t = sd[name].detach().to(device="cpu", dtype=dtype if sd[name].is_floating_point() else None)
+        t = t.contiguous()
+        if t.data_ptr() in seen:  # safetensors refuses tensors that share memory
+            t = t.clone()
+        seen.add(t.data_ptr())
+        out[name] = t
+    return out
+
+
+def _write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+        return
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    _write_json(folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _with_tokenizer_ids(config: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """Fill the config's bos/eos/pad ids from the tokenizer where the config has none."""
+    return config.replace(
+        bos_token_id=config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_id,
+        eos_token_ids=config.eos_token_ids or ((tokenizer.eos_id,) if tokenizer.eos_id is not None else ()),
+        pad_token_id=config.pad_token_id if config.pad_token_id is not None else tokenizer.pad_id,
+    )
+
+
+def _generation_config(config: ModelConfig) -> dict:
+    eos = list(config.eos_token_ids)
+    return {
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "pad_token_id": config.pad_token_id,
+        "do_sample": False,
+    }
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _fsync_dir(folder: Path) -> None:
+    for f in folder.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename src onto dst; an existing dst is moved aside first and removed only after the swap."""
+    if not dst.exists():
+        os.rename(src, dst)
+        return
+    old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+    os.rename(dst, old)
+    try:
+        os.rename(src, dst)
+    except BaseException:
+        os.rename(old, dst)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

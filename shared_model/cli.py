@@ -1,0 +1,107 @@
+"""The `tandem` console script: a dispatcher that imports only the subcommand it runs.
+
+Contract:
+- `SUBCOMMANDS` maps each subcommand to "module:function", the extra it needs, and the issue that delivers it.
+  The function takes the remaining argv and returns an exit code.
+- Nothing is imported until a subcommand is chosen, so `tandem serve` and `tandem ledger` start where Lightning
+  and DeepSpeed are not installed.
+- A subcommand whose module is not in this checkout says so plainly; one whose extra is missing names the
+  `pip install` that fixes it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    target: str
+    """"module:function" called with the remaining arguments."""
+    help: str
+    extra: str | None
+    """The optional-dependency group it needs (pip install 'tandem[extra]')."""
+    delivered_by: str
+    """The piece of work that provides it, for the 'not available yet' message."""
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "train": Subcommand(
+        "lt_plugins.cli:train_main", "train a model from an OmegaConf YAML config", "train", "training plugin"
+    ),
+    "export": Subcommand(
+        "lt_plugins.cli:export_main",
+        "consolidate a ZeRO checkpoint into a bundle",
+        "train",
+        "training plugin",
+    ),
+    "plan": Subcommand(
+        "lt_plugins.planner_cli:main",
+        "pick the cheapest training configuration that fits the GPUs",
+        None,
+        "memory planner",
+    ),
+    "ledger": Subcommand(
+        "shared_model.ledger_cli:main", "print the memory ledger of a model", None, "foundation"
+    ),
+    "serve": Subcommand("inference_svc.cli:serve_main", "serve a model over gRPC", "serve", "gRPC service"),
+    "generate": Subcommand(
+        "inference_svc.cli:generate_main", "stream a completion from a server", "serve", "gRPC service"
+    ),
+    "bench": Subcommand(
+        "inference_svc.bench.cli:main",
+        "load-test a server and plot latency/throughput",
+        "serve",
+        "load benchmark",
+    ),
+}
+
+_OWN_PACKAGES = ("shared_model", "lt_plugins", "inference_svc")
+
+
+def _usage() -> str:
+    lines = ["usage: tandem <command> [args...]", "", "commands:"]
+    lines += [f"  {name:<9} {sub.help}" for name, sub in SUBCOMMANDS.items()]
+    lines += ["", "Run `tandem <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def _resolve(name: str, sub: Subcommand) -> Callable[[list[str]], int] | str:
+    """The subcommand's function, or a message saying why it cannot run here."""
+    module_name, func_name = sub.target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing.split(".")[0] in _OWN_PACKAGES:
+            return f"tandem {name}: not available yet: the {sub.delivered_by} work has not landed ({missing} missing)"
+        hint = f" (pip install 'tandem[{sub.extra}]')" if sub.extra else ""
+        return f"tandem {name}: needs the Python package '{missing}', which is not installed{hint}"
+    func = getattr(module, func_name, None)
+    if func is None:
+        return f"tandem {name}: not available yet: the {sub.delivered_by} work has not landed ({sub.target})"
+    return func
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    sub = SUBCOMMANDS.get(name)
+    if sub is None:
+        print(f"tandem: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    func = _resolve(name, sub)
+    if isinstance(func, str):
+        print(func, file=sys.stderr)
+        return 3
+    return int(func(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Tokenizer: byte-level BPE trained with the `tokenizers` library, or any `tokenizer.json` loaded as is.
+
+Contract:
+- `Tokenizer.train(texts, vocab_size)` builds a byte-level BPE with special tokens pad, bos, eos (ids 0, 1, 2).
+  Byte-level means every Unicode string encodes, and `decode(encode(s)) == s` exactly.
+- `Tokenizer.load(folder_or_file)` reads `tokenizer.json` (+ `tokenizer_config.json` for the special tokens when
+  present) written by Tandem or by Hugging Face.
+- `save(folder)` writes `tokenizer.json` and `tokenizer_config.json` that transformers' `AutoTokenizer` reads.
+- Stateless after construction; safe to share between threads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from shared_model.errors import TokenizerError
+
+PAD_TOKEN = "<|pad|>"
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+
+
+class Tokenizer:
+    """Text ↔ token ids, with optional bos/eos/pad tokens."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        bos_token: str | None = BOS_TOKEN,
+        eos_token: str | None = EOS_TOKEN,
+        pad_token: str | None = PAD_TOKEN,
+        model_max_length: int | None = None,
+    ) -> None:
+        self._tk = tokenizer
+        self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
+        self.model_max_length = model_max_length
+        self.bos_id = self._id_of(bos_token)
+        self.eos_id = self._id_of(eos_token)
+        self.pad_id = self._id_of(pad_token)
+
+    def _id_of(self, token: str | None) -> int | None:
+        if token is None:
+            return None
+        tid = self._tk.token_to_id(token)
+        if tid is None:
+            raise TokenizerError(f"special token {token!r} is not in the vocabulary")
+        return tid
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
+        """Train a byte-level BPE on `texts`; the result has at most `vocab_size` entries."""
+        specials = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        if vocab_size < len(alphabet) + len(specials):
+            raise TokenizerError(
+                f"vocab_size must be at least {len(alphabet) + len(specials)} (256 bytes + 3 specials), "
+                f"got {vocab_size}"
+            )
+        tk = HFTokenizer(models.BPE())
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tk.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=specials,
+            initial_alphabet=alphabet,
+            show_progress=False,
+        )
+        tk.train_from_iterator(texts, trainer=trainer)
+        return cls(tk)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        """Load `tokenizer.json` from a folder (or the file itself), with special tokens from its config."""
+        path = Path(path)
+        folder = path if path.is_dir() else path.parent
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise TokenizerError(f"tokenizer file not found: {file}")
+        try:
+            tk = HFTokenizer.from_file(str(file))
+        except Exception as exc:  # the Rust library raises plain Exception subclasses
+            raise TokenizerError(f"cannot parse {file}: {exc}") from exc
+        specials: dict[str, str | None] = {"bos_token": None, "eos_token": None, "pad_token": None}
+        max_len = None
+        cfg_file = folder / "tokenizer_config.json"
+        if cfg_file.is_file():
+            cfg = json.loads(cfg_file.read_text())
+            for key in specials:
+                specials[key] = _token_str(cfg.get(key))
+            max_len = cfg.get("model_max_length")
+            if not isinstance(max_len, int) or max_len > 10**9:
+                max_len = None
+        elif tk.token_to_id(BOS_TOKEN) is not None:  # a Tandem tokenizer without its config
+            specials = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
+        return cls(tk, model_max_length=max_len, **specials)
+
+    def save(self, folder: str | Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json into `folder` (which must exist)."""
+        folder = Path(folder)
+        self._tk.save(str(folder / "tokenizer.json"))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+        }
+        if self.model_max_length is not None:
+            config["model_max_length"] = self.model_max_length
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    # ------------------------------------------------------------------ use
+    @property
+    def vocab_size(self) -> int:
+        return self._tk.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = self._tk.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_id is not None:
+            return [self.bos_id, *ids]
+        return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [enc.ids for enc in self._tk.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tk.id_to_token(token_id)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(i for i in (self.bos_id, self.eos_id, self.pad_id) if i is not None)
+
+
+def _token_str(value: object) -> str | None:
+    """tokenizer_config.json stores special tokens as a string or as {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
