@@ -33,9 +33,7 @@ class CausalSelfAttention:
     Uses torch SDPA, which picks a fused (flash / memory-efficient) kernel where the device has one.
     """
 
-    def __call__(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         # q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] -> SDPA wants [B, H, T, D]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),

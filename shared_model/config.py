@@ -113,9 +113,7 @@ class ModelConfig:
         if self.model_type not in MODEL_TYPES:
             raise ConfigError(f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
@@ -128,9 +126,7 @@ class ModelConfig:
                 raise ConfigError(f"{name}={tok} is outside the vocabulary [0, {self.vocab_size})")
         for tok in self.eos_token_ids:
             if not 0 <= tok < self.vocab_size:
-                raise ConfigError(
-                    f"eos_token_ids contains {tok}, outside the vocabulary [0, {self.vocab_size})"
-                )
+                raise ConfigError(f"eos_token_ids contains {tok}, outside the vocabulary [0, {self.vocab_size})")
 
     # ----------------------------------------------------------------- derived sizes
     @property
@@ -204,9 +200,7 @@ class ModelConfig:
         out["rope_parameters"] = rope_parameters
         if self.model_type == "qwen2":
             if not (self.attention_bias and not self.attention_out_bias):
-                raise ConfigError(
-                    "model_type qwen2 requires attention_bias=True and attention_out_bias=False"
-                )
+                raise ConfigError("model_type qwen2 requires attention_bias=True and attention_out_bias=False")
             out["use_sliding_window"] = False
         else:
             if self.attention_bias != self.attention_out_bias:
@@ -301,9 +295,7 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     if rope_type == "default":
         return float(theta), None
     if rope_type != "llama3":
-        raise ConfigError(
-            f"config.json rope_scaling type {rope_type!r} is not supported (supported: default, llama3)"
-        )
+        raise ConfigError(f"config.json rope_scaling type {rope_type!r} is not supported (supported: default, llama3)")
     try:
         return float(theta), RopeScaling(
             factor=float(scaling["factor"]),
@@ -405,9 +397,7 @@ def _from_hf(raw: dict[str, Any]) -> ModelConfig:
 def _check_value(raw: dict[str, Any], key: str, allowed: set[Any]) -> None:
     if key in raw and raw[key] not in allowed:
         shown = sorted(repr(a) for a in allowed if a is not None)
-        raise ConfigError(
-            f"config.json field '{key}'={raw[key]!r} is not supported (supported: {', '.join(shown)})"
-        )
+        raise ConfigError(f"config.json field '{key}'={raw[key]!r} is not supported (supported: {', '.join(shown)})")
 
 
 # --------------------------------------------------------------------------------------------- presets

@@ -39,9 +39,7 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] in fp32, with Llama 3 scaling applied when configured."""
     dim = config.head_dim
-    exponent = (
-        torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    )  # cpu even under meta init
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # cpu even under meta init
     inv = 1.0 / (config.rope_theta**exponent)
     s = config.rope_scaling
     if s is None:
@@ -91,9 +89,7 @@ class CoreAttention(nn.Module):
         self.layer_idx = layer_idx
         self.scale = scale
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: AttentionBackend
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         return backend(self.layer_idx, q, k, v, self.scale)
 
 
@@ -112,9 +108,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.core = CoreAttention(layer_idx, c.head_dim**-0.5)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # [B, T, Hq, D]
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
@@ -149,9 +143,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -192,9 +184,7 @@ class CausalLM(nn.Module):
         elif positions.dim() == 1:
             positions = positions[None].expand_as(input_ids)
         if positions.shape != input_ids.shape:
-            raise ValueError(
-                f"positions shape {tuple(positions.shape)} != input_ids {tuple(input_ids.shape)}"
-            )
+            raise ValueError(f"positions shape {tuple(positions.shape)} != input_ids {tuple(input_ids.shape)}")
         backend = CAUSAL if attention is None else attention
         x = self.model.embed_tokens(input_ids)  # [B, T, hidden]
         cos, sin = self.model.rotary_emb(positions, x.dtype)

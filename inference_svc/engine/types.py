@@ -72,9 +72,7 @@ class SamplingParams:
         if not self.repetition_penalty > 0:
             raise InvalidRequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequestError(
-                "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
-            )
+            raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
             if not s:
                 raise InvalidRequestError("stop", "stop strings must be non-empty")
