@@ -1,0 +1,236 @@
+"""The memory ledger: one source of truth for the byte and work formulas both halves of Tandem use.
+
+Contract:
+- Pure arithmetic on integers and configs; no torch tensors are allocated.
+- Inference: weight bytes by precision; K/V cache bytes = 2·N·B·L·d·b (N layers, B sequences, L tokens,
+  d = kv_heads·head_dim, b bytes per element); attention work as query–key pairs.
+- Training (mixed-precision AdamW, the lecture's accounting): per parameter 2 (16-bit weights) + 4 (fp32 master)
+  + 4 (fp32 gradients) + 8 (two fp32 Adam moments) = 18 bytes, and how ZeRO stages 1/2/3 divide those terms over
+  N GPUs (1: optimizer state = master + moments; 2: + gradients; 3: + 16-bit weights).
+- `ledger_report` gathers these for one model into a `LedgerReport` that renders as a table or JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from shared_model.config import ModelConfig
+
+BYTES_PER_ELEMENT: dict[str, int] = {
+    "fp32": 4,
+    "float32": 4,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp16": 2,
+    "float16": 2,
+    "fp8": 1,
+    "int8": 1,
+}
+
+GB = 10**9
+"""The lecture's unit for training state (decimal gigabytes)."""
+MiB = 2**20
+
+
+def element_bytes(dtype: str) -> int:
+    """Bytes of one element of a dtype name ('bf16', 'float32', ...); the error lists valid names."""
+    try:
+        return BYTES_PER_ELEMENT[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(BYTES_PER_ELEMENT)}") from None
+
+
+# ------------------------------------------------------------------------------------------- inference
+def weight_bytes(num_params: int | float, dtype: str = "bf16") -> float:
+    return num_params * element_bytes(dtype)
+
+
+def kv_cache_bytes(num_layers: int, batch: int, context: int, kv_width: int, bytes_per_element: int) -> int:
+    """2·N·B·L·d·b: keys and values, at every layer, for every cached token of every sequence."""
+    return 2 * num_layers * batch * context * kv_width * bytes_per_element
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: str = "bf16") -> int:
+    """K/V bytes one token adds to the cache across all layers."""
+    return kv_cache_bytes(config.num_layers, 1, 1, config.kv_size, element_bytes(dtype))
+
+
+def prefill_pairs(context: int, causal: bool = False) -> int:
+    """Query–key pairs of attention over a whole prompt: L² dense, L(L+1)/2 with the causal mask."""
+    return context * (context + 1) // 2 if causal else context * context
+
+
+def decode_pairs(context: int) -> int:
+    """Query–key pairs of one cached decode step: the new token against every cached key."""
+    return context
+
+
+# -------------------------------------------------------------------------------------------- training
+@dataclass(frozen=True)
+class TrainingStateTerm:
+    name: str
+    bytes_per_param: int
+    partitioned_from_stage: int
+    """The first ZeRO stage that shards this term over the GPUs."""
+
+
+TRAINING_STATE: tuple[TrainingStateTerm, ...] = (
+    TrainingStateTerm("16-bit weights used for computation", 2, 3),
+    TrainingStateTerm("FP32 master weights for updates", 4, 1),
+    TrainingStateTerm("FP32 gradients", 4, 2),
+    TrainingStateTerm("Two FP32 Adam moment arrays", 8, 1),
+)
+TRAINING_BYTES_PER_PARAM = sum(t.bytes_per_param for t in TRAINING_STATE)  # 18
+
+
+def zero_state_bytes_per_gpu(num_params: int | float, zero_stage: int, gpus: int) -> dict[str, float]:
+    """Bytes of each training-state term on one GPU under a ZeRO stage (0 = plain data parallelism)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    out = {}
+    for term in TRAINING_STATE:
+        total = num_params * term.bytes_per_param
+        sharded = zero_stage >= term.partitioned_from_stage
+        out[term.name] = total / gpus if sharded else total
+    return out
+
+
+# --------------------------------------------------------------------------------------------- report
+@dataclass
+class LedgerReport:
+    """Everything `tandem ledger` prints, as data."""
+
+    model: str
+    num_params: int
+    nominal_params: float | None
+    inference: dict[str, float] = field(default_factory=dict)
+    kv_cache: dict[str, float] = field(default_factory=dict)
+    attention_pairs: dict[str, int] = field(default_factory=dict)
+    training_state: list[dict[str, float | str | None]] = field(default_factory=list)
+    zero: dict[str, float | int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def ledger_report(
+    config: ModelConfig,
+    name: str,
+    nominal_params: float | None = None,
+    context: int = 4096,
+    batch: int = 1,
+    gpus: int = 1,
+    zero_stage: int = 0,
+    kv_dtype: str = "bf16",
+    weight_dtype: str = "bf16",
+) -> LedgerReport:
+    for label, value in (("context", context), ("batch", batch), ("gpus", gpus)):
+        if value < 1:
+            raise ValueError(f"{label} must be >= 1, got {value}")
+    n = config.num_parameters()
+    rep = LedgerReport(model=name, num_params=n, nominal_params=nominal_params)
+    b_kv = element_bytes(kv_dtype)
+    rep.inference = {
+        "weight_dtype_bytes": element_bytes(weight_dtype),
+        "weight_bytes": weight_bytes(n, weight_dtype),
+    }
+    per_token = kv_bytes_per_token(config, kv_dtype)
+    rep.kv_cache = {
+        "layers": config.num_layers,
+        "kv_width": config.kv_size,
+        "dtype_bytes": b_kv,
+        "bytes_per_token": per_token,
+        "bytes": kv_cache_bytes(config.num_layers, batch, context, config.kv_size, b_kv),
+        "bytes_at_2x_context": kv_cache_bytes(config.num_layers, batch, 2 * context, config.kv_size, b_kv),
+    }
+    rep.attention_pairs = {
+        "prefill_dense": prefill_pairs(context) * batch,
+        "prefill_dense_at_2x_context": prefill_pairs(2 * context) * batch,
+        "prefill_causal": prefill_pairs(context, causal=True) * batch,
+        "decode_step": decode_pairs(context) * batch,
+        "decode_step_at_2x_context": decode_pairs(2 * context) * batch,
+    }
+    for term in TRAINING_STATE:
+        rep.training_state.append(
+            {
+                "term": term.name,
+                "bytes_per_param": term.bytes_per_param,
+                "bytes": n * term.bytes_per_param,
+                "bytes_at_nominal": None if nominal_params is None else nominal_params * term.bytes_per_param,
+            }
+        )
+    rep.training_state.append(
+        {
+            "term": "Training state subtotal",
+            "bytes_per_param": TRAINING_BYTES_PER_PARAM,
+            "bytes": n * TRAINING_BYTES_PER_PARAM,
+            "bytes_at_nominal": None if nominal_params is None else nominal_params * TRAINING_BYTES_PER_PARAM,
+        }
+    )
+    per_gpu = zero_state_bytes_per_gpu(n, zero_stage, gpus)
+    rep.zero = {"stage": zero_stage, "gpus": gpus, **per_gpu, "total_per_gpu": sum(per_gpu.values())}
+    return rep
+
+
+def _gb(x: float) -> str:
+    """Decimal units as in the lecture: GB from 1 GB up, MB below."""
+    return f"{x / GB:,.1f} GB" if x >= GB else f"{x / 1e6:,.1f} MB"
+
+
+def _binary(x: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", MiB), ("KiB", 2**10)):
+        if x >= size:
+            return f"{x / size:,.1f} {unit}"
+    return f"{x:,.0f} B"
+
+
+def format_report(rep: LedgerReport, context: int, batch: int) -> str:
+    """A plain-text rendering: inference terms, context growth, the training-state table, the ZeRO split."""
+    lines = [f"Memory ledger: {rep.model}"]
+    params = f"{rep.num_params:,} parameters"
+    if rep.nominal_params is not None:
+        params += f" (model card: {rep.nominal_params / 1e9:.2g}B)"
+    lines += [f"  {params}", ""]
+    kv = rep.kv_cache
+    kv_formula = f"2 x {kv['layers']} layers x {kv['kv_width']} x {kv['dtype_bytes']} B"
+    lines += [
+        "Inference",
+        f"  {'weights (' + str(int(rep.inference['weight_dtype_bytes'])) + ' B/param)':<46}"
+        f"{_gb(rep.inference['weight_bytes']):>12}",
+        f"  {'K/V per token (' + kv_formula + ')':<46}{_binary(kv['bytes_per_token']):>12}",
+        f"  {'K/V cache (B=' + str(batch) + ', L=' + str(context) + ')':<46}{_binary(kv['bytes']):>12}",
+        "",
+        f"If the context doubles ({context} -> {2 * context})",
+    ]
+    ap = rep.attention_pairs
+    lines += [
+        f"  dense prefill pairs    {ap['prefill_dense']:,} -> {ap['prefill_dense_at_2x_context']:,}"
+        f"  ({ap['prefill_dense_at_2x_context'] / ap['prefill_dense']:.0f}x)",
+        f"  cached decode pairs    {ap['decode_step']:,} -> {ap['decode_step_at_2x_context']:,}"
+        f"  ({ap['decode_step_at_2x_context'] / ap['decode_step']:.0f}x)",
+        f"  K/V cache bytes        {_binary(kv['bytes'])} -> {_binary(kv['bytes_at_2x_context'])}"
+        f"  ({kv['bytes_at_2x_context'] / kv['bytes']:.0f}x)",
+        "",
+        "Training state, mixed-precision AdamW",
+    ]
+    nominal = rep.nominal_params is not None
+    head = f"  {'Stored arrays':<38}{'B/param':>8}"
+    if nominal:
+        head += f"{'@' + format(rep.nominal_params / 1e9, '.2g') + 'B':>12}"
+    head += f"{'@ exact':>12}"
+    lines.append(head)
+    for row in rep.training_state:
+        line = f"  {row['term']:<38}{row['bytes_per_param']:>8}"
+        if nominal:
+            line += f"{_gb(float(row['bytes_at_nominal'] or 0)):>12}"
+        line += f"{_gb(float(row['bytes'] or 0)):>12}"
+        lines.append(line)
+    z = rep.zero
+    stage_name = "plain data parallel" if z["stage"] == 0 else f"ZeRO-{z['stage']}"
+    lines += ["", f"Per GPU with {stage_name} over {z['gpus']} GPU(s) (exact parameter count)"]
+    for term in TRAINING_STATE:
+        lines.append(f"  {term.name:<38}{_gb(float(z[term.name])):>12}")
+    lines.append(f"  {'total':<38}{_gb(float(z['total_per_gpu'])):>12}")
+    return "\n".join(lines)

@@ -1,0 +1,48 @@
+"""Shared test helpers: free loopback ports, a small trained tokenizer, tiny random model configs."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from shared_model.config import ModelConfig
+from shared_model.corpus import CorpusConfig, load_corpus
+from shared_model.tokenizer import Tokenizer
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now (bind to 0, read it back, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer() -> Tokenizer:
+    """A 512-token byte-level BPE trained on the first 40 standard-library files (a second or two)."""
+    corpus = load_corpus(CorpusConfig(max_documents=40))
+    return Tokenizer.train(corpus.texts(), vocab_size=512)
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A random-init-sized qwen3 config; override any field."""
+    base = dict(
+        model_type="qwen3",
+        vocab_size=512,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        qk_norm=True,
+        max_position_embeddings=512,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)

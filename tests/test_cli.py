@@ -1,0 +1,43 @@
+"""The `tandem` dispatcher: help, unknown commands, and plain messages for what cannot run here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from shared_model import cli
+
+
+def test_help_lists_every_subcommand(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("train", "export", "serve", "generate", "ledger", "plan", "bench"):
+        assert f"  {name}" in out
+
+
+def test_unknown_command(capsys):
+    assert cli.main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_missing_module_says_not_landed(monkeypatch, capsys):
+    monkeypatch.setitem(
+        cli.SUBCOMMANDS, "x", cli.Subcommand("inference_svc.does_not_exist:main", "x", "serve", "future work")
+    )
+    assert cli.main(["x"]) == 3
+    assert "not available yet: the future work work has not landed" in capsys.readouterr().err
+
+
+def test_missing_dependency_names_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(cli.SUBCOMMANDS, "y", cli.Subcommand("no_such_dependency_pkg:main", "y", "train", "t"))
+    assert cli.main(["y"]) == 3
+    assert "pip install 'tandem[train]'" in capsys.readouterr().err
+
+
+def test_ledger_does_not_import_training_or_serving_stacks():
+    code = (
+        "import sys; from shared_model.cli import main; main(['ledger', '--model', 'tiny']); "
+        "heavy = [m for m in ('lightning', 'deepspeed', 'grpc', 'omegaconf', 'triton') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
