@@ -9,8 +9,8 @@ import pytest
 from shared_model.config import PRESETS, get_preset
 from shared_model.ledger import (
     GB,
-    MiB,
     TRAINING_BYTES_PER_PARAM,
+    MiB,
     decode_pairs,
     kv_bytes_per_token,
     kv_cache_bytes,
