@@ -1,0 +1,192 @@
+"""The paged KV block pool, with prefix caching.
+
+Contract:
+- The pool has `num_blocks` blocks of `block_size` token slots. The block manager owns every block's state
+  (reference count, prefix hash, tokens); it never touches a Sequence: the scheduler passes token lists and block
+  tables in and stores what comes back.
+- A block is in exactly one of three states: USED (ref_count > 0), FREE-CACHED (ref_count 0, still holding the
+  K/V of a registered prefix, evictable, kept in LRU order) or FREE-EMPTY. free = cached-free + empty;
+  used + free = total.
+- Prefix caching: a full block is keyed by `chain_hash(previous block's hash, its tokens)`, so equal hashes mean
+  equal prefixes up to that block (the tokens are kept and compared too, so a hash collision cannot alias).
+  A block is registered only after its K/V has been computed (`register`), never at allocation time, so a
+  matching request never reads K/V that a chunked prefill has not written yet.
+- `allocate(tokens)` reuses the longest registered prefix of whole blocks (never the whole prompt: at least one
+  token is left to compute, so the request has logits to sample from) and takes fresh blocks for the rest:
+  empty blocks first, then the least recently freed cached block (its hash is dropped: evicted).
+- `free(blocks)` releases in reverse so a sequence's tail is evicted before its head.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_ROOT_HASH = 0x7A3D5E1F
+
+
+def chain_hash(parent: int, tokens: Sequence[int]) -> int:
+    """Hash of a full block given the hash of the block before it (deterministic across runs)."""
+    return hash((parent, *tokens))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Allocation:
+    blocks: list[int]
+    num_cached_tokens: int
+    """Leading tokens whose K/V are already in `blocks` (whole blocks from the prefix cache)."""
+    hashes: list[int]
+    """Chain hashes of the reused blocks."""
+
+
+class BlockManager:
+    """Allocates, shares, caches and frees KV blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._empty: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free but cached, oldest first
+        self._by_hash: dict[int, int] = {}
+        self.hit_tokens = 0
+        self.queried_tokens = 0
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def num_free(self) -> int:
+        return len(self._empty) + len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a registered prefix (used or evictable)."""
+        return len(self._by_hash)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ allocation
+    def _match(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Registered blocks of the longest cached prefix (leaving at least one token uncovered), and their hashes."""
+        if not self.enable_prefix_caching:
+            return [], []
+        bs = self.block_size
+        blocks: list[int] = []
+        hashes: list[int] = []
+        parent = _ROOT_HASH
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = chain_hash(parent, chunk)
+            bid = self._by_hash.get(h)
+            if bid is None or self.blocks[bid].tokens != chunk:
+                break
+            blocks.append(bid)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    def can_allocate(self, tokens: Sequence[int]) -> bool:
+        """Whether `allocate(tokens)` would succeed now."""
+        hit, _ = self._match(tokens)
+        need = self.blocks_for(len(tokens)) - len(hit)
+        need += sum(1 for b in hit if self.blocks[b].ref_count == 0)  # reusing an evictable block takes it
+        return need <= self.num_free
+
+    def allocate(self, tokens: Sequence[int]) -> Allocation:
+        """Blocks covering `tokens`, reusing the cached prefix. Raises if there is not room (check first)."""
+        if not self.can_allocate(tokens):
+            raise RuntimeError("not enough free KV blocks (call can_allocate first)")
+        hit, hashes = self._match(tokens)
+        for bid in hit:
+            self._ref(bid)
+        fresh = [self._take() for _ in range(self.blocks_for(len(tokens)) - len(hit))]
+        self.queried_tokens += len(tokens)
+        self.hit_tokens += len(hit) * self.block_size
+        return Allocation(hit + fresh, len(hit) * self.block_size, hashes)
+
+    def append_block(self) -> int | None:
+        """One more block for a growing sequence, or None when the pool is exhausted."""
+        if self.num_free == 0:
+            return None
+        return self._take()
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block; unreferenced cached blocks become evictable (most recent last)."""
+        for bid in reversed(blocks):
+            block = self.blocks[bid]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of KV block {bid}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None:
+                    self._evictable[bid] = None
+                else:
+                    self._empty.append(bid)
+
+    def register(self, block_id: int, parent_hash: int | None, tokens: Sequence[int]) -> int:
+        """Record that a full, computed block holds `tokens` after the prefix hashed `parent_hash`; return its hash.
+
+        If that prefix is already cached in another block, this block stays unregistered (it is freed as a private
+        block later); the returned hash is the chain hash either way.
+        """
+        chunk = tuple(tokens)
+        if len(chunk) != self.block_size:
+            raise ValueError(f"only full blocks are registered ({len(chunk)} != {self.block_size} tokens)")
+        h = chain_hash(_ROOT_HASH if parent_hash is None else parent_hash, chunk)
+        block = self.blocks[block_id]
+        if not self.enable_prefix_caching or block.hash is not None or h in self._by_hash:
+            return h
+        block.hash, block.tokens = h, chunk
+        self._by_hash[h] = block_id
+        return h
+
+    # ------------------------------------------------------------------ internals
+    def _ref(self, bid: int) -> None:
+        block = self.blocks[bid]
+        if block.ref_count == 0:
+            del self._evictable[bid]
+        block.ref_count += 1
+
+    def _take(self) -> int:
+        if self._empty:
+            bid = self._empty.popleft()
+        else:
+            bid, _ = self._evictable.popitem(last=False)  # evict the least recently freed cached block
+            block = self.blocks[bid]
+            del self._by_hash[block.hash]  # type: ignore[arg-type]
+            block.hash, block.tokens = None, ()
+        self.blocks[bid].ref_count = 1
+        return bid
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool's bookkeeping is inconsistent (used by tests)."""
+        empty, evictable = set(self._empty), set(self._evictable)
+        assert len(empty) == len(self._empty), "duplicate in the empty list"
+        assert not empty & evictable, "block both empty and evictable"
+        for b in self.blocks:
+            assert b.ref_count >= 0
+            if b.ref_count == 0:
+                assert (b.block_id in empty) != (b.block_id in evictable), f"free block {b.block_id} misplaced"
+                assert (b.block_id in evictable) == (b.hash is not None)
+            else:
+                assert b.block_id not in empty and b.block_id not in evictable
+            if b.hash is not None:
+                assert self._by_hash.get(b.hash) == b.block_id
+        assert len(self._by_hash) == sum(1 for b in self.blocks if b.hash is not None)
+        assert self.num_used + self.num_free == self.num_blocks

@@ -1,0 +1,126 @@
+"""Engine settings: one frozen, validated dataclass.
+
+Contract:
+- `EngineConfig` is immutable; every field is checked at construction and an invalid value raises
+  `EngineConfigError` whose message (and `field` attribute) names the field.
+- `kv_cache_memory` accepts bytes as an int or a string with a unit ("2GiB", "512MiB", "1.5GB", "4096").
+  `parse_bytes` is the one parser of that syntax.
+- The config holds no derived state: the engine resolves "auto" values (device, dtype, backend, budgets) when it
+  builds itself, and reports what it chose in `Engine.info()`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from inference_svc.errors import InferenceError
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+DEFAULT_CPU_KV_BYTES = 256 * 1024**2
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+
+class EngineConfigError(InferenceError, ValueError):
+    """An EngineConfig field has an invalid value; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def parse_bytes(value: int | str, field: str = "kv_cache_memory") -> int:
+    """'2GiB' → 2147483648, '1.5GB' → 1500000000, 4096 → 4096. Must be > 0."""
+    if isinstance(value, bool):
+        raise EngineConfigError(field, f"expected bytes or a size like '2GiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise EngineConfigError(field, f"expected bytes or a size like '2GiB' or '512MiB', got {value!r}")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise EngineConfigError(field, f"expected bytes or a size like '2GiB', got {type(value).__name__}")
+    if n <= 0:
+        raise EngineConfigError(field, f"must be > 0 bytes, got {value!r}")
+    return n
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise EngineConfigError(name, f"must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches, caches and runs. Defaults suit a CPU demo; every field has a CLI flag."""
+
+    block_size: int = 16
+    """Tokens per KV-cache block (the paging unit, and the prefix-cache granularity)."""
+    kv_cache_memory: int | str | None = None
+    """KV-cache budget: bytes or a size string ('2GiB'). None: 256MiB on CPU, gpu_memory_fraction of free on GPU."""
+    gpu_memory_fraction: float = 0.85
+    """On GPU with kv_cache_memory=None: fraction of free memory (after weights) given to the KV cache."""
+    max_num_seqs: int = 64
+    """Most sequences running (holding KV blocks) at once."""
+    max_num_batched_tokens: int = 2048
+    """Most tokens (decode tokens + prefill chunk tokens) computed in one engine step."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts into chunks of at most prefill_chunk_size tokens, interleaved with decodes."""
+    prefill_chunk_size: int = 512
+    """Largest prefill chunk of one sequence in one step (when chunked prefill is on)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of earlier requests that share a prompt prefix (hash chains, LRU eviction)."""
+    attention_backend: str = "auto"
+    """'torch', 'triton' or 'auto' (triton on CUDA when available, torch otherwise)."""
+    dtype: str = "auto"
+    """Weights and KV dtype: 'auto' (the bundle's own), 'float32'/'fp32', 'bfloat16'/'bf16', 'float16'/'fp16'."""
+    device: str = "auto"
+    """'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N'."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output); None: the model's max_position_embeddings, capped by the KV pool."""
+    max_new_tokens_limit: int = 4096
+    """Ceiling on a request's max_new_tokens; requests asking more are refused."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
+            _positive_int(name, getattr(self, name))
+        _positive_int("max_new_tokens_limit", self.max_new_tokens_limit)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory)
+        if not isinstance(self.gpu_memory_fraction, (int, float)) or not 0 < self.gpu_memory_fraction <= 1:
+            raise EngineConfigError("gpu_memory_fraction", f"must be in (0, 1], got {self.gpu_memory_fraction!r}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise EngineConfigError(
+                "attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise EngineConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
+            raise EngineConfigError("device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        """kv_cache_memory in bytes (None when unset)."""
+        return None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory)

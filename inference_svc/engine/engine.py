@@ -1,0 +1,367 @@
+"""The engine: requests in, token/text increments out. One step = schedule → run the model → postprocess.
+
+Contract:
+- Single-threaded: every method must be called from one thread (the gRPC layer runs the engine in its own thread).
+- `add_request` validates everything that depends on the engine (vocabulary, context length, KV pool, the
+  max_new_tokens ceiling, duplicate ids) and raises `InvalidRequestError` naming the field; an accepted request is
+  never refused later and never lost (it may be preempted and recomputed).
+- `abort_request` takes effect at the next `step()`, which returns a final `RequestOutput(finished=True,
+  finish_reason=CANCELLED)` for it; its blocks are freed then.
+- `step()` returns one `RequestOutput` per request that produced a token, finished or was cancelled this step.
+- Times come from `time.monotonic()`; `Timing` is in milliseconds from the request's arrival.
+- Bytes per KV token come from `shared_model.ledger` (2 · layers · kv_width · bytes per element).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inference_svc.engine.block_manager import BlockManager
+from inference_svc.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from inference_svc.engine.detokenizer import IncrementalDetokenizer
+from inference_svc.engine.model_runner import BackendFactory, ModelRunner
+from inference_svc.engine.sampler import Sampler, SampleRequest
+from inference_svc.engine.scheduler import Scheduler, StepEvent
+from inference_svc.engine.sequence import Sequence
+from inference_svc.engine.types import FinishReason, RequestOutput, SamplingParams, Timing, Usage
+from inference_svc.errors import InvalidRequestError, ModelLoadError
+from shared_model import ledger
+from shared_model.bundle import Bundle, load_bundle, parse_dtype
+from shared_model.config import ModelConfig
+from shared_model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load and counters (for metrics)."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    """Blocks holding a registered prefix (in use or evictable)."""
+    prefix_cache_hit_rate: float
+    """Prompt tokens served from the prefix cache / prompt tokens looked up, over all admissions."""
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    cached_prompt_tokens_total: int
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The whole of one request, as returned by `Engine.generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+    timing: Timing
+    logprobs: list[float] | None = None
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token occupies across all layers: the ledger's 2·N·B·L·d·b with B = L = 1."""
+    return ledger.kv_bytes_per_token(config, str(dtype).removeprefix("torch."))
+
+
+class Engine:
+    """Paged-KV continuous-batching inference over one model."""
+
+    def __init__(
+        self, bundle: Bundle, config: EngineConfig, device: torch.device, backend_name: str, backend: BackendFactory
+    ) -> None:
+        if bundle.tokenizer is None:
+            raise ModelLoadError(f"{bundle.path}: the model folder has no tokenizer.json")
+        self.config = config
+        self.model_config: ModelConfig = bundle.config
+        self.tokenizer: Tokenizer = bundle.tokenizer
+        self.device = device
+        self.dtype = bundle.dtype
+        self.attention_backend = backend_name
+        self.model_path = bundle.path
+        model = bundle.model
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+        self.bytes_per_token = kv_bytes_per_token(self.model_config, self.dtype)
+        budget = _kv_budget(config, device, self.weight_bytes)
+        bs = config.block_size
+        num_blocks = budget // (bs * self.bytes_per_token)
+        if num_blocks < 1:
+            raise ModelLoadError(
+                f"kv_cache_memory: {budget} bytes hold no block of {bs} tokens ({self.bytes_per_token} bytes/token)"
+            )
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+            num_blocks * bs,
+        )
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.runner = ModelRunner(model, self.model_config, num_blocks, bs, self.dtype, device, backend)
+        self.sampler = Sampler()
+        self._eos_ids = frozenset(self.model_config.eos_token_ids) | (
+            {self.tokenizer.eos_id} if self.tokenizer.eos_id is not None else set()
+        )
+        self._requests: dict[str, Sequence] = {}
+        self._pending_aborts: list[str] = []
+        self._next_index = 0
+        self._prompt_tokens_total = 0
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_bundle(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
+        config = config or EngineConfig()
+        device = _resolve_device(config.device)
+        dtype: str | torch.dtype = "auto" if config.dtype == "auto" else parse_dtype(config.dtype)
+        try:
+            bundle = load_bundle(path, dtype=dtype, device=device)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
+        backend_name, backend = _resolve_backend(config.attention_backend, device)
+        return cls(bundle, config, device, backend_name, backend)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        sampling: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"a request with id {request_id!r} is already in the engine")
+        token_ids = self._prompt_ids(prompt)
+        if sampling.max_new_tokens > self.config.max_new_tokens_limit:
+            raise InvalidRequestError(
+                "max_new_tokens",
+                f"{sampling.max_new_tokens} is above this engine's limit of {self.config.max_new_tokens_limit}",
+            )
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt has {len(token_ids)} tokens; this engine's context holds {self.max_model_len} "
+                f"(prompt + at least one generated token), limited by "
+                + (
+                    "the KV-cache pool"
+                    if self.max_model_len == self.block_manager.num_blocks * self.config.block_size
+                    else "max_model_len"
+                ),
+            )
+        bad_stop = [t for t in sampling.stop_token_ids if t >= self.model_config.vocab_size]
+        if bad_stop:
+            raise InvalidRequestError("stop_token_ids", f"ids {bad_stop} are outside the vocabulary")
+        seq = Sequence(
+            request_id=request_id,
+            seq_index=self._next_index,
+            token_ids=token_ids,
+            num_prompt_tokens=len(token_ids),
+            sampling=sampling,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop),
+            eos_ids=self._eos_ids,
+            generator=None if sampling.seed is None else torch.Generator().manual_seed(sampling.seed),
+        )
+        self._next_index += 1
+        self._prompt_tokens_total += len(token_ids)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "the prompt is empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt_token_ids", "the prompt has no tokens")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError("prompt_token_ids", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return ids
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request at the next step. False if it is unknown or already finished."""
+        seq = self._requests.get(request_id)
+        if seq is None or seq.is_finished or request_id in self._pending_aborts:
+            return False
+        self._pending_aborts.append(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        events: list[StepEvent] = [self.scheduler.abort(self._requests[r], now) for r in self._pending_aborts]
+        self._pending_aborts.clear()
+        batch = self.scheduler.schedule(now)
+        if batch:
+            logits = self.runner.run(batch)
+            sampling = [b for b in batch if b.samples]
+            requests = [SampleRequest(b.seq.sampling, b.seq.token_ids, b.seq.generator) for b in sampling]
+            tokens, logprobs = self.sampler.sample(logits, requests) if requests else ([], None)
+            events += self.scheduler.postprocess(batch, tokens, logprobs, time.monotonic())
+        outputs = [self._to_output(e) for e in events]
+        for e in events:
+            if e.finished:
+                self._requests.pop(e.seq.request_id, None)
+        return outputs
+
+    def _to_output(self, e: StepEvent) -> RequestOutput:
+        seq = e.seq
+        usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=e.new_token_ids,
+            text_delta=e.text_delta,
+            logprobs=e.logprobs if seq.sampling.logprobs else None,
+            finished=e.finished,
+            finish_reason=seq.finish_reason if e.finished else None,
+            usage=usage,
+            timing=_timing(seq) if e.finished else None,
+        )
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        c = self.scheduler.counters
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used,
+            kv_blocks_free=bm.num_free,
+            kv_blocks_cached=bm.num_cached,
+            prefix_cache_hit_rate=bm.hit_tokens / bm.queried_tokens if bm.queried_tokens else 0.0,
+            num_preemptions=c.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=c.generation_tokens_total,
+            cached_prompt_tokens_total=c.cached_prompt_tokens_total,
+        )
+
+    def info(self) -> dict[str, Any]:
+        mc = self.model_config
+        return {
+            "model_path": str(self.model_path),
+            "model_config": asdict(mc),
+            "num_parameters": mc.num_parameters(),
+            "max_model_len": self.max_model_len,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "attention_backend": self.attention_backend,
+            "block_size": self.config.block_size,
+            "kv_blocks_total": self.block_manager.num_blocks,
+            "kv_capacity_tokens": self.block_manager.num_blocks * self.config.block_size,
+            "kv_bytes_per_token": self.bytes_per_token,
+            "kv_cache_bytes": self.runner.cache.nbytes,
+            "weight_bytes": self.weight_bytes,
+            "peak_workspace_bytes": self.runner.peak_workspace_bytes,
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "enable_chunked_prefill": self.config.enable_chunked_prefill,
+            "prefill_chunk_size": self.config.prefill_chunk_size,
+            "enable_prefix_caching": self.config.enable_prefix_caching,
+            "max_new_tokens_limit": self.config.max_new_tokens_limit,
+        }
+
+    # ------------------------------------------------------------------ offline use
+    def generate(
+        self, prompts: Seq[str | list[int]], sampling: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Run the prompts to completion; results in prompt order."""
+        params = sampling or SamplingParams()
+        per = list(params) if not isinstance(params, SamplingParams) else [params] * len(prompts)
+        if len(per) != len(prompts):
+            raise InvalidRequestError("sampling", f"{len(per)} sampling params for {len(prompts)} prompts")
+        ids = [f"generate-{self._next_index + i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, per, strict=True):
+            self.add_request(rid, prompt, p)
+        prompt_ids = {rid: list(self._requests[rid].token_ids) for rid in ids}
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        texts: dict[str, list[str]] = {rid: [] for rid in ids}
+        lps: dict[str, list[float]] = {rid: [] for rid in ids}
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.request_id not in tokens:
+                    continue
+                tokens[out.request_id] += out.new_token_ids
+                texts[out.request_id].append(out.text_delta)
+                lps[out.request_id] += out.logprobs or []
+                if out.finished:
+                    final[out.request_id] = out
+        return [
+            GenerationResult(
+                request_id=rid,
+                prompt_token_ids=prompt_ids[rid],
+                token_ids=tokens[rid],
+                text="".join(texts[rid]),
+                finish_reason=final[rid].finish_reason or FinishReason.STOP,
+                usage=final[rid].usage,
+                timing=final[rid].timing or Timing(),
+                logprobs=lps[rid] if p.logprobs else None,
+            )
+            for rid, p in zip(ids, per, strict=True)
+        ]
+
+
+def _timing(seq: Sequence) -> Timing:
+    def ms(t: float | None) -> float:
+        return 0.0 if t is None else (t - seq.arrival_time) * 1000.0
+
+    n = seq.num_output_tokens
+    tpot = 0.0
+    if n > 1 and seq.first_token_time is not None and seq.finish_time is not None:
+        tpot = (seq.finish_time - seq.first_token_time) * 1000.0 / (n - 1)
+    return Timing(queue_ms=ms(seq.first_scheduled_time), ttft_ms=ms(seq.first_token_time), tpot_ms=tpot,
+                  total_ms=ms(seq.finish_time))  # fmt: skip
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device: CUDA was requested but is not available")
+    return device
+
+
+def _kv_budget(config: EngineConfig, device: torch.device, weight_bytes: int) -> int:
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * config.gpu_memory_fraction)
+    return DEFAULT_CPU_KV_BYTES
+
+
+def _resolve_backend(name: str, device: torch.device) -> tuple[str, BackendFactory]:
+    """'auto' → triton on CUDA when its kernels load, else torch. Explicit 'triton' fails loudly when unusable."""
+    from inference_svc.engine.attention import TorchPagedAttention
+
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return "torch", TorchPagedAttention
+    try:
+        from inference_svc.engine.triton_attention import triton_backend_factory
+    except ImportError as exc:
+        if name == "triton":
+            raise ModelLoadError(f"attention_backend: triton is not available ({exc})") from exc
+        return "torch", TorchPagedAttention
+    factory, reason = triton_backend_factory(device)
+    if factory is None:
+        if name == "triton":
+            raise ModelLoadError(f"attention_backend: triton is not available ({reason})")
+        return "torch", TorchPagedAttention
+    return "triton", factory

@@ -1,0 +1,141 @@
+"""The model runner: turns one scheduled batch into one forward pass over the paged KV cache.
+
+Contract:
+- Owns the model, the KV cache and the attention backend choice. Reads Sequences (never writes them).
+- `run(batch)` flattens the batch into one `[1, T]` token row (decodes first, then prefill chunks), builds the
+  `AttentionMetadata` (slots, block tables, context lengths) once, runs the decoder with a per-step backend, and
+  returns fp32 logits `[S_sample, vocab]` only for sequences whose last scheduled token is their last token
+  (those sample a new token this step); the LM head runs on those rows only.
+- Runs under `torch.inference_mode()`; no autograd state, no global state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from inference_svc.engine.attention import AttentionMetadata, KVCache, TorchPagedAttention
+from inference_svc.engine.sequence import Sequence
+from shared_model.config import ModelConfig
+from shared_model.model import CausalLM
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step: compute tokens [start, start + num_tokens)."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start == self.seq.num_tokens - 1 and self.start > 0
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token (so it produces a new token)."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+BackendFactory = Callable[[KVCache, AttentionMetadata], Callable]
+
+
+class ModelRunner:
+    """Forward passes over a paged KV cache."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        model_config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend_factory: BackendFactory = TorchPagedAttention,
+    ) -> None:
+        self.model = model
+        self.config = model_config
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.backend_factory = backend_factory
+        self.cache = KVCache.allocate(
+            model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim,
+            dtype, device,
+        )  # fmt: skip
+        self.peak_workspace_bytes = 0
+
+    @torch.inference_mode()
+    def run(self, batch: Seq[ScheduledSeq]) -> torch.Tensor:
+        """Logits [S_sample, vocab] (fp32), in batch order of the sampling sequences."""
+        input_ids, positions, meta, sample_rows = self._prepare(batch)
+        backend = self.backend_factory(self.cache, meta)
+        hidden = self.model.hidden_states(input_ids[None], positions[None], attention=backend)  # [1, T, H]
+        rows = hidden[0, sample_rows] if len(sample_rows) != hidden.shape[1] else hidden[0]
+        logits = self.model.logits(rows).float()  # [S_sample, vocab]
+        self._track_workspace(hidden.shape[1])
+        return logits
+
+    def _prepare(self, batch: Seq[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        decodes = [b for b in batch if b.is_decode]
+        prefills = [b for b in batch if not b.is_decode]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        for b in (*decodes, *prefills):
+            seq, table = b.seq, b.seq.block_table
+            rng = range(b.start, b.start + b.num_tokens)
+            ids.extend(seq.token_ids[b.start : b.start + b.num_tokens])
+            pos.extend(rng)
+            slots.extend(table[p // bs] * bs + p % bs for p in rng)
+            if b.samples:
+                sample_rows.append(len(ids) - 1)
+        dev = self.device
+        decode_lens = [b.start + 1 for b in decodes]
+        decode_tables = [b.seq.block_table for b in decodes]
+        q_lens = [b.num_tokens for b in prefills]
+        ctx_lens = [b.start + b.num_tokens for b in prefills]
+        prefill_tables = [b.seq.block_table for b in prefills]
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decode_tokens=len(decodes),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            decode_block_tables=_pad_tables(decode_tables, dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            prefill_block_tables=_pad_tables(prefill_tables, dev),
+            decode_lens_list=decode_lens,
+            prefill_q_lens_list=q_lens,
+            prefill_context_lens_list=ctx_lens,
+            prefill_block_lists=prefill_tables,
+            decode_block_lists=decode_tables,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        return input_ids, positions, meta, sample_rows
+
+    def _track_workspace(self, num_tokens: int) -> None:
+        """Estimate of the step's largest live activations (bytes): MLP intermediate + qkv + logits rows."""
+        c = self.config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        per_token = (2 * c.intermediate_size + c.q_size + 2 * c.kv_size + 2 * c.hidden_size) * elem
+        self.peak_workspace_bytes = max(self.peak_workspace_bytes, num_tokens * per_token)
+
+
+def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Block tables padded with 0 to the longest: int32 [S, max_blocks]."""
+    width = max((len(t) for t in tables), default=0)
+    out = torch.zeros(len(tables), max(width, 1), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        if t:
+            out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return out.to(device)

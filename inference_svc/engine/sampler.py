@@ -1,0 +1,108 @@
+"""Token sampling from a batch of logits, each row with its own SamplingParams.
+
+Contract:
+- `sample(logits [S, V] fp32, requests)` returns one token id per row (and, when asked, its log-probability under
+  the model's distribution: log_softmax of the raw logits, before penalties, temperature or truncation).
+- Order of transforms: repetition penalty (CTRL: positive logits divided, negative multiplied, over tokens in the
+  prompt or output) → greedy argmax when temperature is 0 → temperature → top-k → top-p → min-p → draw.
+- A draw is `argmax(p / E)` with E ~ Exp(1) (equivalent to sampling from p). E comes from the request's own
+  generator when it has a seed, so a seeded request draws the same numbers whatever the batch; unseeded rows share
+  one engine generator. Everything else is vectorized over rows.
+- Reads its inputs only; knows nothing about scheduling or text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from inference_svc.engine.types import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    params: SamplingParams
+    token_ids: Sequence[int]
+    """Prompt + output so far (for the repetition penalty)."""
+    generator: torch.Generator | None
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        self._generator = torch.Generator()
+        if seed is not None:
+            self._generator.manual_seed(seed)
+        else:
+            self._generator.seed()
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> tuple[list[int], list[float] | None]:
+        # logits: [S, V] fp32
+        want_logprobs = any(r.params.logprobs for r in requests)
+        chosen_lp = None
+        raw = logits
+        logits = _apply_penalties(raw, requests)
+        greedy = [r.params.greedy for r in requests]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample_rows(logits, requests, greedy)
+        if want_logprobs:
+            chosen_lp = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None])[:, 0].tolist()
+        return tokens.tolist(), chosen_lp
+
+    def _sample_rows(self, logits: torch.Tensor, requests: Sequence[SampleRequest], greedy: list[bool]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature if not g else 1.0 for r, g in zip(requests, greedy, strict=True)])
+        scaled = logits / temps.to(logits.device)[:, None]
+        top_k = [r.params.top_k for r in requests]
+        top_p = [r.params.top_p for r in requests]
+        min_p = [r.params.min_p for r in requests]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            scaled = _top_k_top_p(scaled, top_k, top_p)
+        probs = torch.softmax(scaled, dim=-1)  # [S, V]
+        if any(m > 0 for m in min_p):
+            floor = torch.tensor(min_p, device=probs.device)[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
+        noise = torch.empty_like(probs)
+        shared = [i for i, r in enumerate(requests) if r.generator is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
+                generator=self._generator
+            )
+        for i, r in enumerate(requests):
+            if r.generator is not None:  # seeded: this request's own stream, one row per step
+                noise[i].exponential_(generator=r.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            sampled = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), sampled)
+        return sampled
+
+
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
+    """CTRL repetition penalty on the rows that ask for it (a copy; the input is left as is)."""
+    rows = [i for i, r in enumerate(requests) if r.params.repetition_penalty != 1.0]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:  # one gather/scatter per penalized row
+        ids = torch.tensor(sorted(set(requests[i].token_ids)), dtype=torch.int64, device=logits.device)
+        p = requests[i].params.repetition_penalty
+        vals = logits[i, ids]
+        logits[i, ids] = torch.where(vals > 0, vals / p, vals * p)
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and top-p nucleus. logits: [S, V]."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V]
+    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= k[:, None]
+    p = torch.tensor(top_p, device=logits.device)[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability mass of strictly better tokens
+    drop |= mass_before >= p  # keep the smallest set whose mass reaches p (always at least the top token)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,221 @@
+"""The scheduler: decides what each engine step computes, and is the only writer of Sequence state.
+
+Contract:
+- Queues: `waiting` (FCFS by arrival, preempted sequences keep their place) and `running` (admission order).
+  A RUNNING sequence holds KV blocks for its whole prompt (or recompute) plus what it generated.
+- `schedule()` builds one step under two limits, `max_num_seqs` running sequences and `max_num_batched_tokens`
+  tokens, with this mixing policy:
+    1. decodes first: every running sequence that has finished its prefill gets its one token (oldest first),
+       so a long prompt never freezes the decodes already running;
+    2. then the prefill chunks of running sequences still prefilling (at most `prefill_chunk_size` tokens each);
+    3. then new admissions from the head of `waiting`, while blocks for the whole prompt are free (prefix-cache
+       hits included), the sequence cap allows it and token budget remains. Admission is FCFS: the head of the
+       queue is never overtaken. Nothing is admitted in a step that had to preempt.
+  With chunked prefill off, a prefill runs whole: when it fits the remaining budget, or alone in a step.
+- Preemption (recompute): when a decode needs a new block and none is free, the newest running sequence is
+  preempted: its blocks are freed (cached full blocks stay evictable and often serve its own recompute), it returns
+  to `waiting` with `num_computed_tokens = 0`, and is prefilled again (prompt + tokens generated so far) later.
+- `postprocess()` advances computed counts, registers newly full blocks with the prefix cache, appends sampled
+  tokens, detokenizes, checks stop conditions, and frees the blocks of finished sequences at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from inference_svc.engine.block_manager import BlockManager
+from inference_svc.engine.config import EngineConfig
+from inference_svc.engine.model_runner import ScheduledSeq
+from inference_svc.engine.sequence import Sequence, SequenceStatus
+from inference_svc.engine.types import FinishReason
+
+
+@dataclass
+class StepEvent:
+    """What one step did to one sequence (turned into a RequestOutput by the engine)."""
+
+    seq: Sequence
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    text_delta: str = ""
+    finished: bool = False
+
+
+@dataclass
+class SchedulerCounters:
+    num_preemptions: int = 0
+    generation_tokens_total: int = 0
+    cached_prompt_tokens_total: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: list[Sequence] = []  # sorted by seq_index
+        self.running: list[Sequence] = []  # sorted by seq_index
+        self.counters = SchedulerCounters()
+
+    # ------------------------------------------------------------------ queues
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.seq_index)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence, now: float) -> StepEvent:
+        """Finish `seq` as CANCELLED and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        return self._finish(seq, FinishReason.CANCELLED, now)
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self, now: float) -> list[ScheduledSeq]:
+        budget = self.config.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        preemptions_before = self.counters.num_preemptions
+        # 1. decodes, oldest first
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or not _is_decoding(seq):
+                continue
+            if not self._reserve_slot(seq):
+                continue  # seq itself was the newest and got preempted
+            batch.append(ScheduledSeq(seq, seq.num_computed_tokens, 1))
+            budget -= 1
+        preempted = self.counters.num_preemptions != preemptions_before
+        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        # 2. prefill chunks of running sequences
+        for seq in self.running:
+            if budget == 0:
+                break
+            if _is_decoding(seq):
+                continue
+            n = self._chunk(seq, budget, alone=not batch)
+            if n:
+                batch.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+                budget -= n
+        # 3. admissions
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._chunk(seq, budget, alone=not batch, uncomputed=seq.num_tokens)
+            if n == 0 or not self.bm.can_allocate(seq.token_ids):
+                break
+            self.waiting.pop(0)
+            self._admit(seq, now)
+            n = self._chunk(seq, budget, alone=not batch)
+            batch.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            budget -= n
+        return batch
+
+    def _chunk(self, seq: Sequence, budget: int, alone: bool, uncomputed: int | None = None) -> int:
+        """Tokens of seq's prefill to compute this step (0: wait)."""
+        left = seq.num_uncomputed_tokens if uncomputed is None else uncomputed
+        if self.config.enable_chunked_prefill:
+            return min(left, self.config.prefill_chunk_size, budget)
+        return left if left <= budget or alone else 0
+
+    def _admit(self, seq: Sequence, now: float) -> None:
+        alloc = self.bm.allocate(seq.token_ids)
+        seq.block_table = alloc.blocks
+        seq.block_hashes = list(alloc.hashes)
+        seq.num_computed_tokens = alloc.num_cached_tokens
+        seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+            seq.num_cached_prompt_tokens = min(alloc.num_cached_tokens, seq.num_prompt_tokens)
+            self.counters.cached_prompt_tokens_total += seq.num_cached_prompt_tokens
+        bisect.insort(self.running, seq, key=lambda s: s.seq_index)
+
+    def _reserve_slot(self, seq: Sequence) -> bool:
+        """Make sure seq has a block for its next token, preempting the newest sequences if needed.
+
+        Returns False if seq itself had to be preempted.
+        """
+        while len(seq.block_table) < self.bm.blocks_for(seq.num_tokens):
+            block = self.bm.append_block()
+            if block is not None:
+                seq.block_table.append(block)
+                continue
+            victim = max((s for s in self.running if s.status is SequenceStatus.RUNNING), key=lambda s: s.seq_index)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        self.add(seq)
+
+    # ------------------------------------------------------------------ postprocessing
+    def postprocess(
+        self, batch: list[ScheduledSeq], tokens: list[int], logprobs: list[float] | None, now: float
+    ) -> list[StepEvent]:
+        events: list[StepEvent] = []
+        j = 0
+        for item in batch:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            self._register_full_blocks(seq)
+            if not item.samples:
+                continue
+            token = tokens[j]
+            lp = None if logprobs is None or not seq.sampling.logprobs else [logprobs[j]]
+            j += 1
+            events.append(self._append_token(seq, token, lp, now))
+        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        return events
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        bs = self.bm.block_size
+        for idx in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = self.bm.register(seq.block_table[idx], parent, seq.token_ids[idx * bs : (idx + 1) * bs])
+            seq.block_hashes.append(h)
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: list[float] | None, now: float) -> StepEvent:
+        seq.token_ids.append(token)
+        self.counters.generation_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        event = StepEvent(seq, [token], logprobs)
+        params = seq.sampling
+        reason: FinishReason | None = None
+        if token in params.stop_token_ids or (token in seq.eos_ids and not params.ignore_eos):
+            reason = FinishReason.STOP
+        else:
+            event.text_delta = seq.detokenizer.add(token)
+            if seq.detokenizer.stopped:
+                reason = FinishReason.STOP
+        if reason is None and (seq.num_output_tokens >= params.max_new_tokens or seq.num_tokens >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            final = self._finish(seq, reason, now)
+            event.text_delta += final.text_delta
+            event.finished = True
+        return event
+
+    def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> StepEvent:
+        if seq.block_table:
+            self.bm.free(seq.block_table)
+        seq.block_table = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = now
+        return StepEvent(seq, text_delta=seq.detokenizer.flush(), finished=True)
+
+
+def _is_decoding(seq: Sequence) -> bool:
+    """Prefill done: exactly the last token (the one sampled last step) is left to compute."""
+    return seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens > 0

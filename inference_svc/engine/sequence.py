@@ -1,0 +1,77 @@
+"""One request's state inside the engine.
+
+Contract:
+- A `Sequence` is plain state. The scheduler is its only writer (status, tokens, computed count, block table,
+  timings); the model runner and the sampler only read it; the engine only creates it.
+- Invariants: `num_computed_tokens <= len(token_ids)`; the block table covers at least `num_computed_tokens`
+  tokens; `token_ids[:num_prompt_tokens]` is the prompt and the rest is the output.
+- A preempted sequence goes back to WAITING with its blocks freed and `num_computed_tokens = 0`: its prompt and the
+  tokens it already produced are recomputed (prefilled) when it is admitted again; output already streamed is kept.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from inference_svc.engine.detokenizer import IncrementalDetokenizer
+from inference_svc.engine.types import FinishReason, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    """Queued, or preempted: holds no KV blocks."""
+    RUNNING = "running"
+    """Admitted: holds KV blocks for every token it has (or is about to have) computed."""
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    seq_index: int
+    """Admission-order key: a larger index is a newer request (the preemption victim)."""
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    arrival_time: float
+    detokenizer: IncrementalDetokenizer
+    eos_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    """This request's own random generator when sampling.seed is set (batch-invariant sampling)."""
+
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    """Tokens whose K/V are in the cache."""
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    """Chain hashes of the leading full blocks already registered with the prefix cache (or looked up in it)."""
+    num_cached_prompt_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first admission (reported in Usage)."""
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
