@@ -1,0 +1,38 @@
+# syntax=docker/dockerfile:1.7
+# Inference service image: shared_model + inference_svc only. No Lightning, no DeepSpeed, no OmegaConf.
+#   docker build -f docker/inference.Dockerfile -t tandem-inference .                      (CPU)
+#   docker build -f docker/inference.Dockerfile --build-arg VARIANT=cuda -t tandem-inference:cuda .
+# VARIANT=cpu installs the CPU build of torch; VARIANT=cuda installs the default (CUDA) build, whose CUDA runtime
+# comes as pip packages, so one pinned Python base serves both (the GPU driver comes from the container runtime).
+ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS builder
+ARG VARIANT=cpu
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+RUN if [ "$VARIANT" = "cpu" ]; then \
+        pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_CPU_INDEX}"; \
+    elif [ "$VARIANT" = "cuda" ]; then \
+        pip install "torch==${TORCH_VERSION}"; \
+    else echo "VARIANT must be cpu or cuda, got ${VARIANT}" >&2; exit 2; fi
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY shared_model ./shared_model
+COPY inference_svc ./inference_svc
+COPY proto ./proto
+RUN pip install ".[serve]" \
+ && python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('lightning', 'deepspeed')))"
+
+FROM ${PYTHON_IMAGE} AS runtime
+RUN useradd --system --uid 10001 --create-home tandem
+COPY --from=builder /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1
+USER tandem
+WORKDIR /home/tandem
+EXPOSE 50051 9090
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["tandem"]
+CMD ["serve", "--model", "/bundles/model", "--host", "0.0.0.0"]
