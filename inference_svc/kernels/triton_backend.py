@@ -1,0 +1,76 @@
+"""The engine's door to the Triton kernels: availability check and the three ops, without kernel internals.
+
+Contract:
+- `triton_available()` returns (True, how) when the Triton kernels can run here: on a CUDA device, or in Triton's
+  CPU interpreter when ``TRITON_INTERPRET=1`` is set (slow; for tests). Otherwise (False, reason), a sentence the
+  engine can print when `--attention-backend triton` was asked for and cannot be honoured.
+- `triton_ops()` returns an `AttentionOps` with `store_kv`, `prefill_attention` and `decode_attention`, the
+  signatures documented in `inference_svc.kernels`; `reference_ops()` returns the same interface backed by the
+  plain-torch reference, so the engine can hold either without branching on the backend.
+- Nothing here allocates, launches or reads device memory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from inference_svc.kernels import reference
+
+
+@dataclass(frozen=True)
+class AttentionOps:
+    """The three paged-KV attention ops of one backend (see `inference_svc.kernels` for the shapes)."""
+
+    name: str
+    """"triton" or "torch"."""
+    store_kv: Callable[..., None]
+    prefill_attention: Callable[..., torch.Tensor]
+    decode_attention: Callable[..., torch.Tensor]
+
+
+def triton_available() -> tuple[bool, str]:
+    """Whether the Triton kernels can run in this process, and how (or why not)."""
+    if importlib.util.find_spec("triton") is None:
+        return False, "the triton package is not installed (pip install 'tandem[serve]')"
+    from inference_svc import kernels
+
+    if kernels.IMPORT_ERROR is not None:
+        return False, f"importing the Triton kernels failed: {kernels.IMPORT_ERROR}"
+    from inference_svc.kernels import configs
+
+    if configs.interpret_mode():
+        return True, "Triton interpreter on CPU (TRITON_INTERPRET=1; slow, for tests)"
+    if torch.cuda.is_available():
+        return True, f"CUDA device {torch.cuda.get_device_name()}"
+    if configs.interpreter_requested():
+        return False, "TRITON_INTERPRET=1 was set after triton had been imported; set it before the process starts"
+    return False, "no CUDA device (set TRITON_INTERPRET=1 before starting to run the kernels interpreted on CPU)"
+
+
+def triton_ops() -> AttentionOps:
+    """The Triton kernels as an `AttentionOps`; raises RuntimeError with the reason when they cannot run."""
+    ok, why = triton_available()
+    if not ok:
+        raise RuntimeError(f"Triton attention backend unavailable: {why}")
+    from inference_svc import kernels
+
+    return AttentionOps(
+        name="triton",
+        store_kv=kernels.store_kv,
+        prefill_attention=kernels.prefill_attention,
+        decode_attention=kernels.decode_attention,
+    )
+
+
+def reference_ops() -> AttentionOps:
+    """The plain-torch reference as an `AttentionOps` (runs anywhere; computes in the inputs' dtype)."""
+    return AttentionOps(
+        name="torch",
+        store_kv=reference.store_kv,
+        prefill_attention=reference.prefill_attention,
+        decode_attention=reference.decode_attention,
+    )
