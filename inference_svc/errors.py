@@ -29,3 +29,11 @@ class EngineStoppedError(InferenceError):
 
 class ModelLoadError(InferenceError):
     """The model folder could not be loaded into the engine."""
+
+
+class DeadlineExceededError(InferenceError):
+    """The request's deadline passed while it was queued or decoding; it was aborted (maps to DEADLINE_EXCEEDED)."""
+
+
+class RequestFailedError(InferenceError):
+    """An unexpected failure while serving one request; only that request fails (maps to INTERNAL)."""

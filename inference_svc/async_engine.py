@@ -1,0 +1,439 @@
+"""The bridge between asyncio (the gRPC server) and the single-threaded `Engine`.
+
+Contract:
+- One dedicated thread, the *engine thread*, is the only caller of `Engine` once `start()` has run. The event loop
+  talks to it through a command inbox (add, abort, call); the engine thread answers through
+  `loop.call_soon_threadsafe`, once per step with every increment of that step.
+- State has one owner each: the admission counters and the per-request streams belong to the event loop; the
+  per-request deadlines, abort causes and inter-token clocks belong to the engine thread.
+- Admission control (`AdmissionLimits`): a request is admitted only if the requests still waiting for their first
+  token, and their prompt tokens, stay within the limits after adding it; otherwise `CapacityError` is raised and
+  nothing about the request exists anywhere (nothing half-admitted). The reservation is released when the request
+  produces its first increment or ends, whichever comes first.
+- `generate()` is an async iterator of `RequestOutput`. Leaving it early (client cancel, disconnect, the server's
+  own deadline cancellation) sends an abort: the engine drops the sequence at its next step and frees its blocks.
+  A deadline (monotonic seconds) is also enforced by the engine thread, for queued and running requests alike;
+  the iterator then raises `DeadlineExceededError` after the blocks are freed.
+- Failures: a validation error from the engine is re-raised as is (`InvalidRequestError`). An exception from the
+  *fault hook* (below) or anything unexpected while handling one request's output fails that request alone with
+  `RequestFailedError`; the engine aborts it and goes on. If `Engine.step()` itself raises, every request in that
+  step fails with `RequestFailedError`; after `MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a row the engine is
+  declared broken (`healthy` turns False, new requests get `EngineStoppedError`).
+- Fault hook (test-only, explicit): `fault_hook(output)` is called in the engine thread with every `RequestOutput`
+  before it is delivered. Whatever it raises is treated exactly like a real failure while serving that request.
+  It exists so the tests can prove the one-request-fails-alone path without mocking the model; production leaves
+  it None.
+- `drain(grace)`: new requests get `EngineStoppedError`; in-flight ones may finish for `grace` seconds; the rest
+  are aborted and their iterators raise `EngineStoppedError`. `stop()` ends the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from inference_svc.engine.types import RequestOutput, SamplingParams
+from inference_svc.errors import (
+    CapacityError,
+    DeadlineExceededError,
+    EngineStoppedError,
+    InvalidRequestError,
+    RequestFailedError,
+)
+from inference_svc.metrics import ServiceMetrics
+from inference_svc.settings import AdmissionLimits
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_ID_CHARS = 128
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+_IDLE_POLL_S = 0.05
+_LARGE_PROMPT_CHARS = 8192
+
+FaultHook = Callable[[RequestOutput], None]
+
+
+# ---------------------------------------------------------------------------------------- commands
+@dataclass
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    arrival: float
+    deadline: float | None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    cause: BaseException | None
+    """Raised to the request's reader once the engine confirms the abort (None: a plain cancel)."""
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: asyncio.Future
+
+
+_STOP = object()
+
+
+# ---------------------------------------------------------------------------------------- per-request state
+@dataclass
+class _Stream:
+    """Event-loop side of one request."""
+
+    items: asyncio.Queue = field(default_factory=asyncio.Queue)
+    reserved_tokens: int = 0
+    reserved: bool = True
+
+
+@dataclass
+class _Live:
+    """Engine-thread side of one request."""
+
+    deadline: float | None
+    cause: BaseException | None = None
+    last_emit: float | None = None
+
+
+class AsyncEngine:
+    """Async, bounded, cancellable front of one `Engine` (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        limits: AdmissionLimits | None = None,
+        metrics: ServiceMetrics | None = None,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        self.engine = engine
+        self.limits = limits or AdmissionLimits()
+        self.metrics = metrics
+        self.fault_hook = fault_hook
+        self.info: dict[str, Any] = engine.info()
+        # event-loop state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._queued_requests = 0
+        self._queued_tokens = 0
+        self._draining = False
+        self._idle = asyncio.Event()
+        # engine-thread state
+        self._live: dict[str, _Live] = {}
+        self._step_failures = 0
+        # shared, written once
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.healthy = True
+
+    # ------------------------------------------------------------------ lifecycle
+    def warmup(self, prompt_ids: list[int] | None = None) -> None:
+        """Run one tiny greedy request to completion (before `start()`; blocking)."""
+        if self._thread is not None:
+            raise RuntimeError("warmup() must run before start()")
+        ids = prompt_ids or [int(self.engine.model_config.bos_token_id or 0)]
+        self.engine.generate([ids], SamplingParams(max_new_tokens=2, ignore_eos=True))
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """End the engine thread (after `drain`, or abruptly)."""
+        if self._thread is None:
+            return
+        self._inbox.put(_STOP)
+        await asyncio.to_thread(self._thread.join, 30.0)
+        self._thread = None
+
+    async def drain(self, grace: float) -> int:
+        """Refuse new work, let in-flight requests finish for `grace` s, abort the rest; return how many were cut."""
+        self._draining = True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout=grace)
+        cut = list(self._streams)
+        for rid in cut:
+            self._inbox.put(_Abort(rid, EngineStoppedError("the server shut down before this request finished")))
+        if cut:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), timeout=10.0)
+        return len(cut)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def run_in_engine(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` in the engine thread between steps (e.g. `engine.stats`) and return its result."""
+        if self._thread is None:
+            return fn()
+        future = asyncio.get_running_loop().create_future()
+        self._inbox.put(_Call(fn, future))
+        return await future
+
+    async def stats(self) -> Any:
+        return await self.run_in_engine(self.engine.stats)
+
+    # ------------------------------------------------------------------ requests (event loop)
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams,
+        request_id: str = "",
+        deadline: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Admit one request and iterate its increments; the last has `finished=True`."""
+        if self._draining or not self.healthy or self._thread is None:
+            raise EngineStoppedError("the server is shutting down" if self._draining else "the engine is not running")
+        rid = request_id or uuid.uuid4().hex
+        if len(rid) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}")
+        if rid in self._streams:
+            raise InvalidRequestError("request_id", f"a request with id {rid!r} is already in flight")
+        ids = await self._prompt_ids(prompt)
+        stream = self._admit(rid, len(ids))
+        arrival = time.monotonic()
+        self._inbox.put(_Add(rid, ids, sampling, arrival, deadline))
+        finished = False
+        try:
+            while True:
+                item = await stream.items.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                self._release(stream)
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._release(stream)
+            self._streams.pop(rid, None)
+            if not finished:
+                self._inbox.put(_Abort(rid, None))
+            if not self._streams:
+                self._idle.set()
+
+    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if not prompt:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        encode = self.engine.tokenizer.encode
+        if len(prompt) > _LARGE_PROMPT_CHARS:  # keep the event loop responsive
+            return await asyncio.to_thread(encode, prompt)
+        return encode(prompt)
+
+    def _admit(self, rid: str, num_tokens: int) -> _Stream:
+        lim = self.limits
+        if num_tokens > lim.max_queued_tokens:
+            raise InvalidRequestError(
+                "prompt", f"{num_tokens} prompt tokens exceed the server's queue limit of {lim.max_queued_tokens}"
+            )
+        if self._queued_requests + 1 > lim.max_queued_requests:
+            raise CapacityError(f"the request queue is full ({lim.max_queued_requests} requests waiting); retry later")
+        if self._queued_tokens + num_tokens > lim.max_queued_tokens:
+            raise CapacityError(
+                f"the request queue is full ({self._queued_tokens} of {lim.max_queued_tokens} prompt tokens "
+                f"waiting, this request has {num_tokens}); retry later"
+            )
+        self._queued_requests += 1
+        self._queued_tokens += num_tokens
+        stream = _Stream(reserved_tokens=num_tokens)
+        self._streams[rid] = stream
+        self._idle.clear()
+        self._report_admission()
+        return stream
+
+    def _release(self, stream: _Stream) -> None:
+        if stream.reserved:
+            stream.reserved = False
+            self._queued_requests -= 1
+            self._queued_tokens -= stream.reserved_tokens
+            self._report_admission()
+
+    def _report_admission(self) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_admission(self._queued_requests, self._queued_tokens)
+
+    def _deliver(self, batch: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Event loop: hand each increment to its request's reader (gone readers are skipped)."""
+        for rid, item in batch:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.items.put_nowait(item)
+
+    # ------------------------------------------------------------------ the engine thread
+    def _post(self, batch: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        if batch and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+                self._loop.call_soon_threadsafe(self._deliver, batch)
+
+    def _run(self) -> None:
+        try:
+            while self._handle_commands():
+                self._expire_deadlines()
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except Exception:  # pragma: no cover - a bug in this bridge; fail loudly, stop serving
+            log.exception("engine thread crashed")
+            self.healthy = False
+            self._post([(rid, RequestFailedError("the engine thread crashed")) for rid in list(self._live)])
+
+    def _handle_commands(self) -> bool:
+        """Apply queued commands; block briefly when idle. False once asked to stop."""
+        block = not self.engine.has_unfinished_requests()
+        errors: list[tuple[str, RequestOutput | BaseException]] = []
+        while True:
+            try:
+                cmd = self._inbox.get(timeout=_IDLE_POLL_S) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            block = False
+            if cmd is _STOP:
+                self._post(errors)
+                return False
+            if isinstance(cmd, _Add):
+                self._add(cmd, errors)
+            elif isinstance(cmd, _Abort):
+                self._abort(cmd.request_id, cmd.cause, errors)
+            elif isinstance(cmd, _Call):
+                self._call(cmd)
+        self._post(errors)
+        return True
+
+    def _add(self, cmd: _Add, errors: list) -> None:
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.sampling, arrival_time=cmd.arrival)
+        except InvalidRequestError as exc:
+            errors.append((cmd.request_id, exc))
+            return
+        except Exception as exc:
+            log.exception("add_request failed for %s", cmd.request_id)
+            errors.append((cmd.request_id, RequestFailedError(f"could not add the request: {type(exc).__name__}")))
+            return
+        self._live[cmd.request_id] = _Live(deadline=cmd.deadline)
+
+    def _abort(self, rid: str, cause: BaseException | None, errors: list) -> None:
+        live = self._live.get(rid)
+        if live is None:
+            return
+        if live.cause is None:
+            live.cause = cause
+        if not self.engine.abort_request(rid) and live.cause is not None:
+            # already finished inside the engine: nothing to wait for, tell the reader now
+            errors.append((rid, live.cause))
+            self._live.pop(rid, None)
+
+    def _call(self, cmd: _Call) -> None:
+        loop = self._loop
+        assert loop is not None
+        try:
+            result = cmd.fn()
+        except Exception as exc:
+            loop.call_soon_threadsafe(_set_future, cmd.future, None, exc)
+        else:
+            loop.call_soon_threadsafe(_set_future, cmd.future, result, None)
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        expired = [rid for rid, live in self._live.items() if live.deadline is not None and live.deadline <= now]
+        errors: list[tuple[str, RequestOutput | BaseException]] = []
+        for rid in expired:
+            if self._live[rid].cause is None:
+                self._abort(rid, DeadlineExceededError("the request's deadline passed"), errors)
+        self._post(errors)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self._step_failed(exc)
+            return
+        self._step_failures = 0
+        now = time.monotonic()
+        batch: list[tuple[str, RequestOutput | BaseException]] = []
+        for out in outputs:
+            item = self._postprocess(out, now)
+            if item is not None:
+                batch.append((out.request_id, item))
+        self._post(batch)
+        if self.metrics is not None:
+            self.metrics.observe_stats(self.engine.stats())
+
+    def _postprocess(self, out: RequestOutput, now: float) -> RequestOutput | BaseException | None:
+        """One increment of one request: what its reader gets (None: nothing yet)."""
+        rid = out.request_id
+        live = self._live.get(rid)
+        if live is None:
+            return None
+        try:
+            if self.fault_hook is not None and live.cause is None:
+                self.fault_hook(out)
+            if out.finished:
+                self._live.pop(rid, None)
+                if self.metrics is not None and out.finish_reason is not None:
+                    self.metrics.observe_finished(out.finish_reason.value, out.timing)
+                return out if live.cause is None else live.cause
+            if live.cause is not None:
+                return None  # aborting: wait for the engine's final increment, then raise the cause
+            if out.new_token_ids:
+                if live.last_emit is not None and self.metrics is not None:
+                    self.metrics.observe_inter_token(now - live.last_emit)
+                live.last_emit = now
+            return out
+        except Exception as exc:
+            log.exception("request %s failed while handling its output", rid)
+            failure = RequestFailedError(f"internal error while serving this request ({type(exc).__name__})")
+            if out.finished:
+                self._live.pop(rid, None)
+                return failure
+            live.cause = failure
+            if not self.engine.abort_request(rid):
+                self._live.pop(rid, None)
+                return failure
+            return None
+
+    def _step_failed(self, exc: Exception) -> None:
+        log.error("engine step failed; failing its %d requests", len(self._live), exc_info=exc)
+        self._step_failures += 1
+        failure = RequestFailedError(f"internal engine error ({type(exc).__name__})")
+        batch: list[tuple[str, RequestOutput | BaseException]] = []
+        for rid in list(self._live):
+            with contextlib.suppress(Exception):
+                self.engine.abort_request(rid)
+            batch.append((rid, failure))
+        self._live.clear()
+        self._post(batch)
+        if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            log.critical("engine failed %d steps in a row: marking it broken", self._step_failures)
+            self.healthy = False
+            self._step_failures = 0
+            if self.engine.has_unfinished_requests():
+                time.sleep(_IDLE_POLL_S)  # do not spin on a broken engine
+
+
+def _set_future(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

@@ -1,0 +1,273 @@
+"""`tandem serve` and `tandem generate` (called by `shared_model.cli` with the remaining argv; return exit codes).
+
+Contract:
+- `serve_main` parses flags into `ServerSettings` + `EngineConfig` (an invalid value exits 2 naming the flag), binds
+  the gRPC port (loopback unless --host says otherwise), prints one line `tandem serve: listening on HOST:PORT` as
+  soon as the port is bound and `tandem serve: SERVING ...` once the model is warmed up, and runs until SIGTERM or
+  SIGINT, which drain gracefully (see `TandemServer.shutdown`). Exit code 0 after a drain, 1 if the model fails to
+  load. `--dtype auto` means the folder's own dtype on GPU and float32 on CPU.
+- `generate_main` streams one completion to stdout as it is generated, then prints TTFT (client-side, from send to
+  the first token, and the server's own), time per output token and usage to stderr. Exit 0 on success, 1 with
+  the status code and message on an RPC error.
+- `stream_completion` is the function behind `tandem generate`, for scripts (e.g. the demo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from inference_svc.errors import InferenceError
+from inference_svc.settings import AdmissionLimits, ServerSettings
+
+log = logging.getLogger("tandem.serve")
+
+
+# ---------------------------------------------------------------------------------------- serve
+def _serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem serve", description="Serve a model over gRPC (tandem.inference.v1).")
+    p.add_argument("--model", required=True, help="Tandem bundle or Hugging Face Llama/Qwen2/Qwen3 folder")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: any free port)")
+    p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
+    g.add_argument("--kv-cache-memory", default=None, help="KV-cache budget, e.g. 2GiB (default: engine's choice)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion in tokens")
+    g.add_argument("--max-batched-tokens", type=int, default=2048, help="most tokens computed in one engine step")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    lim = p.add_argument_group("limits")
+    lim.add_argument("--max-running", type=int, default=64, help="most requests decoding at once")
+    lim.add_argument("--max-queue", type=int, default=256, help="most requests waiting for their first token")
+    lim.add_argument("--max-queue-tokens", type=int, default=262144, help="most prompt tokens waiting, summed")
+    lim.add_argument("--max-new-tokens", type=int, default=4096, help="ceiling on a request's max_new_tokens")
+    lim.add_argument("--max-request-bytes", type=int, default=1024 * 1024, help="largest serialized request")
+    lim.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    sec = p.add_argument_group("security")
+    sec.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: serve TLS only)")
+    sec.add_argument("--tls-key", default=None, help="PEM private key")
+    sec.add_argument("--api-key-file", default=None, help="file with one API key per line")
+    p.add_argument("--no-warmup", action="store_true", help="report SERVING without a warm-up request")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def _resolve_dtype(dtype: str, device: str) -> str:
+    """'auto': the folder's own dtype on GPU, float32 on CPU (half precision is slow there)."""
+    if dtype != "auto":
+        return dtype
+    if device == "cpu":
+        return "float32"
+    if device == "auto":
+        import torch
+
+        return "auto" if torch.cuda.is_available() else "float32"
+    return "auto"
+
+
+def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argparse.Namespace]:
+    """Parse `tandem serve` flags; raises SystemExit(2) with the flag named on an invalid value."""
+    from inference_svc.engine.config import EngineConfig
+
+    parser = _serve_parser()
+    args = parser.parse_args(list(argv))
+    try:
+        settings = ServerSettings(
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            metrics_port=None if args.no_metrics else args.metrics_port,
+            admission=AdmissionLimits(max_queued_requests=args.max_queue, max_queued_tokens=args.max_queue_tokens),
+            max_request_bytes=args.max_request_bytes,
+            shutdown_grace=args.shutdown_grace,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            api_key_file=args.api_key_file,
+            warmup=not args.no_warmup,
+        )
+        engine_config = EngineConfig(
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            max_num_seqs=args.max_running,
+            max_num_batched_tokens=args.max_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
+            attention_backend=args.attention_backend,
+            dtype=_resolve_dtype(args.dtype, args.device),
+            device=args.device,
+            max_model_len=args.max_model_len,
+            max_new_tokens_limit=args.max_new_tokens,
+        )
+    except (InferenceError, ValueError) as exc:
+        parser.error(str(exc))
+    return settings, engine_config, args
+
+
+async def _serve(settings: ServerSettings, engine_config: Any) -> int:
+    from inference_svc.server import TandemServer
+
+    server = TandemServer(settings, engine_config)
+    loop = asyncio.get_running_loop()
+    shutdown_task: list[asyncio.Task] = []
+
+    def on_signal(signame: str) -> None:
+        if not shutdown_task:
+            log.info("%s: draining (grace %.1f s)", signame, settings.shutdown_grace)
+            print(f"tandem serve: {signame}, draining", flush=True)
+            shutdown_task.append(asyncio.ensure_future(server.shutdown()))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    try:
+        await server.start()
+    except InferenceError as exc:
+        print(f"tandem serve: {exc}", file=sys.stderr, flush=True)
+        await server.shutdown(0)
+        return 1
+    if not shutdown_task:
+        info = server.engine_info()
+        print(f"tandem serve: listening on {settings.host}:{server.port}", flush=True)
+        print(
+            f"tandem serve: SERVING {settings.model} (dtype {info.get('dtype')}, attention "
+            f"{info.get('attention_backend')}, KV capacity {info.get('kv_capacity_tokens')} tokens, "
+            f"metrics port {server.metrics_port})",
+            flush=True,
+        )
+    await server.wait_for_termination()
+    print("tandem serve: stopped", flush=True)
+    return 0
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    settings, engine_config, args = build_serve_config(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(_serve(settings, engine_config))
+
+
+# ---------------------------------------------------------------------------------------- generate
+def _generate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem generate", description="Stream one completion from a Tandem server.")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the server")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=120.0, help="deadline of the call in seconds")
+    p.add_argument("--tls", action="store_true", help="use TLS (system roots unless --tls-ca)")
+    p.add_argument("--tls-ca", default=None, help="PEM file of the CA (or self-signed cert) to trust")
+    p.add_argument("--tls-server-name", default=None, help="expected server name in its certificate")
+    p.add_argument("--api-key-file", default=None, help="file whose first key is sent as the API key")
+    p.add_argument("--api-key-env", default="TANDEM_API_KEY", help="environment variable holding the API key")
+    return p
+
+
+def stream_completion(
+    target: str,
+    prompt: str,
+    *,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+    timeout: float = 120.0,
+    client_kwargs: dict[str, Any] | None = None,
+    **sampling: Any,
+) -> dict[str, Any]:
+    """Stream `prompt`'s completion to `out`, then the latency/usage summary to `err`; return the figures."""
+    from inference_svc.client import TandemClient
+
+    with TandemClient(target, timeout=timeout, **(client_kwargs or {})) as client:
+        t0 = time.perf_counter()
+        first: float | None = None
+        last = None
+        n_tokens = 0
+        for msg in client.generate_stream(prompt, **sampling):
+            if msg.token_ids and first is None:
+                first = time.perf_counter()
+            n_tokens += len(msg.token_ids)
+            out.write(msg.text)
+            out.flush()
+            last = msg
+        t_end = time.perf_counter()
+    out.write("\n")
+    client_ttft = ((first or t_end) - t0) * 1000
+    client_tpot = (t_end - first) * 1000 / (n_tokens - 1) if first is not None and n_tokens > 1 else 0.0
+    assert last is not None
+    finish = last.finish_reason
+    from inference_svc.proto_gen import inference_pb2 as pb
+
+    summary = {
+        "finish_reason": pb.FinishReason.Name(finish).removeprefix("FINISH_REASON_"),
+        "ttft_ms": client_ttft,
+        "tpot_ms": client_tpot,
+        "server_ttft_ms": last.timing.ttft_ms,
+        "server_tpot_ms": last.timing.tpot_ms,
+        "server_queue_ms": last.timing.queue_ms,
+        "total_ms": (t_end - t0) * 1000,
+        "prompt_tokens": last.usage.prompt_tokens,
+        "completion_tokens": last.usage.completion_tokens,
+        "cached_prompt_tokens": last.usage.cached_prompt_tokens,
+    }
+    err.write(
+        f"--- finish: {summary['finish_reason']} | TTFT {client_ttft:.1f} ms (server {last.timing.ttft_ms:.1f} ms, "
+        f"queue {last.timing.queue_ms:.1f} ms) | time per output token {client_tpot:.1f} ms "
+        f"(server {last.timing.tpot_ms:.1f} ms) | total {summary['total_ms']:.1f} ms\n"
+        f"--- usage: prompt {summary['prompt_tokens']} tokens ({summary['cached_prompt_tokens']} cached), "
+        f"completion {summary['completion_tokens']} tokens\n"
+    )
+    err.flush()
+    return summary
+
+
+def generate_main(argv: Sequence[str]) -> int:
+    import grpc
+
+    from inference_svc.settings import read_api_keys
+
+    args = _generate_parser().parse_args(list(argv))
+    api_key = os.environ.get(args.api_key_env) or None
+    if args.api_key_file:
+        api_key = read_api_keys(args.api_key_file)[0].decode()
+    root = None
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            root = f.read()
+    client_kwargs = {
+        "api_key": api_key,
+        "tls": args.tls or root is not None,
+        "root_certificates": root,
+        "tls_server_name": args.tls_server_name,
+    }
+    sampling = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "seed": args.seed,
+        "repetition_penalty": args.repetition_penalty,
+        "stop": args.stop,
+        "stop_token_ids": args.stop_token_id,
+        "ignore_eos": args.ignore_eos or None,
+    }
+    try:
+        stream_completion(args.target, args.prompt, timeout=args.timeout, client_kwargs=client_kwargs, **sampling)
+    except grpc.RpcError as exc:
+        print(f"\ntandem generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    return 0

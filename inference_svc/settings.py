@@ -1,0 +1,127 @@
+"""Server settings: plain, frozen, validated dataclasses (no OmegaConf: the service starts without Lightning).
+
+Contract:
+- `ServerSettings` holds everything `tandem serve` takes besides the engine's own `EngineConfig`; `AdmissionLimits`
+  holds the bounded-queue limits the async engine enforces. Every field is checked at construction; an invalid
+  value raises `SettingsError` whose message (and `field` attribute) names the field.
+- TLS needs both `tls_cert` and `tls_key`, or neither. Files named here must exist when the settings are built.
+- Nothing here reads files' contents or opens sockets; `server.py` does that.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from inference_svc.errors import InferenceError
+
+
+class SettingsError(InferenceError, ValueError):
+    """A server setting has an invalid value; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise SettingsError(name, f"must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_port(name: str, value: object, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 65535:
+        raise SettingsError(name, f"must be a port number in [0, 65535] (0 = any free port), got {value!r}")
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """The bounded queue in front of the engine: requests admitted but not yet producing tokens."""
+
+    max_queued_requests: int = 256
+    """Most requests waiting for their first token (queued or prefilling); one more gets RESOURCE_EXHAUSTED."""
+    max_queued_tokens: int = 262144
+    """Most prompt tokens summed over those waiting requests; a request that would exceed it is refused."""
+
+    def __post_init__(self) -> None:
+        _check_int("max_queued_requests", self.max_queued_requests, 1)
+        _check_int("max_queued_tokens", self.max_queued_tokens, 1)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How `tandem serve` listens, protects itself and shuts down."""
+
+    model: str
+    """Tandem bundle or Hugging Face Llama/Qwen2/Qwen3 folder."""
+    host: str = "127.0.0.1"
+    """Interface to bind. Loopback unless told otherwise."""
+    port: int = 50051
+    """gRPC port (0: any free port; the bound one is logged and available as `TandemServer.port`)."""
+    metrics_port: int | None = 9090
+    """Prometheus /metrics HTTP port on the same host; None disables it; 0 picks a free port."""
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
+    """Bounded-queue limits."""
+    max_request_bytes: int = 1024 * 1024
+    """Largest serialized request the service accepts (INVALID_ARGUMENT above it). The transport limit is set to
+    4× this, so a request up to there gets the named INVALID_ARGUMENT; above it gRPC itself answers
+    RESOURCE_EXHAUSTED without reading it."""
+    shutdown_grace: float = 30.0
+    """Seconds in-flight requests get to finish after SIGTERM; what is left then ends with UNAVAILABLE."""
+    tls_cert: str | None = None
+    """PEM certificate chain; TLS is on when this and tls_key are set."""
+    tls_key: str | None = None
+    """PEM private key of tls_cert."""
+    api_key_file: str | None = None
+    """File with one API key per line ('#' comments and blank lines ignored). Set: every RPC but health needs
+    metadata `authorization: Bearer KEY`."""
+    warmup: bool = True
+    """Run one tiny request through the engine before reporting SERVING."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise SettingsError("model", "a model folder is required")
+        if not Path(self.model).is_dir():
+            raise SettingsError("model", f"{self.model!r} is not a folder")
+        if not isinstance(self.host, str) or not self.host:
+            raise SettingsError("host", f"must be a host name or address, got {self.host!r}")
+        if self.host not in ("localhost", "[::]", "[::1]"):
+            try:
+                ipaddress.ip_address(self.host)
+            except ValueError:
+                raise SettingsError("host", f"must be an IP address or 'localhost', got {self.host!r}") from None
+        _check_port("port", self.port)
+        _check_port("metrics_port", self.metrics_port, allow_none=True)
+        if not isinstance(self.admission, AdmissionLimits):
+            raise SettingsError("admission", "must be an AdmissionLimits")
+        _check_int("max_request_bytes", self.max_request_bytes, 1024)
+        if self.max_request_bytes * 4 > 2**31 - 1:
+            raise SettingsError("max_request_bytes", "must be below 512 MiB")
+        if not isinstance(self.shutdown_grace, (int, float)) or not self.shutdown_grace >= 0:
+            raise SettingsError("shutdown_grace", f"must be seconds >= 0, got {self.shutdown_grace!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            missing = "tls_key" if self.tls_key is None else "tls_cert"
+            raise SettingsError(missing, "TLS needs both --tls-cert and --tls-key")
+        for name in ("tls_cert", "tls_key", "api_key_file"):
+            value = getattr(self, name)
+            if value is not None and not Path(value).is_file():
+                raise SettingsError(name, f"{value!r} is not a readable file")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+
+def read_api_keys(path: str | Path) -> tuple[bytes, ...]:
+    """Keys from an API-key file: one per line, surrounding whitespace stripped, '#' comments and blanks skipped."""
+    keys = []
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keys.append(line.encode())
+    if not keys:
+        raise SettingsError("api_key_file", f"{path} holds no key")
+    return tuple(keys)

@@ -1,0 +1,122 @@
+"""Fixtures for the gRPC server tests: a tiny random bundle and real servers on free loopback ports.
+
+`ServerThread` runs a `TandemServer` in its own thread and event loop, so tests talk to it through real gRPC
+channels with the ordinary blocking client, exactly like another process would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from inference_svc.client import TandemClient
+from inference_svc.engine.config import EngineConfig
+from inference_svc.server import TandemServer
+from inference_svc.settings import AdmissionLimits, ServerSettings
+from shared_model.bundle import save_bundle
+from shared_model.model import build_model
+from shared_model.tokenizer import Tokenizer
+from tests.conftest import free_port, tiny_config
+
+MAX_CONTEXT = 128
+MAX_NEW_TOKENS_LIMIT = 64
+
+
+@pytest.fixture(scope="session")
+def bundle_dir(tmp_path_factory: pytest.TempPathFactory, small_tokenizer: Tokenizer) -> Path:
+    """A 2-layer qwen3 with peaked logits (std 0.2: few greedy near-ties) and the session tokenizer."""
+    config = tiny_config()
+    model = build_model(config, seed=0)
+    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(3))
+    return save_bundle(tmp_path_factory.mktemp("server-model") / "bundle", config, model, small_tokenizer)
+
+
+def engine_config(**overrides: Any) -> EngineConfig:
+    base: dict[str, Any] = dict(
+        kv_cache_memory="2MiB",
+        max_model_len=MAX_CONTEXT,
+        max_new_tokens_limit=MAX_NEW_TOKENS_LIMIT,
+        dtype="float32",
+        device="cpu",
+        attention_backend="torch",
+    )
+    base.update(overrides)
+    return EngineConfig(**base)
+
+
+class ServerThread:
+    """A TandemServer on 127.0.0.1:<free port>, its event loop in a background thread."""
+
+    def __init__(self, server: TandemServer) -> None:
+        self.server = server
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
+        self._thread.start()
+        self.call(server.start(), timeout=120)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def call(self, coro: Any, timeout: float = 60) -> Any:
+        future: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return future.result(timeout)
+
+    def submit(self, coro: Any) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stats(self) -> Any:
+        assert self.server.engine is not None
+        return self.call(self.server.engine.stats())
+
+    def client(self, **kwargs: Any) -> TandemClient:
+        return TandemClient(self.target, **kwargs)
+
+    def close(self, grace: float = 0.0) -> None:
+        if not self.server.draining:
+            self.call(self.server.shutdown(grace), timeout=60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+def make_server(
+    bundle: Path,
+    *,
+    engine: EngineConfig | None = None,
+    admission: AdmissionLimits | None = None,
+    fault_hook: Callable | None = None,
+    **settings: Any,
+) -> ServerThread:
+    base: dict[str, Any] = dict(
+        model=str(bundle),
+        host="127.0.0.1",
+        port=free_port(),
+        metrics_port=None,
+        shutdown_grace=5.0,
+        admission=admission or AdmissionLimits(),
+    )
+    base.update(settings)
+    server = TandemServer(ServerSettings(**base), engine or engine_config(), fault_hook=fault_hook)
+    return ServerThread(server)
+
+
+@pytest.fixture(scope="module")
+def server(bundle_dir: Path) -> Iterator[ServerThread]:
+    """One plain server shared by a module's tests (they must leave it idle)."""
+    srv = make_server(bundle_dir, max_request_bytes=4096)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def client(server: ServerThread) -> Iterator[TandemClient]:
+    with server.client(timeout=60) as c:
+        yield c
