@@ -2,10 +2,11 @@
 
 Contract:
 - `serve_main` parses flags into `ServerSettings` + `EngineConfig` (an invalid value exits 2 naming the flag), binds
-  the gRPC port (loopback unless --host says otherwise), prints one line `tandem serve: listening on HOST:PORT` as
-  soon as the port is bound and `tandem serve: SERVING ...` once the model is warmed up, and runs until SIGTERM or
-  SIGINT, which drain gracefully (see `TandemServer.shutdown`). Exit code 0 after a drain, 1 if the model fails to
-  load. `--dtype auto` means the folder's own dtype on GPU and float32 on CPU.
+  the gRPC port (loopback unless --host says otherwise; health NOT_SERVING while the model loads), and once the
+  model is loaded and warmed up prints `tandem serve: listening on HOST:PORT` and `tandem serve: SERVING ...`.
+  It runs until SIGTERM or SIGINT, which drain gracefully (see `TandemServer.shutdown`).
+  Exit code 0 after a drain, 1 if the model fails to load.
+  `--dtype auto` means the folder's own dtype on GPU and float32 on CPU.
 - `generate_main` streams one completion to stdout as it is generated, then prints TTFT (client-side, from send to
   the first token, and the server's own), time per output token and usage to stderr. Exit 0 on success, 1 with
   the status code and message on an RPC error.
@@ -182,8 +183,8 @@ def stream_completion(
     target: str,
     prompt: str,
     *,
-    out: TextIO = sys.stdout,
-    err: TextIO = sys.stderr,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
     timeout: float = 120.0,
     client_kwargs: dict[str, Any] | None = None,
     **sampling: Any,
@@ -191,6 +192,8 @@ def stream_completion(
     """Stream `prompt`'s completion to `out`, then the latency/usage summary to `err`; return the figures."""
     from inference_svc.client import TandemClient
 
+    out = out or sys.stdout
+    err = err or sys.stderr
     with TandemClient(target, timeout=timeout, **(client_kwargs or {})) as client:
         t0 = time.perf_counter()
         first: float | None = None
