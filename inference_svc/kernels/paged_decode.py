@@ -158,7 +158,7 @@ _DECODE = cfg.LazyKernel(
     _decode_kernel,
     autotune=(
         cfg.decode_autotune_configs,
-        ["HEAD_DIM_PAD", "GROUP_PAD", "BLOCK_SIZE", "NUM_SPLITS", "DOT_PREC"],
+        ["HEAD_DIM_PAD", "GROUP_PAD", "BLOCK_SIZE", "DOT_PREC"],
         cfg.prune_decode_configs,
     ),
 )

@@ -68,8 +68,8 @@ def _prefill_kernel(
     kv_head = tl.program_id(1)
 
     # Which sequence owns this tile: the largest s with cu_seqlens[s] // BLOCK_Q + s <= tile.
-    lo = tile * 0
-    hi = num_seqs - 1
+    lo = tile * 0  # tensors from the start: Triton specializes an int argument equal to 1 as a constant
+    hi = tile * 0 + num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         first_tile = tl.load(cu_seqlens_ptr + mid) // BLOCK_Q + mid

@@ -18,6 +18,8 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+"""Where the kernel tests put their tensors: on a CUDA machine the whole sweep runs compiled on the GPU."""
 if not HAS_CUDA and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -82,7 +84,7 @@ def make_case(
     block_size: int,
     dtype: torch.dtype,
     seed: int = 0,
-    device: str = "cpu",
+    device: str = DEVICE,
 ) -> PagedCase:
     """Random q and caches; each sequence gets a random, non-contiguous set of cache blocks."""
     g = torch.Generator().manual_seed(seed)
@@ -120,6 +122,11 @@ def assert_within_tolerance(out: torch.Tensor, truth: torch.Tensor, same_precisi
     base = (same_precision.double() - truth).abs().max().item()
     bound = 2 * base + ERROR_FLOOR[out.dtype]
     assert err <= bound, f"{what}: max error {err:.3g} > 2 × torch {base:.3g} + floor = {bound:.3g}"
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE
 
 
 @pytest.fixture

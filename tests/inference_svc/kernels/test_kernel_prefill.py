@@ -39,13 +39,13 @@ def test_prefill_matches_reference(
     within_tolerance(out, truth, same, "prefill")
 
 
-def test_chunked_prefill_equals_one_shot(paged_case) -> None:
+def test_chunked_prefill_equals_one_shot(paged_case, device) -> None:
     """Splitting a 300-token prompt into chunks (prefix cache) gives the one-shot result for every chunk's rows."""
     c = paged_case([300], [300], 4, 2, 64, 16, torch.float32, seed=3)
     full = kernels.prefill_attention(c.q, c.k_cache, c.v_cache, c.cu_seqlens_q, c.context_lens, c.block_tables, c.scale)
     for lo, hi in ((0, 100), (100, 217), (217, 300)):
-        cu = torch.tensor([0, hi - lo], dtype=torch.int32)
-        ctx = torch.tensor([hi], dtype=torch.int32)
+        cu = torch.tensor([0, hi - lo], dtype=torch.int32, device=device)
+        ctx = torch.tensor([hi], dtype=torch.int32, device=device)
         part = kernels.prefill_attention(c.q[lo:hi], c.k_cache, c.v_cache, cu, ctx, c.block_tables, c.scale)
         torch.testing.assert_close(part, full[lo:hi], rtol=1e-5, atol=1e-5)
 
