@@ -1,0 +1,129 @@
+"""`tandem serve` as a real subprocess: `tandem generate` against it, then SIGTERM drains it — health NOT_SERVING, new
+requests UNAVAILABLE, a short in-flight request finishes, a long one ends UNAVAILABLE after the grace period, and
+the process exits 0."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from inference_svc.client import NO_RETRY, TandemClient
+from inference_svc.proto_gen import inference_pb2 as pb
+from tests.conftest import free_port
+
+REPO = Path(__file__).resolve().parents[3]
+GRACE_S = 1.5
+
+
+def _start_server(bundle: Path, port: int) -> tuple[subprocess.Popen, queue.Queue]:
+    cmd = [
+        sys.executable, "-m", "shared_model.cli", "serve", "--model", str(bundle), "--port", str(port),
+        "--no-metrics", "--device", "cpu", "--kv-cache-memory", "4MiB", "--max-new-tokens", "500",
+        "--shutdown-grace", str(GRACE_S), "--log-level", "WARNING",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return proc, lines
+
+
+def _wait_for_line(lines: queue.Queue, needle: str, timeout: float, seen: list[str]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if line is None:
+            raise AssertionError("server exited early:\n" + "".join(seen))
+        seen.append(line)
+        if needle in line:
+            return
+    raise AssertionError(f"no {needle!r} within {timeout} s:\n" + "".join(seen))
+
+
+def test_generate_cli_then_sigterm_drain(bundle_dir: Path) -> None:
+    port = free_port()
+    proc, lines = _start_server(bundle_dir, port)
+    seen: list[str] = []
+    try:
+        _wait_for_line(lines, "SERVING", 120, seen)
+        target = f"127.0.0.1:{port}"
+
+        gen = subprocess.run(
+            [sys.executable, "-m", "shared_model.cli", "generate", "--target", target, "def main():",
+             "--max-new-tokens", "6", "--ignore-eos"],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert gen.returncode == 0, gen.stderr
+        assert "TTFT" in gen.stderr and "time per output token" in gen.stderr and "completion 6 tokens" in gen.stderr
+
+        results: dict[str, object] = {}
+        started = {name: threading.Event() for name in ("long", "short")}
+
+        def stream(name: str, max_new_tokens: int) -> None:
+            with TandemClient(target, retry=NO_RETRY, timeout=60) as c:
+                tokens = 0
+                try:
+                    for msg in c.generate_stream("x = 1\n", max_new_tokens=max_new_tokens, ignore_eos=True):
+                        tokens += len(msg.token_ids)
+                        started[name].set()
+                        if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                            results[name] = ("done", tokens, msg.finish_reason)
+                except grpc.RpcError as exc:
+                    results[name] = ("error", tokens, exc.code())
+                finally:
+                    started[name].set()
+
+        long_t = threading.Thread(target=stream, args=("long", 480))
+        long_t.start()
+        assert started["long"].wait(30)
+        short_t = threading.Thread(target=stream, args=("short", 4))
+        short_t.start()
+        assert started["short"].wait(30)
+
+        t_sig = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        with TandemClient(target, retry=NO_RETRY, timeout=5) as c:
+            deadline = time.monotonic() + 10
+            while c.health() != "NOT_SERVING":
+                assert time.monotonic() < deadline, "health did not turn NOT_SERVING"
+                time.sleep(0.02)
+            with pytest.raises(grpc.RpcError) as info:
+                c.generate("x = 1\n", max_new_tokens=2)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        short_t.join(30)
+        long_t.join(30)
+        assert proc.wait(timeout=30) == 0
+        elapsed = time.monotonic() - t_sig
+        assert results["short"] == ("done", 4, pb.FINISH_REASON_LENGTH), results
+        outcome, tokens, code = results["long"]  # type: ignore[misc]
+        assert (outcome, code) == ("error", grpc.StatusCode.UNAVAILABLE), results
+        assert 0 < tokens < 480
+        assert GRACE_S <= elapsed < GRACE_S + 15
+        rest = []
+        while (line := lines.get(timeout=5)) is not None:
+            rest.append(line)
+        assert any("stopped" in line for line in rest), rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
