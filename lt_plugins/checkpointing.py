@@ -1,0 +1,253 @@
+"""Activation checkpointing applied from outside a model: full, Megatron-style attention, and op-level selective.
+
+Contract:
+- `CheckpointingConfig` says what to recompute. `apply_checkpointing(module, config)` wraps the `forward` of the
+  chosen submodules in place (no module is replaced, so parameter names and state dicts do not change) and returns
+  the qualified names it wrapped; `remove_checkpointing(module)` undoes it. Applying twice re-applies, never nests.
+- Blocks are chosen by class name (`block_classes`), by a regex on the qualified name (`name_regex`), or, when
+  neither is given, as the children of the largest repeated stack (the `nn.ModuleList` with the most parameters
+  whose children share one class). `every_n` keeps every n-th chosen block (1-based: blocks n, 2n, ...).
+- Modes:
+  - `none`: nothing is wrapped.
+  - `full`: each chosen block is recomputed whole in backward; only its inputs are kept.
+  - `attention`: inside each chosen block, the modules of class `attention_classes` (default `CoreAttention`:
+    scores, softmax, weighted sum; no parameters) are recomputed; projections keep their saved activations.
+  - `ops`: each chosen block runs under `torch.utils.checkpoint.create_selective_checkpoint_contexts`; outputs of
+    the ops in `save_ops` (default: matmuls and fused attention) are kept, every other op is recomputed.
+- Non-reentrant checkpointing only (`use_reentrant=False`); with grad disabled the original forward runs.
+- Nothing here knows about shared_model or DeepSpeed. Under ZeRO-3 a checkpointed module should reach its parameters
+  through child modules (true of transformer blocks and of `CoreAttention`), so that recompute re-gathers them
+  through DeepSpeed's submodule hooks; a target holding parameters directly is refused when `ops`/`full` is used
+  with `allow_direct_params=False`.
+- `SelectiveCheckpointing` is the Lightning callback: it applies the config to the LightningModule in `setup`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from lt_plugins.activation_meter import note_cached
+from lt_plugins.errors import TrainingConfigError
+
+Mode = Literal["none", "full", "attention", "ops"]
+MODES: tuple[str, ...] = ("none", "full", "attention", "ops")
+
+DEFAULT_SAVE_OPS: tuple[str, ...] = (
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+)
+"""Matmuls (the projections) and fused attention outputs: the expensive ops. Pointwise ops are recomputed."""
+
+_ORIGINAL = "_tandem_checkpoint_original_forward"
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointingConfig:
+    """Which submodules to checkpoint and how. Mirrors the `checkpointing:` section of the training YAML."""
+
+    mode: str = "none"
+    """none | full | attention | ops."""
+    block_classes: tuple[str, ...] = ()
+    """Class names of the blocks to consider (e.g. DecoderLayer); empty: the largest repeated stack."""
+    name_regex: str | None = None
+    """Alternatively, a regex matched (re.fullmatch) against qualified module names."""
+    every_n: int = 1
+    """Checkpoint every n-th chosen block (blocks n, 2n, ...; 1 = all)."""
+    attention_classes: tuple[str, ...] = ("CoreAttention",)
+    """`attention` mode: class names of the core-attention modules recomputed inside each block."""
+    save_ops: tuple[str, ...] = DEFAULT_SAVE_OPS
+    """`ops` mode: ops whose outputs are kept, as 'aten.NAME' or 'aten.NAME.OVERLOAD'. Others are recomputed."""
+    allow_direct_params: bool = True
+    """Allow a checkpointed module that holds parameters itself (not only through children)."""
+    _save_overloads: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise TrainingConfigError(f"checkpointing.mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if self.every_n < 1:
+            raise TrainingConfigError(f"checkpointing.every_n must be >= 1, got {self.every_n}")
+        if self.name_regex is not None:
+            try:
+                re.compile(self.name_regex)
+            except re.error as exc:
+                raise TrainingConfigError(f"checkpointing.name_regex {self.name_regex!r} is invalid: {exc}") from None
+        for key in ("block_classes", "attention_classes", "save_ops"):
+            object.__setattr__(self, key, tuple(getattr(self, key)))  # lists from YAML become tuples
+        object.__setattr__(self, "_save_overloads", frozenset(resolve_ops(self.save_ops)))
+
+
+def resolve_ops(names: tuple[str, ...] | list[str]) -> list[torch._ops.OpOverload]:
+    """'aten.mm' → every overload of aten.mm; 'aten.mm.default' → that overload. Unknown names are errors."""
+    out: list[torch._ops.OpOverload] = []
+    for name in names:
+        parts = name.split(".")
+        if len(parts) not in (2, 3):
+            raise TrainingConfigError(f"checkpointing.save_ops entry {name!r} must look like 'aten.mm[.default]'")
+        try:
+            packet = getattr(getattr(torch.ops, parts[0]), parts[1])
+        except (AttributeError, RuntimeError):
+            raise TrainingConfigError(f"checkpointing.save_ops entry {name!r} is not a known torch op") from None
+        overloads = [parts[2]] if len(parts) == 3 else packet.overloads()
+        for overload in overloads:
+            try:
+                out.append(getattr(packet, overload))
+            except AttributeError:
+                raise TrainingConfigError(f"checkpointing.save_ops: {name!r} has no overload {overload!r}") from None
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- choosing
+def _largest_stack(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Children of the ModuleList with the most parameters whose children all share one class."""
+    best: list[tuple[str, nn.Module]] = []
+    best_params = -1
+    for name, sub in module.named_modules():
+        if not isinstance(sub, nn.ModuleList) or not len(sub) or len({type(c) for c in sub}) != 1:
+            continue
+        n = sum(p.numel() for p in sub.parameters())
+        if n > best_params:
+            prefix = f"{name}." if name else ""
+            best, best_params = [(f"{prefix}{i}", c) for i, c in enumerate(sub)], n
+    return best
+
+
+def select_blocks(module: nn.Module, config: CheckpointingConfig) -> list[tuple[str, nn.Module]]:
+    """The (qualified name, module) pairs `config` chooses as blocks, before the mode picks inside them."""
+    if config.block_classes or config.name_regex:
+        pattern = re.compile(config.name_regex) if config.name_regex else None
+        chosen = [
+            (name, sub)
+            for name, sub in module.named_modules()
+            if name
+            and (not config.block_classes or type(sub).__name__ in config.block_classes)
+            and (pattern is None or pattern.fullmatch(name))
+        ]
+        # A chosen module nested inside another chosen one would be checkpointed twice: keep the outer one.
+        chosen = [(n, m) for n, m in chosen if not any(n.startswith(o + ".") for o, _ in chosen if o != n)]
+    else:
+        chosen = _largest_stack(module)
+    if not chosen:
+        what = (
+            f"block_classes={list(config.block_classes)} name_regex={config.name_regex!r}"
+            if config.block_classes or config.name_regex
+            else "a repeated nn.ModuleList stack"
+        )
+        raise TrainingConfigError(f"checkpointing found no blocks to checkpoint ({what}) in {type(module).__name__}")
+    return [pair for i, pair in enumerate(chosen) if (i + 1) % config.every_n == 0]
+
+
+def select_targets(module: nn.Module, config: CheckpointingConfig) -> list[tuple[str, nn.Module]]:
+    """The modules whose forward the mode wraps: the blocks, or (attention mode) the core attention inside them."""
+    if config.mode == "none":
+        return []
+    blocks = select_blocks(module, config)
+    if config.mode != "attention":
+        return blocks
+    targets = [
+        (f"{name}.{sub_name}" if sub_name else name, sub)
+        for name, block in blocks
+        for sub_name, sub in block.named_modules()
+        if type(sub).__name__ in config.attention_classes
+    ]
+    if not targets:
+        raise TrainingConfigError(
+            f"checkpointing.mode=attention found no modules of class {list(config.attention_classes)} inside "
+            f"the chosen blocks ({blocks[0][0]}, ...); set checkpointing.attention_classes"
+        )
+    return targets
+
+
+# ----------------------------------------------------------------------------------------------- wrapping
+def _ops_context_fn(save: frozenset) -> Callable[[], Any]:
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in save:
+            if not ctx.is_recompute:
+                note_cached(getattr(ctx, "op_output", None))
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def _wrap(sub: nn.Module, context_fn: Callable[[], Any] | None) -> None:
+    original = sub.__dict__.get(_ORIGINAL) or sub.forward
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kw: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args, **kw)
+        return checkpoint(original, *args, **kwargs, **kw)
+
+    sub.forward = forward  # type: ignore[method-assign]
+    setattr(sub, _ORIGINAL, original)
+
+
+def remove_checkpointing(module: nn.Module) -> int:
+    """Restore every forward wrapped by `apply_checkpointing`; returns how many were restored."""
+    restored = 0
+    for sub in module.modules():
+        original = sub.__dict__.pop(_ORIGINAL, None)
+        if original is not None:
+            sub.__dict__.pop("forward", None)
+            restored += 1
+    return restored
+
+
+def apply_checkpointing(module: nn.Module, config: CheckpointingConfig) -> list[str]:
+    """Wrap the forwards `config` chooses inside `module`; returns their qualified names (empty for mode none)."""
+    remove_checkpointing(module)
+    targets = select_targets(module, config)
+    if not config.allow_direct_params:
+        direct = [name for name, sub in targets if any(True for _ in sub.parameters(recurse=False))]
+        if direct:
+            raise TrainingConfigError(
+                f"checkpointing targets hold parameters directly ({', '.join(direct[:3])}); under ZeRO-3 choose "
+                "their parent blocks instead, or set checkpointing.allow_direct_params=true"
+            )
+    context_fn = _ops_context_fn(config._save_overloads) if config.mode == "ops" else None
+    for _, sub in targets:
+        _wrap(sub, context_fn)
+    return [name for name, _ in targets]
+
+
+class SelectiveCheckpointing(Callback):
+    """Applies a `CheckpointingConfig` to any LightningModule at `setup`, before the strategy wraps the model."""
+
+    def __init__(self, config: CheckpointingConfig | None = None, **fields: Any) -> None:
+        super().__init__()
+        self.config = config if config is not None else CheckpointingConfig(**fields)
+        self.wrapped: list[str] = []
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.wrapped = apply_checkpointing(pl_module, self.config)
+        if self.wrapped and trainer.is_global_zero:
+            log.info(
+                "checkpointing mode=%s wraps %d module(s): %s%s",
+                self.config.mode,
+                len(self.wrapped),
+                ", ".join(self.wrapped[:4]),
+                ", ..." if len(self.wrapped) > 4 else "",
+            )
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        remove_checkpointing(pl_module)
+        self.wrapped = []
