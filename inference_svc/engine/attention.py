@@ -67,8 +67,9 @@ class AttentionMetadata:
 class TorchPagedAttention:
     """The CPU (and fallback) backend: plain torch ops over the paged cache.
 
-    Decode gathers each sequence's blocks once per layer into a padded `[D, Lmax]` view and runs SDPA with a length
-    mask built once per step; a single sequence whose blocks are consecutive is read as a slice, without a copy.
+    Decode gathers each sequence's blocks once per layer (`index_select`) into a padded `[D, Lmax]` tensor and runs SDPA
+    with a length mask built once per step; a single sequence whose blocks are consecutive is read as a slice of the
+    cache, without a copy.
     Prefill attends over the chunk's own K/V when nothing is cached before it, else over its gathered context.
     """
 
@@ -105,29 +106,30 @@ class TorchPagedAttention:
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         plan = self._decode_plan
         assert plan is not None
-        hkv, dim = k_cache.shape[2], k_cache.shape[3]
-        if plan.contiguous is not None:  # one sequence, consecutive blocks: a view of the cache
+        s, hq, dim = q.shape
+        hkv = k_cache.shape[2]
+        if plan.contiguous is not None:  # one sequence, consecutive blocks: a view of the cache, no copy
             lo, hi = plan.contiguous
             keys = k_cache.view(-1, hkv, dim)[lo:hi][None]  # [1, L, Hkv, D]
             values = v_cache.view(-1, hkv, dim)[lo:hi][None]
         else:
-            s = q.shape[0]
-            keys = k_cache[plan.block_index].view(s, -1, hkv, dim)  # [S, Lmax, Hkv, D]
-            values = v_cache[plan.block_index].view(s, -1, hkv, dim)
+            keys = k_cache.index_select(0, plan.block_index).view(s, -1, hkv, dim)  # [S, Lmax, Hkv, D]
+            values = v_cache.index_select(0, plan.block_index).view(s, -1, hkv, dim)
+        # One query per sequence: fold the GQA group into the query axis, so each KV head is read once and
+        # SDPA sees [S, Hkv, G, D] queries against [S, Hkv, L, D] keys (no causal mask needed within a decode).
         out = F.scaled_dot_product_attention(
-            q[:, :, None, :],  # [S, Hq, 1, D]
-            keys.transpose(1, 2),  # [S, Hkv, L, D]
+            q.view(s, hkv, hq // hkv, dim),
+            keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=plan.mask,  # [S, 1, 1, Lmax] or None
             scale=scale,
-            enable_gqa=q.shape[1] != hkv,
         )
-        return out[:, :, 0, :]  # [S, Hq, D]
+        return out.reshape(s, hq, dim)  # [S, Hq, D]
 
 
 @dataclass
 class _DecodePlan:
-    block_index: torch.Tensor | None  # [S, max_blocks] int64
+    block_index: torch.Tensor | None  # [S * max_blocks] int64, the blocks of each sequence back to back
     mask: torch.Tensor | None  # [S, 1, 1, max_blocks*bs] bool
     contiguous: tuple[int, int] | None  # slot range of a single consecutive sequence
 
@@ -146,7 +148,7 @@ def _plan_decode(meta: AttentionMetadata, bs: int, device: torch.device) -> _Dec
     positions = torch.arange(max_blocks * bs)
     mask = positions[None, :] < torch.tensor(lens)[:, None]  # [S, Lmax]
     mask = None if bool(mask.all()) else mask[:, None, None, :].to(device)
-    return _DecodePlan(index.to(device), mask, None)
+    return _DecodePlan(index.view(-1).to(device), mask, None)
 
 
 @dataclass
@@ -180,8 +182,8 @@ def _prefill_one(
     if plan.block_index is None:
         keys, values, mask, causal = k, v, None, True
     else:
-        keys = k_cache[plan.block_index].view(-1, hkv, dim)[: plan.context_len]  # [ctx, Hkv, D]
-        values = v_cache[plan.block_index].view(-1, hkv, dim)[: plan.context_len]
+        keys = k_cache.index_select(0, plan.block_index).view(-1, hkv, dim)[: plan.context_len]  # [ctx, Hkv, D]
+        values = v_cache.index_select(0, plan.block_index).view(-1, hkv, dim)[: plan.context_len]
         mask, causal = plan.mask, False
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],  # [1, Hq, n, D]
