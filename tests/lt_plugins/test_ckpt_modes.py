@@ -20,11 +20,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from shared_model.config import get_preset
-from shared_model.model import build_model
 from lt_plugins.activation_meter import SavedActivationMeter, flop_counter
 from lt_plugins.checkpointing import CheckpointingConfig, apply_checkpointing
 from lt_plugins.memory_model import head_saved_bytes_per_token, layer_saved_bytes_per_token
+from shared_model.config import get_preset
+from shared_model.model import build_model
 from tests.conftest import tiny_config
 
 MODES = ("none", "full", "attention", "ops")

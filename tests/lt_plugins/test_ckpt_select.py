@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared_model.model import build_model
 from lt_plugins.checkpointing import (
     CheckpointingConfig,
     SelectiveCheckpointing,
@@ -17,6 +16,7 @@ from lt_plugins.checkpointing import (
     resolve_ops,
 )
 from lt_plugins.errors import TrainingConfigError
+from shared_model.model import build_model
 from tests.conftest import tiny_config
 
 
