@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -114,6 +115,21 @@ def server(bundle_dir: Path) -> Iterator[ServerThread]:
     srv = make_server(bundle_dir, max_request_bytes=4096)
     yield srv
     srv.close()
+
+
+@pytest.fixture
+def slow_steps(server: ServerThread) -> Iterator[None]:
+    """Test-only fault hook: 50 ms of extra latency per increment of requests whose id starts with 'slow-'."""
+    engine = server.server.engine
+    assert engine is not None
+
+    def slow(out) -> None:
+        if out.request_id.startswith("slow-"):
+            time.sleep(0.05)
+
+    engine.fault_hook = slow
+    yield
+    engine.fault_hook = None
 
 
 @pytest.fixture

@@ -30,8 +30,8 @@ def _wait_idle(server: ServerThread, timeout: float = 15.0):
         time.sleep(0.05)
 
 
-def test_cancel_frees_blocks_at_next_step(client, server: ServerThread) -> None:
-    stream = client.generate_stream(PROMPT, max_new_tokens=60, ignore_eos=True)
+def test_cancel_frees_blocks_at_next_step(client, server: ServerThread, slow_steps) -> None:
+    stream = client.generate_stream(PROMPT, request_id="slow-cancel", max_new_tokens=60, ignore_eos=True)
     got = [next(stream), next(stream)]
     assert server.stats().kv_blocks_used > 0
     stream.close()  # client-side cancel
@@ -49,21 +49,6 @@ def test_disconnect_frees_blocks(server: ServerThread) -> None:
     next(it)
     channel.close()  # the whole connection goes away
     _wait_idle(server)
-
-
-@pytest.fixture
-def slow_steps(server: ServerThread) -> Iterator[None]:
-    """Test-only fault hook: 50 ms of extra latency per increment of requests whose id starts with 'slow-'."""
-    engine = server.server.engine
-    assert engine is not None
-
-    def slow(out) -> None:
-        if out.request_id.startswith("slow-"):
-            time.sleep(0.05)
-
-    engine.fault_hook = slow
-    yield
-    engine.fault_hook = None
 
 
 def test_deadline_mid_decode(client, server: ServerThread, slow_steps) -> None:

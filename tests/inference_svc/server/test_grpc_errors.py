@@ -70,10 +70,10 @@ def test_request_above_size_limit(client) -> None:
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("request:"), details
 
 
-def test_duplicate_request_id_in_flight(client) -> None:
-    stream = client.generate_stream(PROMPT, request_id="dup", max_new_tokens=40, ignore_eos=True)
+def test_duplicate_request_id_in_flight(client, slow_steps) -> None:
+    stream = client.generate_stream(PROMPT, request_id="slow-dup", max_new_tokens=40, ignore_eos=True)
     next(stream)
-    code, details = _code(client.generate, PROMPT, request_id="dup", max_new_tokens=2)
+    code, details = _code(client.generate, PROMPT, request_id="slow-dup", max_new_tokens=2)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("request_id:")
     stream.close()
 

@@ -18,16 +18,25 @@ import pytest
 
 from inference_svc.client import NO_RETRY, TandemClient
 from inference_svc.proto_gen import inference_pb2 as pb
-from tests.conftest import free_port
+from shared_model.bundle import save_bundle
+from shared_model.model import build_model
+from tests.conftest import free_port, tiny_config
 
 REPO = Path(__file__).resolve().parents[3]
 GRACE_S = 1.5
+LONG_TOKENS = 2000  # far more than any CPU decodes in GRACE_S with this model
+
+
+@pytest.fixture(scope="module")
+def long_context_bundle(tmp_path_factory: pytest.TempPathFactory, small_tokenizer) -> Path:
+    config = tiny_config(max_position_embeddings=2048)
+    return save_bundle(tmp_path_factory.mktemp("sigterm") / "bundle", config, build_model(config), small_tokenizer)
 
 
 def _start_server(bundle: Path, port: int) -> tuple[subprocess.Popen, queue.Queue]:
     cmd = [
         sys.executable, "-m", "shared_model.cli", "serve", "--model", str(bundle), "--port", str(port),
-        "--no-metrics", "--device", "cpu", "--kv-cache-memory", "4MiB", "--max-new-tokens", "500",
+        "--no-metrics", "--device", "cpu", "--kv-cache-memory", "4MiB", "--max-new-tokens", "2040",
         "--shutdown-grace", str(GRACE_S), "--log-level", "WARNING",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -59,9 +68,9 @@ def _wait_for_line(lines: queue.Queue, needle: str, timeout: float, seen: list[s
     raise AssertionError(f"no {needle!r} within {timeout} s:\n" + "".join(seen))
 
 
-def test_generate_cli_then_sigterm_drain(bundle_dir: Path) -> None:
+def test_generate_cli_then_sigterm_drain(long_context_bundle: Path) -> None:
     port = free_port()
-    proc, lines = _start_server(bundle_dir, port)
+    proc, lines = _start_server(long_context_bundle, port)
     seen: list[str] = []
     try:
         _wait_for_line(lines, "SERVING", 120, seen)
@@ -92,7 +101,7 @@ def test_generate_cli_then_sigterm_drain(bundle_dir: Path) -> None:
                 finally:
                     started[name].set()
 
-        long_t = threading.Thread(target=stream, args=("long", 480))
+        long_t = threading.Thread(target=stream, args=("long", LONG_TOKENS))
         long_t.start()
         assert started["long"].wait(30)
         short_t = threading.Thread(target=stream, args=("short", 4))
@@ -117,7 +126,7 @@ def test_generate_cli_then_sigterm_drain(bundle_dir: Path) -> None:
         assert results["short"] == ("done", 4, pb.FINISH_REASON_LENGTH), results
         outcome, tokens, code = results["long"]  # type: ignore[misc]
         assert (outcome, code) == ("error", grpc.StatusCode.UNAVAILABLE), results
-        assert 0 < tokens < 480
+        assert 0 < tokens < LONG_TOKENS
         assert GRACE_S <= elapsed < GRACE_S + 15
         rest = []
         while (line := lines.get(timeout=5)) is not None:
