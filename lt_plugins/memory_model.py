@@ -168,6 +168,15 @@ def bucket_bytes(num_params: float, layout: ZeroLayout) -> float:
     return float(copies * layout.bucket_elements * b)
 
 
+def stage3_working_set(config: ModelConfig, precision: str) -> float:
+    """Stage 3 gathers whole parameters module by module: the largest gathered module (embedding, LM head or one
+    layer) and the next one being prefetched sit in GPU memory beside the shards, offloaded or not."""
+    h, q, kv, i = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    layer = h * q + 2 * h * kv + q * h + 3 * h * i
+    largest = max(layer, config.vocab_size * h)
+    return 2.0 * largest * model_bytes_per_element(precision)
+
+
 # ------------------------------------------------------------------------------------------- activations
 def layer_saved_bytes_per_token(config: ModelConfig, mode: str, b: int) -> float:
     """Bytes one decoder layer saves for backward per token (fused attention; norms computed in fp32).

@@ -2,10 +2,11 @@
 
 Contract:
 - `plan(config, PlanRequest)` returns a `Plan`: one `Candidate` per configuration with its per-GPU bytes by term
-  (lecture accounting, `memory_model.lecture_state_terms`, plus saved activations at their recompute peak and the
-  communication buckets), whether it fits the usable GPU memory (and host memory, when given), the relative compute
-  (FLOPs with recompute / FLOPs without), the bytes communicated per step, an estimated step time, and for a
-  configuration that does not fit, the term that limits it and the lever that shrinks that term.
+  (lecture accounting, `memory_model.lecture_state_terms`; at stage 3 plus the gathered working set; saved
+  activations at their recompute peak; the communication buckets), whether it fits the usable GPU memory (and host
+  memory, when given), the relative compute (FLOPs with recompute / FLOPs without), the bytes communicated per
+  step, an estimated step time, and for a configuration that does not fit, the term that limits it and the lever
+  that shrinks that term.
 - The recommendation is the fitting configuration with the lowest estimated step time (ties: fewer GPU bytes).
   `Plan.scaling` gives the recommendation for other GPU counts (1, 2, 4, 8 by default).
 - Imports only shared_model and lt_plugins.memory_model: `tandem plan` starts without Lightning or DeepSpeed.
@@ -31,6 +32,7 @@ from lt_plugins.memory_model import (
     bucket_bytes,
     comm_bytes,
     lecture_state_terms,
+    stage3_working_set,
     step_flops,
     step_seconds,
 )
@@ -137,6 +139,8 @@ def evaluate(
     terms = lecture_state_terms(num_params, layout)
     acts = activation_bytes(config, request.micro_batch, request.seq_len, mode, layout.precision)
     gpu = {t.name: t.gpu_bytes for t in terms}
+    if layout.stage == 3:
+        gpu[WEIGHTS] += stage3_working_set(config, layout.precision)
     gpu[ACTIVATIONS] = acts["peak"]
     gpu[BUCKETS] = bucket_bytes(num_params, layout)
     cpu = sum(t.cpu_bytes for t in terms)
