@@ -63,7 +63,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP  # query tokens per tile
+    BLOCK_Q = BLOCK_M // GROUP  # query tokens per tile (constexpr arithmetic)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
 

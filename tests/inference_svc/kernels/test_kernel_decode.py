@@ -7,6 +7,8 @@ left empty for short sequences in a batch with long ones) and chosen from the le
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -66,3 +68,21 @@ def test_decode_cuda_half(paged_case, within_tolerance, dtype, num_splits) -> No
     same = reference.decode_attention(c.q, c.k_cache, c.v_cache, *args)
     within_tolerance(out, truth, same, f"decode cuda {dtype} splits={num_splits}")
     assert configs.decode_num_splits(4, 8, 8000, 264) > 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_random_batches(paged_case, within_tolerance, seed) -> None:
+    """Seeded random batches: 1-6 sequences, contexts 1..600, random GQA ratio / head_dim / block size / dtype /
+    split count (including the length-based default)."""
+    rng = random.Random(100 + seed)
+    contexts = [rng.randint(1, 600) for _ in range(rng.randint(1, 6))]
+    hkv, group = rng.choice([1, 2]), rng.choice([1, 2, 3, 4, 8])
+    head_dim, block_size = rng.choice([16, 24, 64, 80, 128]), rng.choice([16, 32])
+    dtype, splits = rng.choice([torch.float32, torch.float16]), rng.choice([None, 1, 2, 3, 6])
+    c = paged_case(contexts, [1] * len(contexts), hkv * group, hkv, head_dim, block_size, dtype, seed=seed)
+    args = (c.context_lens, c.block_tables, c.scale)
+    out = kernels.decode_attention(c.q, c.k_cache, c.v_cache, *args, num_splits=splits)
+    truth = reference.decode_attention(c.q.double(), c.k_cache.double(), c.v_cache.double(), *args)
+    same = reference.decode_attention(c.q, c.k_cache, c.v_cache, *args)
+    what = f"contexts={contexts} Hq={hkv * group} Hkv={hkv} D={head_dim} bs={block_size} {dtype} splits={splits}"
+    within_tolerance(out, truth, same, what)

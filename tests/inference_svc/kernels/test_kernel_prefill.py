@@ -8,6 +8,8 @@ non-contiguous block tables with NaN everywhere a kernel must not read, and fp32
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -63,7 +65,14 @@ def test_rejects_bad_shapes(paged_case) -> None:
 def test_prefill_cuda_half(paged_case, within_tolerance, dtype, hq, hkv, head_dim, block_size) -> None:
     c = paged_case([1000, 77, 2049], [1000, 13, 512], hq, hkv, head_dim, block_size, dtype, device="cuda")
     args = (c.cu_seqlens_q, c.context_lens, c.block_tables, c.scale)
+    kernels.prefill_attention(c.q, c.k_cache, c.v_cache, *args)  # compile / autotune first
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     out = kernels.prefill_attention(c.q, c.k_cache, c.v_cache, *args)
+    torch.cuda.synchronize()
+    # the only allocation is the output: no [tokens × tokens] scores (here ≥ 1525² × Hq × 4 bytes ≥ 74 MiB)
+    assert torch.cuda.max_memory_allocated() - before <= out.numel() * out.element_size() + (1 << 20)
     truth = reference.prefill_attention(c.q.double(), c.k_cache.double(), c.v_cache.double(), *args)
     same = reference.prefill_attention(c.q, c.k_cache, c.v_cache, *args)
     within_tolerance(out, truth, same, f"prefill cuda {dtype}")
@@ -80,3 +89,22 @@ def test_prefill_small_tiles(paged_case, within_tolerance, monkeypatch) -> None:
     out = kernels.prefill_attention(c.q, c.k_cache, c.v_cache, *args)
     truth = reference.prefill_attention(c.q.double(), c.k_cache.double(), c.v_cache.double(), *args)
     within_tolerance(out, truth, reference.prefill_attention(c.q, c.k_cache, c.v_cache, *args), "small tiles")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prefill_random_batches(paged_case, within_tolerance, seed) -> None:
+    """Seeded random batches: 1-4 sequences, contexts 1..600, chunks from 0 to the whole context, random GQA
+    ratio / head_dim / block size / dtype (printed on failure through the parameters below)."""
+    rng = random.Random(seed)
+    contexts = [rng.randint(1, 600) for _ in range(rng.randint(1, 4))]
+    q_lens = [rng.choice([c, rng.randint(0, c), rng.randint(1, min(c, 8))]) for c in contexts]
+    hkv, group = rng.choice([1, 2]), rng.choice([1, 2, 3, 4, 8])
+    head_dim, block_size = rng.choice([16, 24, 64, 80, 128]), rng.choice([16, 32])
+    dtype = rng.choice([torch.float32, torch.float16])
+    c = paged_case(contexts, q_lens, hkv * group, hkv, head_dim, block_size, dtype, seed=seed)
+    args = (c.cu_seqlens_q, c.context_lens, c.block_tables, c.scale)
+    out = kernels.prefill_attention(c.q, c.k_cache, c.v_cache, *args)
+    truth = reference.prefill_attention(c.q.double(), c.k_cache.double(), c.v_cache.double(), *args)
+    same = reference.prefill_attention(c.q, c.k_cache, c.v_cache, *args)
+    what = f"contexts={contexts} q_lens={q_lens} Hq={hkv * group} Hkv={hkv} D={head_dim} bs={block_size} {dtype}"
+    within_tolerance(out, truth, same, what)
