@@ -131,7 +131,7 @@ async def _serve(settings: ServerSettings, engine_config: Any) -> int:
         loop.add_signal_handler(sig, on_signal, sig.name)
     try:
         await server.start()
-    except InferenceError as exc:
+    except (InferenceError, OSError) as exc:  # model load failure, port in use
         print(f"tandem serve: {exc}", file=sys.stderr, flush=True)
         await server.shutdown(0)
         return 1
