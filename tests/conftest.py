@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import socket
+
+import torch
+
+# Triton chooses interpreter or compiler once, when it is first imported (Lightning and torch._dynamo import it
+# early). Without CUDA the kernels can only run in the interpreter, so decide before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
