@@ -87,15 +87,17 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        sample_rows: list[int] = []
+        last_row: dict[int, int] = {}  # id(item) -> row of its last token in the flat [T] layout
         for b in (*decodes, *prefills):
             seq, table = b.seq, b.seq.block_table
             rng = range(b.start, b.start + b.num_tokens)
             ids.extend(seq.token_ids[b.start : b.start + b.num_tokens])
             pos.extend(rng)
             slots.extend(table[p // bs] * bs + p % bs for p in rng)
-            if b.samples:
-                sample_rows.append(len(ids) - 1)
+            last_row[id(b)] = len(ids) - 1
+        # Logits rows follow the caller's batch order, not the flat layout (decodes first): a cache-hit admission
+        # whose remaining prompt is one token runs as a decode yet sits after prefill chunks in the batch.
+        sample_rows = [last_row[id(b)] for b in batch if b.samples]
         dev = self.device
         decode_lens = [b.start + 1 for b in decodes]
         decode_tables = [b.seq.block_table for b in decodes]

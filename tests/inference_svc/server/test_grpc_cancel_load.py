@@ -126,16 +126,10 @@ PROMPTS = [
 ]
 
 
-PREFIX_CACHE_BUG = (
-    "engine bug (reported): with prefix caching on, a batched prefill whose prompts hit the prefix cache "
-    "gives different greedy tokens than the same prompts alone"
-)
-
-
 @pytest.fixture(
     params=[
         pytest.param(False, id="no-prefix-cache"),
-        pytest.param(True, id="prefix-cache", marks=pytest.mark.xfail(reason=PREFIX_CACHE_BUG, strict=False)),
+        pytest.param(True, id="prefix-cache"),
     ]
 )
 def load_server(bundle_dir, request) -> Iterator[ServerThread]:
