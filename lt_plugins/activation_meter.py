@@ -5,7 +5,8 @@ Contract:
   saves during the forward (outermost hooks: what is saved outside checkpointed regions, plus the inputs that
   non-reentrant checkpointing saves for its recompute) and every op output that selective checkpointing caches
   (`note_cached`, called by the `ops` policy in `lt_plugins.checkpointing`). Bytes are counted once per storage,
-  so views and tensors saved twice count once; storages of the excluded tensors (parameters, buffers) count zero.
+  so views and tensors saved twice count once; parameters and their views, and the storages of the excluded
+  tensors (parameters, buffers), count zero.
 - `meter.bytes` is the total; `meter.by_dtype` splits it. Deterministic on CPU: it sums tensor sizes, it does not
   read an allocator.
 - Only forward passes are metered: the recompute in backward runs under checkpoint's own hooks.
@@ -33,6 +34,12 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (weights saved by matmul backward are not activations, wherever ZeRO-3 has
+    gathered them to)."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
 class SavedActivationMeter:
     """Counts unique storages saved for backward during the forward passes run inside it."""
 
@@ -44,7 +51,7 @@ class SavedActivationMeter:
 
     # --------------------------------------------------------------------------- recording
     def _record(self, t: torch.Tensor) -> None:
-        if t.device.type == "meta" or t.is_sparse:
+        if t.device.type == "meta" or t.is_sparse or _is_parameter(t):
             return
         key = _storage_key(t)
         if key in self._excluded or key in self._seen:

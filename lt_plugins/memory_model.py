@@ -160,7 +160,7 @@ def bucket_bytes(num_params: float, layout: ZeroLayout) -> float:
 
     Stages 1-2 (contiguous gradients): a reduce bucket of `bucket_elements` in the model dtype during backward,
     two with overlap_comm. Stage 3: one persistent reduce bucket. Stage 0 keeps no bucket (the all-reduce flattens
-    gradients transiently). On CUDA, DeepSpeed allocates the full bucket whatever the model size."""
+    gradients transiently). DeepSpeed allocates the full bucket whatever the model or world size."""
     if layout.stage == 0 or (layout.world == 1 and layout.stage < 3):
         return 0.0
     b = model_bytes_per_element(layout.precision)

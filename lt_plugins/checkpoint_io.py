@@ -1,0 +1,124 @@
+"""Checkpoint integrity: a manifest written after a sharded save, and the check that export and resume run first.
+
+Contract:
+- `write_manifest(ckpt_dir)` records every file under a finished DeepSpeed checkpoint directory with its size and
+  SHA-256 in `tandem_manifest.json`, written last and atomically: its presence means the save completed.
+- `verify_checkpoint(ckpt_dir)` raises `CheckpointError` naming the problem: no such directory, no manifest (a save
+  that never finished, or not a Tandem checkpoint), a listed file missing (partial copy), a size or hash mismatch
+  (corrupt file), or no DeepSpeed `latest` tag. It returns the tag directory.
+- `latest_checkpoint(folder)` is the newest checkpoint with a manifest under a run's checkpoint folder, or None.
+- `PeriodicCheckpoint` saves `step-NNNNNN` directories every N optimizer steps and at the end of training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lt_plugins.errors import CheckpointError
+
+MANIFEST = "tandem_manifest.json"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(ckpt_dir: Path) -> Path:
+    """Hash every file of a completed checkpoint directory; the manifest is renamed into place last."""
+    files = sorted(p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(ckpt_dir)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    tmp = ckpt_dir / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"format": 1, "files": entries}, indent=1, sort_keys=True) + "\n")
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, ckpt_dir / MANIFEST)
+    return ckpt_dir / MANIFEST
+
+
+def verify_checkpoint(ckpt_dir: str | Path, check_hashes: bool = True) -> Path:
+    """Raise CheckpointError unless `ckpt_dir` is a complete, unaltered checkpoint; return its tag directory."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {ckpt_dir}")
+    manifest = ckpt_dir / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(
+            f"{ckpt_dir} has no {MANIFEST}: the save did not finish (partial checkpoint) or it is not a Tandem "
+            "ZeRO checkpoint directory"
+        )
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{manifest} is corrupt: {exc}") from exc
+    for rel, meta in sorted(entries.items()):
+        path = ckpt_dir / rel
+        if not path.is_file():
+            raise CheckpointError(f"partial checkpoint: {path} is listed in {MANIFEST} but missing")
+        size = path.stat().st_size
+        if size != meta["bytes"]:
+            raise CheckpointError(f"corrupt checkpoint: {path} has {size} bytes, the manifest says {meta['bytes']}")
+        if check_hashes and _sha256(path) != meta["sha256"]:
+            raise CheckpointError(f"corrupt checkpoint: {path} does not match its SHA-256 in {MANIFEST}")
+    latest = ckpt_dir / "latest"
+    if not latest.is_file():
+        raise CheckpointError(f"{ckpt_dir} has no DeepSpeed 'latest' file naming the checkpoint tag")
+    tag_dir = ckpt_dir / latest.read_text().strip()
+    if not tag_dir.is_dir():
+        raise CheckpointError(f"{ckpt_dir}: the tag directory {tag_dir.name!r} named by 'latest' is missing")
+    return tag_dir
+
+
+def latest_checkpoint(folder: str | Path) -> Path | None:
+    """The most recently written checkpoint directory under `folder` that has a manifest, or None."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    done = [p for p in folder.iterdir() if p.is_dir() and (p / MANIFEST).is_file()]
+    return max(done, key=lambda p: (p / MANIFEST).stat().st_mtime_ns, default=None)
+
+
+class PeriodicCheckpoint(Callback):
+    """Sharded checkpoints `<dirpath>/step-NNNNNN` every N optimizer steps and at the end; keeps the newest K.
+
+    Works with any strategy whose `save_checkpoint` writes a directory with a manifest (ZeroStrategy does)."""
+
+    def __init__(self, dirpath: str | Path, every_n_steps: int, keep_last: int = 2) -> None:
+        if every_n_steps <= 0 or keep_last <= 0:
+            raise CheckpointError(f"every_n_steps and keep_last must be > 0, got {every_n_steps}, {keep_last}")
+        self.dirpath, self.every_n_steps, self.keep_last = Path(dirpath), every_n_steps, keep_last
+        self._last_saved: int | None = None
+        self.saved: list[Path] = []
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last_saved = trainer.global_step  # a resumed run does not re-save the step it resumed from
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step % self.every_n_steps == 0 and step != self._last_saved:
+            self._save(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.global_step != self._last_saved:
+            self._save(trainer)
+
+    def _save(self, trainer: Trainer) -> None:
+        path = self.dirpath / f"step-{trainer.global_step:06d}"
+        trainer.save_checkpoint(path)
+        self._last_saved = trainer.global_step
+        self.saved.append(path)
+        if trainer.is_global_zero:
+            done = sorted(p for p in self.dirpath.glob("step-*") if (p / MANIFEST).is_file())
+            for old in done[: -self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        trainer.strategy.barrier("tandem_checkpoint_pruned")

@@ -1,0 +1,205 @@
+"""`tandem train` and `tandem export`: the training entry points called by shared_model's dispatcher.
+
+Contract:
+- `train_main(["--config", "configs/tiny-cpu.yaml", "trainer.devices=2", ...])` loads and validates the config,
+  prepares the data (cached in the run dir), writes the resolved `config.yaml` and `model_meta/` into the run dir,
+  trains (Lightning launches the other processes by re-running this command), saves sharded checkpoints, exports
+  the bundle and prints `bundle: /abs/path` as its last line. Returns 0, or 2 with a one-line error.
+- The run directory is `run_dir` from the config, else `./runs/<run_name>-<timestamp>`; the first process exports
+  it as `TANDEM_RUN_DIR` so the processes Lightning launches agree on it. Multi-node runs should set `run_dir`.
+- `export_main([CKPT_DIR, OUT_DIR, "--dtype", "bfloat16"])` consolidates a checkpoint (a run dir picks its newest)
+  into a bundle and prints `bundle: /abs/path`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lt_plugins.config import TrainConfig, load_config, to_yaml
+from lt_plugins.errors import TrainingError
+from lt_plugins.precision import check_precision
+
+RUN_DIR_ENV = "TANDEM_RUN_DIR"
+
+
+def _is_rank_zero() -> bool:
+    """True in the process a user started (before Lightning launches others) and on global rank 0."""
+    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"):
+        if int(os.environ.get(var, "0") or 0) != 0:
+            return False
+    return True
+
+
+def resolve_run_dir(cfg: TrainConfig) -> Path:
+    if cfg.run_dir:
+        return Path(cfg.run_dir).resolve()
+    if os.environ.get(RUN_DIR_ENV):
+        return Path(os.environ[RUN_DIR_ENV]).resolve()
+    return (Path.cwd() / "runs" / f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    warnings.filterwarnings("ignore", message=".*weights_only.*")
+    warnings.filterwarnings("ignore", message=".*Stage 3 checkpoint.*")
+    import logging
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+
+def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[Any] | None = None) -> Any:
+    """The lightning.Trainer a config describes (strategy, precision, loggers, checkpoint and export callbacks)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lt_plugins.checkpoint_io import PeriodicCheckpoint
+    from lt_plugins.export import META_DIR, ExportBundle
+    from lt_plugins.precision import PrecisionPolicyCallback
+    from lt_plugins.strategy import ZeroStrategy
+
+    t = cfg.trainer
+    strategy: Any = cfg.strategy.name
+    all_callbacks: list[Any] = [PrecisionPolicyCallback(), *(callbacks or [])]
+    if cfg.strategy.name == "zero":
+        strategy = ZeroStrategy(cfg.strategy.zero_config(), extra=cfg.strategy.extra)
+        all_callbacks.append(
+            PeriodicCheckpoint(run_dir / "checkpoints", cfg.checkpoints.every_n_steps, cfg.checkpoints.keep_last)
+        )
+        if cfg.export.enabled:
+            all_callbacks.append(
+                ExportBundle(run_dir / "checkpoints", run_dir / "bundle", cfg.export.dtype, run_dir / META_DIR)
+            )
+    loggers: list[Any] = []
+    if cfg.logging.csv:
+        loggers.append(CSVLogger(run_dir, name="logs", version=""))
+    if cfg.logging.tensorboard:
+        try:
+            from lightning.pytorch.loggers import TensorBoardLogger
+
+            loggers.append(TensorBoardLogger(run_dir, name="tensorboard", version=""))
+        except ModuleNotFoundError:  # pragma: no cover - tensorboard is optional
+            pass
+    return pl.Trainer(
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        precision=t.precision,
+        strategy=strategy,
+        max_steps=t.max_steps,
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        gradient_clip_val=t.gradient_clip_val,
+        val_check_interval=t.val_check_interval,
+        check_val_every_n_epoch=None,
+        limit_val_batches=t.limit_val_batches,
+        log_every_n_steps=t.log_every_n_steps,
+        enable_progress_bar=t.enable_progress_bar,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=run_dir,
+        logger=loggers or False,
+        callbacks=all_callbacks,
+    )
+
+
+def _write_run_files(cfg: TrainConfig, run_dir: Path, model_config: Any, tokenizer: Any) -> None:
+    from lt_plugins.export import META_DIR
+
+    meta = run_dir / META_DIR
+    meta.mkdir(parents=True, exist_ok=True)
+    (meta / "config.json").write_text(json.dumps(model_config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
+    tokenizer.save(meta)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+
+
+def _resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
+    from lt_plugins.checkpoint_io import latest_checkpoint, verify_checkpoint
+
+    resume = cfg.checkpoints.resume
+    if resume is None or resume == "none":
+        return None
+    path = latest_checkpoint(run_dir / "checkpoints") if resume == "auto" else Path(resume)
+    if path is None:
+        return None
+    verify_checkpoint(path, check_hashes=False)
+    return str(path)
+
+
+def run_training(cfg: TrainConfig) -> Path | None:
+    """Train as configured; return the bundle path on rank 0 (None elsewhere or when export is disabled)."""
+    _quiet()
+    check_precision(cfg.trainer.precision, "cpu" if cfg.trainer.accelerator == "cpu" else "cuda")
+    run_dir = resolve_run_dir(cfg)
+    os.environ[RUN_DIR_ENV] = str(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    import lightning.pytorch as pl
+
+    from lt_plugins.data import CorpusDataModule, prepare_blocks
+    from lt_plugins.export import ExportBundle
+    from lt_plugins.lit_module import LitCausalLM
+    from shared_model.config import get_preset
+
+    model_config = get_preset(cfg.model.preset)
+    blocks = prepare_blocks(cfg.data, run_dir / "cache", model_config.vocab_size)
+    if _is_rank_zero():
+        _write_run_files(cfg, run_dir, model_config, blocks.tokenizer)
+    resume = _resume_path(cfg, run_dir)
+    pl.seed_everything(cfg.trainer.seed, verbose=False)
+    module = LitCausalLM(model_config, cfg.optim, seed=cfg.model.seed)
+    trainer = build_trainer(cfg, run_dir)
+    trainer.fit(module, datamodule=CorpusDataModule(cfg.data, blocks), ckpt_path=resume)
+    if not trainer.is_global_zero:
+        return None
+    export = next((c for c in trainer.callbacks if isinstance(c, ExportBundle)), None)
+    return export.bundle_path if export is not None else None
+
+
+def train_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tandem train", description="Train a model from an OmegaConf YAML config.")
+    parser.add_argument("--config", help="YAML file (see configs/); the schema is lt_plugins/config.py")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.devices=2 strategy.stage=3")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    args = parser.parse_args(list(argv))
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            print(to_yaml(cfg), end="")
+            return 0
+        bundle = run_training(cfg)
+    except TrainingError as exc:
+        print(f"tandem train: error: {exc}", file=sys.stderr)
+        return 2
+    if bundle is not None:
+        print(f"bundle: {bundle}", flush=True)
+    return 0
+
+
+def export_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tandem export", description="Consolidate a ZeRO checkpoint into a bundle.")
+    parser.add_argument("ckpt_dir", help="checkpoint directory (or a run directory: its newest checkpoint)")
+    parser.add_argument("out_dir", help="bundle folder to write (atomically)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--model-meta", default=None, help="folder with config.json + tokenizer (default: found)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
+    args = parser.parse_args(list(argv))
+    _quiet()
+    from lt_plugins.export import export_bundle
+
+    try:
+        path = export_bundle(args.ckpt_dir, args.out_dir, args.dtype, args.model_meta, overwrite=args.overwrite)
+    except TrainingError as exc:
+        print(f"tandem export: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"bundle: {path}", flush=True)
+    return 0

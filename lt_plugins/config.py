@@ -1,0 +1,276 @@
+"""The training config: an OmegaConf structured schema made of small dataclasses, one per section.
+
+Contract:
+- `load_config(path, overrides)` merges a YAML file and `a.b=c` dotlist overrides onto the schema. An unknown key,
+  a wrong type or an invalid value raises `TrainingConfigError` naming the full key (`trainer.devices`); nothing
+  is silently ignored.
+- The result is a `TrainConfig` of plain dataclasses; `to_yaml(cfg)` writes the fully resolved config.
+- Sections are independent dataclasses so later work can add one (e.g. `checkpointing` for activation
+  recomputation, `ledger`) by adding a field to `TrainConfig` without touching the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lt_plugins.errors import TrainingConfigError
+from lt_plugins.precision import SUPPORTED_PRECISIONS
+from lt_plugins.strategy import ZeroConfig, merge_deepspeed_config
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value <= 0:
+            raise TrainingConfigError(f"{section}.{name} must be > 0, got {value}")
+
+
+@dataclass
+class ModelSection:
+    """Which decoder to train."""
+
+    preset: str = "tiny"
+    """A shared_model preset name (`tiny`, `small`, …)."""
+    seed: int = 0
+    """Seed of the weight initialisation."""
+
+    def __post_init__(self) -> None:
+        from shared_model.config import PRESETS
+
+        if self.preset not in PRESETS:
+            raise TrainingConfigError(f"model.preset={self.preset!r} is unknown; choose one of {sorted(PRESETS)}")
+
+
+@dataclass
+class DataSection:
+    """The corpus, its tokenizer and how it is packed into blocks."""
+
+    include_stdlib: bool = True
+    """Train on the interpreter's standard-library sources."""
+    extra: list[str] = field(default_factory=list)
+    """More files or glob patterns."""
+    val_fraction: float = 0.02
+    """Share of documents held out for validation."""
+    max_documents: int | None = None
+    """Use only the first N documents (fast tests)."""
+    tokenizer: str | None = None
+    """Folder or tokenizer.json to load; None trains a byte-level BPE on the training split (cached in the run)."""
+    vocab_size: int | None = None
+    """Vocabulary of a trained tokenizer; None means the model's vocab_size."""
+    block_size: int = 256
+    """Tokens per training sequence."""
+    batch_size: int = 8
+    """Sequences per process per micro-batch."""
+    seed: int = 0
+    """Seed of the block shuffle."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.val_fraction < 1:
+            raise TrainingConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        _positive("data", self, "max_documents", "vocab_size", "block_size", "batch_size")
+
+
+@dataclass
+class OptimSection:
+    """AdamW with linear warm-up and cosine decay."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (not on norms or biases)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+
+    def __post_init__(self) -> None:
+        _positive("optim", self, "lr")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise TrainingConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0:
+            raise TrainingConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass
+class StrategySection:
+    """How the processes share the work. `zero` is ZeroStrategy; `ddp` and `auto` are Lightning's own."""
+
+    name: str = "zero"
+    """zero | ddp | auto."""
+    stage: int = 2
+    """ZeRO stage 0-3."""
+    offload_optimizer: bool = False
+    """Optimizer state and master weights in CPU memory (stages 1-3)."""
+    offload_params: bool = False
+    """Parameter shards in CPU memory (stage 3)."""
+    pin_memory: bool = False
+    """Page-locked offload buffers."""
+    overlap_comm: bool = False
+    """Overlap gradient reduction with backward."""
+    bucket_size: int = 50_000_000
+    """Elements per communication bucket."""
+    param_persistence_threshold: int = 100_000
+    """Stage 3: smaller parameters are not sharded."""
+    timeout_s: int = 1800
+    """Collective timeout in seconds."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Raw DeepSpeed config keys merged on top (conflicts with the fields above or the Trainer are errors)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("zero", "ddp", "auto"):
+            raise TrainingConfigError(f"strategy.name must be zero, ddp or auto, got {self.name!r}")
+        merge_deepspeed_config(self.zero_config(), self.extra)  # validates the ZeRO fields and extra's conflicts
+
+    def zero_config(self) -> ZeroConfig:
+        names = {f.name for f in fields(ZeroConfig)}
+        return ZeroConfig(**{k: getattr(self, k) for k in names})
+
+
+@dataclass
+class TrainerSection:
+    """Arguments passed to lightning.Trainer."""
+
+    accelerator: str = "cpu"
+    """cpu | cuda | gpu | auto."""
+    devices: int = 1
+    """Processes per node."""
+    num_nodes: int = 1
+    """Nodes (multi-node through torchrun or SLURM; see docs/training.md)."""
+    precision: str = "bf16-mixed"
+    """bf16-mixed | 16-mixed (CUDA only) | 32-true."""
+    max_steps: int = 100
+    """Optimizer steps to train."""
+    accumulate_grad_batches: int = 1
+    """Micro-batches per optimizer step."""
+    gradient_clip_val: float | None = 1.0
+    """Clip the global gradient norm (None: no clipping)."""
+    val_check_interval: int = 50
+    """Validate every N training batches."""
+    limit_val_batches: int = 8
+    """Validation batches per check."""
+    log_every_n_steps: int = 10
+    """Logging interval."""
+    seed: int = 0
+    """Global seed (seed_everything)."""
+    enable_progress_bar: bool = True
+    """Show the progress bar (loss, lr, tokens/s)."""
+
+    def __post_init__(self) -> None:
+        if self.accelerator not in ("cpu", "cuda", "gpu", "auto"):
+            raise TrainingConfigError(f"trainer.accelerator must be cpu, cuda, gpu or auto, got {self.accelerator!r}")
+        if self.precision not in SUPPORTED_PRECISIONS:
+            raise TrainingConfigError(
+                f"trainer.precision={self.precision!r} is not supported; choose one of {SUPPORTED_PRECISIONS}"
+            )
+        _positive(
+            "trainer",
+            self,
+            "devices",
+            "num_nodes",
+            "max_steps",
+            "accumulate_grad_batches",
+            "val_check_interval",
+            "log_every_n_steps",
+        )
+        if self.limit_val_batches < 0:
+            raise TrainingConfigError(f"trainer.limit_val_batches must be >= 0, got {self.limit_val_batches}")
+
+
+@dataclass
+class CheckpointsSection:
+    """Sharded training checkpoints (saving and resuming; not activation checkpointing)."""
+
+    every_n_steps: int = 50
+    """Save a sharded checkpoint every N optimizer steps (and always at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept on disk (older ones are deleted)."""
+    resume: str | None = "auto"
+    """auto: continue from the newest complete checkpoint of the run dir if any; a path; or None."""
+
+    def __post_init__(self) -> None:
+        _positive("checkpoints", self, "every_n_steps", "keep_last")
+
+
+@dataclass
+class ExportSection:
+    """The bundle written when training ends."""
+
+    enabled: bool = True
+    """Export the final checkpoint to `<run_dir>/bundle`."""
+    dtype: str = "bfloat16"
+    """Weights dtype in the bundle: float32 | bfloat16 | float16."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+            raise TrainingConfigError(f"export.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass
+class LoggingSection:
+    """Where metrics go."""
+
+    csv: bool = True
+    """CSV logger under <run_dir>/logs."""
+    tensorboard: bool = True
+    """TensorBoard logger too, when tensorboard is installed."""
+
+
+@dataclass
+class TrainConfig:
+    """One training run."""
+
+    run_name: str = "run"
+    """Prefix of the default run directory name."""
+    run_dir: str | None = None
+    """Output directory (checkpoints, logs, bundle); default ./runs/<run_name>-<timestamp>."""
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    strategy: StrategySection = field(default_factory=StrategySection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    checkpoints: CheckpointsSection = field(default_factory=CheckpointsSection)
+    export: ExportSection = field(default_factory=ExportSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Schema ← YAML file ← dotlist overrides, validated; errors name the key."""
+    try:
+        merged: DictConfig = OmegaConf.structured(TrainConfig)
+        if path is not None:
+            path = Path(path)
+            if not path.is_file():
+                raise TrainingConfigError(f"config file not found: {path}")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        if overrides:
+            bad = [o for o in overrides if "=" not in o]
+            if bad:
+                raise TrainingConfigError(f"overrides must look like key=value, got {bad}")
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise TrainingConfigError(_describe(exc)) from None
+    assert isinstance(cfg, TrainConfig)
+    return cfg
+
+
+def _describe(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None)
+    msg = str(exc).splitlines()[0]
+    if type(exc).__name__ == "ConfigKeyError" and key:
+        return f"unknown config key '{key}' ({msg})"
+    return f"config key '{key}': {msg}" if key else msg
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    """The fully resolved config as YAML."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,191 @@
+"""The example data module: the corpus, tokenized once, packed into fixed-length blocks, served in step order.
+
+Contract:
+- `prepare_blocks(cfg, cache_dir, vocab_size)` loads the corpus (default: the standard-library sources), trains a
+  byte-level BPE on the training split (or loads `cfg.tokenizer`), encodes every document with an EOS after it,
+  and packs each split into rows of `block_size + 1` tokens (inputs and shifted targets). The tokenizer and the
+  blocks are cached in `cache_dir` under a key of everything they depend on; a second call (another rank, a
+  resumed run) only reads. Files are written to a temporary name and renamed into place.
+- `StepLoader` serves the training blocks as a pure function of the micro-step: micro-step m on rank r of w reads
+  rows perm_e[(m mod S)·B·w + r·B : … + B] of the epoch-e permutation (e = m div S, seeded). Iteration starts at
+  the micro-step the Trainer has reached, so a resumed run sees exactly the batches a straight run would, and
+  one process with batch B·w sees the union of what w processes see.
+- `CorpusDataModule` wires both into Lightning; it needs `use_distributed_sampler=False` (it shards itself).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from safetensors.torch import load_file, save_file
+
+from lt_plugins.config import DataSection
+from lt_plugins.errors import TrainingConfigError
+from shared_model.corpus import CorpusConfig, load_corpus
+from shared_model.tokenizer import Tokenizer
+
+
+@dataclass
+class Blocks:
+    """Packed token rows [N, block_size + 1] (int64) per split, and the tokenizer that made them."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    tokenizer: Tokenizer
+
+
+def _cache_key(cfg: DataSection, vocab_size: int) -> str:
+    fields = asdict(cfg)
+    fields.pop("batch_size")
+    fields.pop("seed")
+    fields["vocab_size"] = cfg.vocab_size or vocab_size
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _pack(docs: list[list[int]], eos: int | None, row: int) -> torch.Tensor:
+    flat: list[int] = []
+    for ids in docs:
+        flat.extend(ids)
+        if eos is not None:
+            flat.append(eos)
+    n = len(flat) // row
+    return torch.tensor(flat[: n * row], dtype=torch.int64).view(n, row)
+
+
+def prepare_blocks(cfg: DataSection, cache_dir: str | Path, vocab_size: int) -> Blocks:
+    """Tokenize and pack the corpus, or read the cached result (see the module contract)."""
+    folder = Path(cache_dir) / f"data-{_cache_key(cfg, vocab_size)}"
+    blocks_file = folder / "blocks.safetensors"
+    if blocks_file.is_file() and (folder / "tokenizer.json").is_file():
+        tensors = load_file(str(blocks_file))
+        return Blocks(tensors["train"], tensors["val"], Tokenizer.load(folder))
+    corpus = load_corpus(
+        CorpusConfig(
+            include_stdlib=cfg.include_stdlib,
+            extra=tuple(cfg.extra),
+            val_fraction=cfg.val_fraction,
+            max_documents=cfg.max_documents,
+        )
+    )
+    if cfg.tokenizer is not None:
+        tokenizer = Tokenizer.load(cfg.tokenizer)
+    else:
+        tokenizer = Tokenizer.train(corpus.texts("train"), cfg.vocab_size or vocab_size)
+    if tokenizer.vocab_size > vocab_size:
+        raise TrainingConfigError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab_size} "
+            "(data.vocab_size / data.tokenizer vs model.preset)"
+        )
+    row = cfg.block_size + 1
+    train = _pack(tokenizer.encode_batch(corpus.texts("train")), tokenizer.eos_id, row)
+    val = _pack(tokenizer.encode_batch(corpus.texts("val")), tokenizer.eos_id, row)
+    if len(train) == 0:
+        raise TrainingConfigError(f"the training split holds fewer than data.block_size+1={row} tokens")
+    tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    tokenizer.save(tmp)
+    save_file({"train": train, "val": val}, str(tmp / "blocks.safetensors"))
+    try:
+        os.rename(tmp, folder)
+    except OSError:  # another process finished first: use theirs
+        pass
+    return Blocks(train, val, tokenizer)
+
+
+class StepLoader:
+    """Training batches as a function of the micro-step (see the module contract). Batches: [B, block+1] int64."""
+
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        batch_size: int,
+        rank: int,
+        world: int,
+        seed: int,
+        start: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.rows, self.batch_size, self.rank, self.world, self.seed = rows, batch_size, rank, world, seed
+        self.steps_per_epoch = len(rows) // (batch_size * world)
+        if self.steps_per_epoch == 0:
+            raise TrainingConfigError(
+                f"{len(rows)} training blocks cannot fill one global batch of data.batch_size={batch_size} x "
+                f"{world} processes; use more documents or a smaller batch"
+            )
+        self._start = start
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if self._perm is None or self._perm[0] != epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = (epoch, torch.randperm(len(self.rows), generator=gen))
+        return self._perm[1]
+
+    def batch(self, micro_step: int) -> torch.Tensor:
+        epoch, pos = divmod(micro_step, self.steps_per_epoch)
+        first = pos * self.batch_size * self.world + self.rank * self.batch_size
+        return self.rows[self._permutation(epoch)[first : first + self.batch_size]]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        step = self._start()
+        end = (step // self.steps_per_epoch + 1) * self.steps_per_epoch  # to the end of the current epoch
+        for m in range(step, end):
+            yield self.batch(m)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"start": self._start()}  # informative only: the position comes from the Trainer
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class FixedBatches:
+    """A fixed list of batches served as one loader (a bare list would read as several loaders)."""
+
+    def __init__(self, batches: list[torch.Tensor]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.batches)
+
+
+class CorpusDataModule(pl.LightningDataModule):
+    """Packed corpus blocks for LitCausalLM; validation is the first blocks of the held-out split."""
+
+    def __init__(self, cfg: DataSection, blocks: Blocks) -> None:
+        super().__init__()
+        self.cfg, self.blocks = cfg, blocks
+
+    def _micro_step(self) -> int:
+        trainer = self.trainer
+        if trainer is None:
+            return 0
+        return trainer.global_step * trainer.accumulate_grad_batches
+
+    def train_dataloader(self) -> StepLoader:
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        return StepLoader(self.blocks.train, self.cfg.batch_size, rank, world, self.cfg.seed, self._micro_step)
+
+    def val_dataloader(self) -> FixedBatches:
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        rows = self.blocks.val if len(self.blocks.val) else self.blocks.train[-self.cfg.batch_size :]
+        b = self.cfg.batch_size
+        batches = [rows[i : i + b] for i in range(0, len(rows) - b + 1, b)]
+        usable = len(batches) // world * world  # every rank runs the same number of steps (ZeRO-3 collectives)
+        return FixedBatches(batches[:usable][rank::world] if usable else [rows[:b]])

@@ -1,0 +1,123 @@
+"""Export: consolidate a sharded ZeRO checkpoint (any stage) into a shared_model bundle.
+
+Contract:
+- `consolidate(ckpt_dir)` verifies the checkpoint's manifest first (a partial or corrupt checkpoint is a
+  `CheckpointError`, never a silently wrong model), then merges the shards with DeepSpeed's own
+  `get_fp32_state_dict_from_zero_checkpoint` into one fp32 state dict.
+- `export_bundle(ckpt_dir, out_dir, dtype)` strips the LightningModule prefix (`model.`), checks every tensor is
+  finite, and writes the bundle with `shared_model.bundle.save_bundle` (safetensors, atomic rename). The model's
+  `config.json` and tokenizer come from the run's `model_meta/` folder (found next to or above the checkpoint, or
+  given explicitly).
+- `ExportBundle` is the callback form: when training ends, rank 0 exports the newest checkpoint; all ranks wait.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lt_plugins.checkpoint_io import latest_checkpoint, verify_checkpoint
+from lt_plugins.errors import CheckpointError
+from lt_plugins.lit_module import STATE_PREFIX
+from shared_model.bundle import read_config, save_bundle
+from shared_model.errors import SharedModelError
+from shared_model.tokenizer import Tokenizer
+
+META_DIR = "model_meta"
+"""Folder of a run holding the model's config.json and tokenizer files."""
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a run directory / checkpoints folder → its newest complete checkpoint."""
+    path = Path(path)
+    if (path / "latest").is_file() or (path / "tandem_manifest.json").is_file():
+        return path
+    for folder in (path, path / "checkpoints"):
+        found = latest_checkpoint(folder)
+        if found is not None:
+            return found
+    raise CheckpointError(f"no complete checkpoint found at {path}")
+
+
+def find_model_meta(ckpt_dir: Path) -> Path:
+    """The `model_meta/` folder of the run a checkpoint belongs to (searched in the checkpoint and 3 parents)."""
+    for folder in [ckpt_dir, *list(ckpt_dir.resolve().parents)[:3]]:
+        if (folder / META_DIR / "config.json").is_file():
+            return folder / META_DIR
+    raise CheckpointError(f"no {META_DIR}/config.json next to or above {ckpt_dir}; pass the model folder explicitly")
+
+
+def consolidate(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+    """One fp32 state dict from the shards of a verified DeepSpeed checkpoint."""
+    ckpt_dir = Path(ckpt_dir)
+    tag_dir = verify_checkpoint(ckpt_dir)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    try:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag_dir.name)
+    except Exception as exc:  # DeepSpeed raises ValueError/FileNotFoundError/RuntimeError/pickle errors
+        raise CheckpointError(f"cannot consolidate the ZeRO shards in {tag_dir}: {type(exc).__name__}: {exc}") from exc
+    return dict(state)
+
+
+def export_bundle(
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    dtype: str | torch.dtype = "bfloat16",
+    meta_dir: str | Path | None = None,
+    prefix: str = STATE_PREFIX,
+    overwrite: bool = False,
+) -> Path:
+    """Consolidate `ckpt_dir` and write a bundle to `out_dir` atomically; returns the bundle's absolute path."""
+    ckpt_dir = resolve_checkpoint(ckpt_dir)
+    meta = Path(meta_dir) if meta_dir is not None else find_model_meta(ckpt_dir)
+    try:
+        config = read_config(meta)
+        tokenizer = Tokenizer.load(meta) if (meta / "tokenizer.json").is_file() else None
+    except SharedModelError as exc:
+        raise CheckpointError(f"cannot read the model description in {meta}: {exc}") from exc
+    full = consolidate(ckpt_dir)
+    state = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
+    if not state:
+        raise CheckpointError(f"{ckpt_dir} holds no tensor named '{prefix}…' (found e.g. {sorted(full)[:3]})")
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{ckpt_dir}: tensor {name} holds NaN or Inf values")
+    try:
+        out = save_bundle(out_dir, config, state, tokenizer, dtype=dtype, overwrite=overwrite)
+    except SharedModelError as exc:
+        raise CheckpointError(f"{ckpt_dir} does not match the model in {meta}: {exc}") from exc
+    return out.resolve()
+
+
+class ExportBundle(Callback):
+    """At the end of training, export the newest checkpoint under `checkpoint_dir` to `out_dir` (rank 0)."""
+
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        out_dir: str | Path,
+        dtype: str = "bfloat16",
+        meta_dir: str | Path | None = None,
+    ) -> None:
+        self.checkpoint_dir, self.out_dir, self.dtype = Path(checkpoint_dir), Path(out_dir), dtype
+        self.meta_dir = meta_dir
+        self.bundle_path: Path | None = None
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.barrier("tandem_export_start")
+        error: Any = None
+        if trainer.is_global_zero:
+            try:
+                ckpt = latest_checkpoint(self.checkpoint_dir)
+                if ckpt is None:
+                    raise CheckpointError(f"no checkpoint under {self.checkpoint_dir} to export")
+                self.bundle_path = export_bundle(ckpt, self.out_dir, self.dtype, self.meta_dir, overwrite=True)
+            except CheckpointError as exc:
+                error = exc
+        trainer.strategy.barrier("tandem_export_done")
+        if error is not None:
+            raise error
