@@ -20,11 +20,18 @@ import torch
 import torch.nn.functional as F
 
 
-@dataclass
 class KVCache:
-    """All layers' paged K/V: `data[layer, 0|1]` is `[num_blocks, block_size, Hkv, D]`."""
+    """All layers' paged K/V: `data[layer, 0|1]` is `[num_blocks, block_size, Hkv, D]`.
 
-    data: torch.Tensor  # [L, 2, num_blocks, block_size, Hkv, D]
+    Per-layer views are made once here (not per step or per layer call): `layer(i)` gives the block views,
+    `flat(i)` the same memory as `[num_blocks * block_size, Hkv, D]` slot rows.
+    """
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data  # [L, 2, num_blocks, block_size, Hkv, D]
+        self._layers = [(data[i, 0], data[i, 1]) for i in range(data.shape[0])]
+        hkv, dim = data.shape[-2], data.shape[-1]
+        self._flat = [(k.view(-1, hkv, dim), v.view(-1, hkv, dim)) for k, v in self._layers]
 
     @classmethod
     def allocate(
@@ -34,7 +41,10 @@ class KVCache:
         return cls(torch.zeros(shape, dtype=dtype, device=device))
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[i, 0], self.data[i, 1]
+        return self._layers[i]
+
+    def flat(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._flat[i]
 
     @property
     def nbytes(self) -> int:
@@ -89,12 +99,16 @@ class TorchPagedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         # q: [1, T, Hq, D]; k, v: [1, T, Hkv, D]
         k_cache, v_cache = self.cache.layer(layer_idx)
+        k_flat, v_flat = self.cache.flat(layer_idx)
         q, k, v = q[0], k[0], v[0]
-        _store(k, v, k_cache, v_cache, self.meta.slot_mapping)
+        k_flat.index_copy_(0, self.meta.slot_mapping, k)  # each token's K/V written once, at its slot
+        v_flat.index_copy_(0, self.meta.slot_mapping, v)
         d = self.meta.num_decode_tokens
+        if d == q.shape[0]:  # a decode-only step
+            return self._decode(q, k_cache, v_cache, k_flat, v_flat, scale)[None]
         parts: list[torch.Tensor] = []
         if d:
-            parts.append(self._decode(q[:d], k_cache, v_cache, scale))
+            parts.append(self._decode(q[:d], k_cache, v_cache, k_flat, v_flat, scale))
         start = d
         for plan in self._prefill_plans:
             end = start + plan.q_len
@@ -103,15 +117,23 @@ class TorchPagedAttention:
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return out[None]  # [1, T, Hq, D]
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def _decode(
+        self,
+        q: torch.Tensor,  # [S, Hq, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        k_flat: torch.Tensor,  # the same memory as [slots, Hkv, D]
+        v_flat: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         plan = self._decode_plan
         assert plan is not None
         s, hq, dim = q.shape
         hkv = k_cache.shape[2]
         if plan.contiguous is not None:  # one sequence, consecutive blocks: a view of the cache, no copy
             lo, hi = plan.contiguous
-            keys = k_cache.view(-1, hkv, dim)[lo:hi][None]  # [1, L, Hkv, D]
-            values = v_cache.view(-1, hkv, dim)[lo:hi][None]
+            keys = k_flat[None, lo:hi]  # [1, L, Hkv, D]
+            values = v_flat[None, lo:hi]
         else:
             keys = k_cache.index_select(0, plan.block_index).view(s, -1, hkv, dim)  # [S, Lmax, Hkv, D]
             values = v_cache.index_select(0, plan.block_index).view(s, -1, hkv, dim)
@@ -195,10 +217,3 @@ def _prefill_one(
         enable_gqa=q.shape[1] != hkv,
     )
     return out[0].transpose(0, 1)  # [n, Hq, D]
-
-
-def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write each token's K/V [T, Hkv, D] into its slot (slots are all valid on the torch path)."""
-    hkv, dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, hkv, dim).index_copy_(0, slots, k)
-    v_cache.view(-1, hkv, dim).index_copy_(0, slots, v)

@@ -180,7 +180,10 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "the prompt is empty")
-            return self.tokenizer.encode(prompt)
+            encoded = self.tokenizer.encode(prompt)
+            if not encoded:
+                raise InvalidRequestError("prompt", "the prompt encodes to no tokens")
+            return encoded
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt_token_ids", "the prompt has no tokens")

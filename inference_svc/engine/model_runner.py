@@ -68,6 +68,10 @@ class ModelRunner:
             dtype, device,
         )  # fmt: skip
         self.peak_workspace_bytes = 0
+        c = model_config
+        elem = torch.empty((), dtype=dtype).element_size()
+        # live activations per token at the widest point: MLP gate+up, q/k/v, residual + normed hidden
+        self._workspace_per_token = (2 * c.intermediate_size + c.q_size + 2 * c.kv_size + 2 * c.hidden_size) * elem
 
     @torch.inference_mode()
     def run(self, batch: Seq[ScheduledSeq]) -> torch.Tensor:
@@ -77,7 +81,7 @@ class ModelRunner:
         hidden = self.model.hidden_states(input_ids[None], positions[None], attention=backend)  # [1, T, H]
         rows = hidden[0, sample_rows] if len(sample_rows) != hidden.shape[1] else hidden[0]
         logits = self.model.logits(rows).float()  # [S_sample, vocab]
-        self._track_workspace(hidden.shape[1])
+        self._track_workspace(hidden.shape[1], logits.shape[0])
         return logits
 
     def _prepare(self, batch: Seq[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -125,12 +129,10 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         return input_ids, positions, meta, sample_rows
 
-    def _track_workspace(self, num_tokens: int) -> None:
-        """Estimate of the step's largest live activations (bytes): MLP intermediate + qkv + logits rows."""
-        c = self.config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        per_token = (2 * c.intermediate_size + c.q_size + 2 * c.kv_size + 2 * c.hidden_size) * elem
-        self.peak_workspace_bytes = max(self.peak_workspace_bytes, num_tokens * per_token)
+    def _track_workspace(self, num_tokens: int, num_logit_rows: int) -> None:
+        """Estimate of the step's largest live activations (bytes) plus its fp32 logits rows."""
+        step = num_tokens * self._workspace_per_token + num_logit_rows * self.config.vocab_size * 4
+        self.peak_workspace_bytes = max(self.peak_workspace_bytes, step)
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

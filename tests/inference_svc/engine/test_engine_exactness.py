@@ -7,6 +7,7 @@ still equal transformers' greedy `generate` for that prompt alone.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -28,14 +29,20 @@ def _prompts(seed: int, vocab: int) -> list[list[int]]:
 
 
 def _hf_greedy(folder, prompts: list[list[int]], n: int) -> list[list[int]]:
+    return [list(x) for x in _hf_greedy_cached(str(folder), tuple(map(tuple, prompts)), n)]
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_greedy_cached(folder: str, prompts: tuple[tuple[int, ...], ...], n: int) -> tuple[tuple[int, ...], ...]:
+    """transformers' greedy continuation of each prompt alone (cached: several tests share references)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
-        for p in prompts:
+        for p in map(list, prompts):
             ids = torch.tensor([p])
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-            out.append(gen[0, len(p) :].tolist())
-    return out
+            out.append(tuple(gen[0, len(p) :].tolist()))
+    return tuple(out)
 
 
 @pytest.mark.parametrize("chunked", [True, False])
