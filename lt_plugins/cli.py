@@ -32,10 +32,7 @@ RUN_DIR_ENV = "TANDEM_RUN_DIR"
 
 def _is_rank_zero() -> bool:
     """True in the process a user started (before Lightning launches others) and on global rank 0."""
-    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"):
-        if int(os.environ.get(var, "0") or 0) != 0:
-            return False
-    return True
+    return all(int(os.environ.get(var, "0") or 0) == 0 for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
 
 
 def resolve_run_dir(cfg: TrainConfig) -> Path:

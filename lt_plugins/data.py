@@ -15,6 +15,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -94,10 +95,8 @@ def prepare_blocks(cfg: DataSection, cache_dir: str | Path, vocab_size: int) -> 
     tmp.mkdir(parents=True)
     tokenizer.save(tmp)
     save_file({"train": train, "val": val}, str(tmp / "blocks.safetensors"))
-    try:
+    with contextlib.suppress(OSError):  # another process finished first: use theirs
         os.rename(tmp, folder)
-    except OSError:  # another process finished first: use theirs
-        pass
     return Blocks(train, val, tokenizer)
 
 

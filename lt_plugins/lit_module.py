@@ -81,7 +81,7 @@ class LitCausalLM(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class warmup_cosine:  # noqa: N801 - a picklable function object
+class warmup_cosine:
     """lr multiplier: linear warm-up over `warmup` steps, then cosine from 1 to `floor` at `total` steps."""
 
     def __init__(self, warmup: int, total: int, floor: float) -> None:
