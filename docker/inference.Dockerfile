@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1.7
 # Inference service image: shared_model + inference_svc only. No Lightning, no DeepSpeed, no OmegaConf.
+# It also runs `tandem bench` (the load generator) and `python -m inference_svc.healthcheck`.
 #   docker build -f docker/inference.Dockerfile -t tandem-inference .                      (CPU)
 #   docker build -f docker/inference.Dockerfile --build-arg VARIANT=cuda -t tandem-inference:cuda .
 # VARIANT=cpu installs the CPU build of torch; VARIANT=cuda installs the default (CUDA) build, whose CUDA runtime
@@ -29,10 +30,13 @@ RUN pip install ".[serve]" \
 FROM ${PYTHON_IMAGE} AS runtime
 RUN useradd --system --uid 10001 --create-home tandem
 COPY --from=builder /opt/venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 MPLCONFIGDIR=/tmp/matplotlib
 USER tandem
 WORKDIR /home/tandem
 EXPOSE 50051 9090
 STOPSIGNAL SIGTERM
+# grpc.health.v1 on the default port; docker-compose.yml sets its own with the configured port.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=6 \
+    CMD ["python", "-m", "inference_svc.healthcheck", "127.0.0.1:50051"]
 ENTRYPOINT ["tandem"]
-CMD ["serve", "--model", "/bundles/model", "--host", "0.0.0.0"]
+CMD ["serve", "--model", "/runs/demo/bundle", "--host", "0.0.0.0"]

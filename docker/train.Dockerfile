@@ -25,12 +25,16 @@ COPY lt_plugins ./lt_plugins
 RUN pip install ".[train]"
 
 FROM ${PYTHON_IMAGE} AS runtime
-RUN useradd --system --uid 10001 --create-home tandem \
+# DeepSpeed compiles its CPU shared-memory collective (deepspeed_shm_comm) on first use with torch's JIT
+# extension loader, so the training runtime keeps a C++ compiler (the inference image does not).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
+ && useradd --system --uid 10001 --create-home tandem \
  && mkdir -p /runs /bundles && chown tandem:tandem /runs /bundles
 COPY --from=builder /opt/venv /opt/venv
 COPY --chown=tandem:tandem configs /home/tandem/configs
-ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 MPLCONFIGDIR=/tmp/matplotlib
 USER tandem
 WORKDIR /home/tandem
 ENTRYPOINT ["tandem"]
-CMD ["train", "--config", "configs/demo.yaml"]
+# /runs is a volume in docker-compose.yml: `tandem train ... run_dir=/runs/NAME` leaves the bundle in /runs/NAME/bundle.
+CMD ["train", "--config", "configs/demo.yaml", "run_dir=/runs/demo"]

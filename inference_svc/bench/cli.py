@@ -1,0 +1,346 @@
+"""`tandem bench --target HOST:PORT`: sweep a load over a running server, report and plot it.
+
+Contract:
+- `main(argv) -> int` (called by `shared_model.cli`). Exit 0 when every level completed at least one request,
+  1 when the server could not be reached or a level completed none, 2 on invalid flags (argparse).
+- One run: wait for health SERVING (`--wait`), read the model's context from GetModelInfo, build a token pool
+  from the default corpus with the server's Tokenize RPC, draw `--num-requests` requests (same set for every
+  level), send `--warmup` requests that are not measured, then run each level of the sweep
+  (`--concurrency 1,4,16` — the default — or `--request-rate 2,8,inf`), each bounded by `--num-requests` and
+  `--duration` (+ `--drain-timeout` for the requests in flight). Defaults finish within about two minutes.
+- Around each level the server's Prometheus metrics (`--metrics-url`, default http://HOST:9090/metrics) are
+  scraped and compared with the client's figures (`server_metrics.cross_check`); a server without metrics only
+  loses that check (`--no-server-metrics` skips it).
+- Results go to `--out` (default ./bench-results/<UTC timestamp>/): `results.json` (meta with date and command,
+  per-level summary, server cross-check and per-request records), `throughput_latency.png` and `latency_cdf.png`.
+  A table is printed at the end, with a progress bar on stderr while running.
+- The client never retries (refusals are measured as errors by status code, not hidden).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from inference_svc.bench.loadgen import Level, RequestRecord, probe_rtt, run_level
+from inference_svc.bench.progress import Progress
+from inference_svc.bench.server_metrics import ScrapeError, cross_check, scrape, server_delta
+from inference_svc.bench.stats import distribution, summarize
+from inference_svc.bench.workload import LengthSpec, RequestSpec, WorkloadError, make_requests, token_pool
+
+DEFAULT_CONCURRENCY = "1,4,16"
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [math.inf if v.strip().lower() == "inf" else float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tandem bench",
+        description="Load-test a Tandem server: TTFT, time per output token, inter-token latency, throughput.",
+    )
+    p.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the gRPC server")
+    sweep = p.add_mutually_exclusive_group()
+    sweep.add_argument(
+        "--concurrency",
+        type=_floats,
+        default=None,
+        help=f"closed-loop clients per level (default {DEFAULT_CONCURRENCY})",
+    )
+    sweep.add_argument(
+        "--request-rate", type=_floats, default=None, help="Poisson arrival rates per level, req/s ('inf': all at once)"
+    )
+    p.add_argument("--max-concurrency", type=int, default=None, help="rate mode: cap on requests in flight")
+    p.add_argument("--num-requests", type=int, default=48, help="requests per level (at most)")
+    p.add_argument("--duration", type=float, default=25.0, help="seconds per level before no new request is sent")
+    p.add_argument("--drain-timeout", type=float, default=10.0, help="seconds in-flight requests get after --duration")
+    p.add_argument("--warmup", type=int, default=4, help="unmeasured requests sent before the sweep")
+    w = p.add_argument_group("workload")
+    w.add_argument("--input-len", type=int, default=128, help="mean prompt length in tokens")
+    w.add_argument("--output-len", type=int, default=64, help="mean output length in tokens (ignore_eos)")
+    w.add_argument("--len-dist", default="uniform", choices=["fixed", "uniform", "lognormal"])
+    w.add_argument("--range-ratio", type=float, default=0.5, help="uniform: ±fraction of the mean; lognormal: sigma")
+    w.add_argument("--corpus-docs", type=int, default=64, help="documents of the default corpus to cut prompts from")
+    w.add_argument("--seed", type=int, default=0)
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default=None, help="results folder (default ./bench-results/<UTC timestamp>)")
+    o.add_argument("--percentiles", default="99", help="comma-separated percentiles to report besides the median")
+    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--no-progress", action="store_true")
+    m = p.add_argument_group("server metrics cross-check")
+    m.add_argument("--metrics-url", default=None, help="Prometheus endpoint (default http://HOST:9090/metrics)")
+    m.add_argument("--no-server-metrics", action="store_true", help="skip the scrape and the cross-check")
+    c = p.add_argument_group("connection")
+    c.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the server to report SERVING")
+    c.add_argument("--tls", action="store_true", help="use TLS (system roots unless --tls-ca)")
+    c.add_argument("--tls-ca", default=None, help="PEM file of the CA to trust")
+    c.add_argument("--tls-server-name", default=None)
+    c.add_argument("--api-key-file", default=None, help="file whose first key is sent as the API key")
+    c.add_argument("--api-key-env", default="TANDEM_API_KEY", help="environment variable holding the API key")
+    return p
+
+
+def _levels(args: argparse.Namespace) -> list[Level]:
+    if args.request_rate is not None:
+        return [Level("rate", v, args.max_concurrency) for v in args.request_rate]
+    values = args.concurrency if args.concurrency is not None else _floats(DEFAULT_CONCURRENCY)
+    return [Level("concurrency", v) for v in values]
+
+
+def _client_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from inference_svc.client import NO_RETRY
+    from inference_svc.settings import read_api_keys
+
+    api_key = os.environ.get(args.api_key_env) or None
+    if args.api_key_file:
+        api_key = read_api_keys(args.api_key_file)[0].decode()
+    root = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    return {
+        "api_key": api_key,
+        "tls": args.tls or root is not None,
+        "root_certificates": root,
+        "tls_server_name": args.tls_server_name,
+        "retry": NO_RETRY,
+    }
+
+
+def _prepare(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[RequestSpec], float]:
+    """Blocking set-up: health, model info, token pool, requests, round-trip time."""
+    from inference_svc.bench.workload import corpus_text
+    from inference_svc.client import TandemClient
+
+    with TandemClient(args.target, timeout=60.0, **kwargs) as client:
+        client.wait_until_serving(args.wait)
+        info = client.model_info()
+        rtts = []
+        for _ in range(5):
+            t = time.perf_counter()
+            client.health()
+            rtts.append((time.perf_counter() - t) * 1000)
+        text = corpus_text(max_documents=args.corpus_docs)
+        pool = token_pool(lambda s: list(client.tokenize(s).token_ids), text)
+    max_context = int(info.max_context)
+    requests = make_requests(
+        pool,
+        args.num_requests,
+        LengthSpec(args.input_len, args.len_dist, args.range_ratio),
+        LengthSpec(args.output_len, args.len_dist, args.range_ratio),
+        max_context=max_context,
+        seed=args.seed,
+    )
+    model = {
+        "model_name": info.model_name,
+        "model_type": info.config.model_type,
+        "dtype": info.dtype,
+        "device": info.device,
+        "attention_backend": info.attention_backend,
+        "kv_capacity_tokens": int(info.kv_capacity_tokens),
+        "max_context": max_context,
+        "corpus_pool_tokens": len(pool),
+    }
+    return model, requests, statistics.median(rtts)
+
+
+async def _sweep(
+    args: argparse.Namespace,
+    kwargs: dict[str, Any],
+    levels: list[Level],
+    requests: list[RequestSpec],
+    metrics_url: str | None,
+    rtt_ms: float,
+    percentiles: list[float],
+) -> list[dict[str, Any]]:
+    from inference_svc.client import AsyncTandemClient
+
+    results: list[dict[str, Any]] = []
+    async with AsyncTandemClient(args.target, timeout=None, **kwargs) as client:
+        if args.warmup > 0:
+            warm = Level("concurrency", float(min(args.warmup, 4)))
+            specs = [RequestSpec(-1 - i, r.prompt_token_ids, r.max_new_tokens) for i, r in enumerate(requests)]
+            await run_level(client, specs[: args.warmup], warm, duration=60.0, drain_timeout=30.0)
+        for level in levels:
+            before = _try_scrape(metrics_url)
+            bar = Progress(len(requests), level.label, enabled=not args.no_progress)
+
+            def done(rec: RequestRecord, bar: Progress = bar) -> None:
+                bar.update(rec.ok)
+
+            stop = asyncio.Event()
+            probe = asyncio.create_task(probe_rtt(client, stop))
+            try:
+                records, wall = await run_level(
+                    client,
+                    requests,
+                    level,
+                    duration=args.duration,
+                    drain_timeout=args.drain_timeout,
+                    seed=args.seed,
+                    on_done=done,
+                )
+            finally:
+                stop.set()
+                rtts = await probe
+            bar.close()
+            loaded_rtt = float(np.percentile(rtts, 99)) if rtts else rtt_ms
+            records.sort(key=lambda r: r.index)
+            summary = summarize(records, wall, percentiles)
+            entry: dict[str, Any] = {
+                "label": level.label,
+                "mode": level.mode,
+                "value": None if math.isinf(level.value) else level.value,
+                "max_concurrency": level.max_concurrency,
+                "summary": summary,
+                "rtt_under_load_ms": distribution([r / 1000 for r in rtts]),
+                "server_check": None,
+                "requests": [r.to_json() for r in records],
+            }
+            if before is not None:
+                await asyncio.sleep(0.3)  # the engine refreshes its counters right after posting a step's outputs
+                after = _try_scrape(metrics_url)
+                if after is not None:
+                    delta = server_delta(before, after)
+                    entry["server_check"] = {"server": delta, **cross_check(summary, delta, loaded_rtt, records)}
+            results.append(entry)
+    return results
+
+
+def _try_scrape(url: str | None) -> dict[str, float] | None:
+    if url is None:
+        return None
+    try:
+        return scrape(url)
+    except ScrapeError as exc:
+        print(f"tandem bench: server metrics unavailable ({exc}); skipping the cross-check", file=sys.stderr)
+        return None
+
+
+def _fmt(value: float | None, width: int = 8, digits: int = 1) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+
+def format_table(levels: list[dict[str, Any]], pct: str) -> str:
+    head = (
+        f"{'level':<12}{'ok/all':>9}{'req/s':>8}{'tok/s':>9}"
+        f"{'TTFT med':>10}{'p' + pct:>8}{'TPOT med':>10}{'p' + pct:>8}{'ITL med':>9}{'p' + pct:>8}"
+        f"{'e2e med':>9}{'p' + pct:>9}  server check"
+    )
+    lines = [head, "-" * len(head)]
+    for lv in levels:
+        s = lv["summary"]
+        chk = lv["server_check"]
+        if chk is None:
+            check = "n/a"
+        else:
+            over = chk.get("ttft_overhead_ms")
+            check = ("agrees" if chk["agrees"] else "DISAGREES") + (
+                f" (TTFT +{over:.1f} ms, tokens {chk['server_generation_tokens']:.0f}/{chk['client_output_tokens']})"
+                if over is not None
+                else ""
+            )
+        errs = " ".join(f"{k}:{v}" for k, v in s["errors"].items())
+        lines.append(
+            f"{lv['label']:<12}{s['completed']:>4}/{s['requests']:<4}{s['request_throughput']:>8.2f}"
+            f"{s['output_throughput']:>9.1f}"
+            f"{_fmt(s['ttft_ms']['median'], 10)}{_fmt(s['ttft_ms']['p' + pct])}"
+            f"{_fmt(s['tpot_ms']['median'], 10, 2)}{_fmt(s['tpot_ms']['p' + pct], 8, 2)}"
+            f"{_fmt(s['itl_ms']['median'], 9, 2)}{_fmt(s['itl_ms']['p' + pct], 8, 2)}"
+            f"{_fmt(s['e2e_ms']['median'], 9)}{_fmt(s['e2e_ms']['p' + pct], 9)}  {check}"
+            + (f"  errors {errs}" if errs else "")
+        )
+    lines.append("(latencies in ms; tok/s = output tokens per second; med = median)")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    import grpc
+
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    for name in ("num_requests", "input_len", "output_len", "corpus_docs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.duration <= 0 or args.drain_timeout < 0 or args.warmup < 0:
+        parser.error("--duration must be > 0, --drain-timeout and --warmup >= 0")
+    try:
+        percentiles = _floats(args.percentiles)
+        levels = _levels(args)
+        LengthSpec(args.input_len, args.len_dist, args.range_ratio)
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        parser.error(str(exc))
+    host = args.target.rsplit(":", 1)[0]
+    metrics_url = None if args.no_server_metrics else (args.metrics_url or f"http://{host}:9090/metrics")
+    stamp = datetime.now(timezone.utc)
+    out_dir = Path(args.out) if args.out else Path.cwd() / "bench-results" / stamp.strftime("%Y%m%d-%H%M%S")
+
+    kwargs = _client_kwargs(args)
+    try:
+        model, requests, rtt_ms = _prepare(args, kwargs)
+    except (grpc.RpcError, TimeoutError, WorkloadError) as exc:
+        msg = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+        print(f"tandem bench: cannot prepare the run against {args.target}: {msg}", file=sys.stderr)
+        return 1
+    print(
+        f"tandem bench: {model['model_name']} on {args.target} ({model['device']}, {model['dtype']}, "
+        f"context {model['max_context']}); {len(requests)} requests/level, sweep "
+        f"{', '.join(lv.label for lv in levels)}; round trip {rtt_ms:.2f} ms",
+        file=sys.stderr,
+    )
+    t0 = time.perf_counter()
+    results = asyncio.run(_sweep(args, kwargs, levels, requests, metrics_url, rtt_ms, percentiles))
+    pct = f"{percentiles[-1]:g}"
+    report = {
+        "meta": {
+            "date": stamp.isoformat(timespec="seconds"),
+            "command": "tandem bench " + shlex.join(list(argv)),
+            "target": args.target,
+            "machine": {"host": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform()},
+            "model": model,
+            "workload": {
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "len_dist": args.len_dist,
+                "range_ratio": args.range_ratio,
+                "num_requests": args.num_requests,
+                "duration_s": args.duration,
+                "warmup": args.warmup,
+                "seed": args.seed,
+            },
+            "rtt_ms": rtt_ms,
+            "metrics_url": metrics_url,
+            "wall_s": time.perf_counter() - t0,
+        },
+        "levels": results,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+    written = ["results.json"]
+    if not args.no_plots:
+        from inference_svc.bench.plots import plot_cdf, plot_tradeoff
+
+        title = f"{model['model_name']} · {model['device']} · {args.input_len}→{args.output_len} tokens"
+        written.append(plot_tradeoff(results, out_dir / "throughput_latency.png", title).name)
+        written.append(plot_cdf(results, out_dir / "latency_cdf.png", title).name)
+    print(format_table(results, pct))
+    print(f"results: {out_dir.resolve()} ({', '.join(written)})")
+    return 0 if all(lv["summary"]["completed"] > 0 for lv in results) else 1
