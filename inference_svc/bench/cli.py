@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the server to report SERVING")
     c.add_argument("--tls", action="store_true", help="use TLS (system roots unless --tls-ca)")
     c.add_argument("--tls-ca", default=None, help="PEM file of the CA to trust")
-    c.add_argument("--tls-server-name", default=None)
+    c.add_argument("--tls-server-name", default=None, help="expected server name in its certificate")
     c.add_argument("--api-key-file", default=None, help="file whose first key is sent as the API key")
     c.add_argument("--api-key-env", default="TANDEM_API_KEY", help="environment variable holding the API key")
     return p
@@ -338,7 +338,8 @@ def main(argv: Sequence[str]) -> int:
     if not args.no_plots:
         from inference_svc.bench.plots import plot_cdf, plot_tradeoff
 
-        title = f"{model['model_name']} · {model['device']} · {args.input_len}→{args.output_len} tokens"
+        name = Path(model["model_name"]).name or model["model_name"]
+        title = f"{name} · {model['device']} · {args.input_len}→{args.output_len} tokens"
         written.append(plot_tradeoff(results, out_dir / "throughput_latency.png", title).name)
         written.append(plot_cdf(results, out_dir / "latency_cdf.png", title).name)
     print(format_table(results, pct))

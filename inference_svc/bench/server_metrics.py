@@ -10,8 +10,8 @@ Contract:
   to engine and of the first token back (network, gRPC, both event loops). `rtt_ms` is the p99 round trip of
   health checks measured under the same load: that delay. They agree when the client's mean TTFT exceeds the
   Prometheus mean by at least −1 ms and at most 2 ms + 2 × rtt_ms + 5 % of the client's mean (the 2× covers a
-  burst of first tokens leaving one engine step together, which a periodic probe samples only now and then). The per-request
-  overhead (client TTFT − the server's TTFT in the stream's last message) is reported as median and p99.
+  burst of first tokens leaving one engine step together, which a periodic probe samples only now and then).
+  The per-request overhead (client TTFT − the server's TTFT in the stream's last message) is reported as median and p99.
   Tokens out agree when the server generated exactly as many tokens as the client received (every request
   completed) or at least as many (some failed mid-stream, so tokens were made but not delivered).
 """
