@@ -17,7 +17,7 @@ import transformers
 from inference_svc.engine import SamplingParams
 from shared_model.bundle import load_bundle
 
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 
 
 def _prompts(seed: int, vocab: int) -> list[list[int]]:
