@@ -125,3 +125,30 @@ def test_prometheus_delta_and_cross_check() -> None:
     assert not early["agrees"]
     lost = cross_check({**client, "client_output_tokens_all": 39}, d, rtt_ms=1.0)
     assert not lost["tokens_agree"]
+
+
+def test_progress_bar_off_a_terminal_prints_tenths() -> None:
+    import io
+
+    from inference_svc.bench.progress import Progress
+
+    out = io.StringIO()
+    bar = Progress(20, "c=1", stream=out)
+    for i in range(20):
+        bar.update(ok=i % 5 != 0)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert 10 <= len(lines) <= 11 and "\r" not in out.getvalue()
+    assert lines[-1].startswith("c=1") and "20/20 ok 16 err 4" in lines[-1]
+    quiet = io.StringIO()
+    Progress(5, "x", enabled=False, stream=quiet).update()
+    assert quiet.getvalue() == ""
+
+
+def test_tandem_bench_is_wired_into_the_dispatcher(capsys: pytest.CaptureFixture[str]) -> None:
+    from shared_model.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0
+    assert "--request-rate" in capsys.readouterr().out
