@@ -216,13 +216,32 @@ async def _sweep(
                 "requests": [r.to_json() for r in records],
             }
             if before is not None:
-                await asyncio.sleep(0.3)  # the engine refreshes its counters right after posting a step's outputs
-                after = _try_scrape(metrics_url)
-                if after is not None:
-                    delta = server_delta(before, after)
+                delta = await _settled_delta(metrics_url, before, summary)
+                if delta is not None:
                     entry["server_check"] = {"server": delta, **cross_check(summary, delta, loaded_rtt, records)}
             results.append(entry)
     return results
+
+
+async def _settled_delta(
+    url: str | None, before: dict[str, float], summary: dict[str, Any], patience: float = 3.0
+) -> dict[str, Any] | None:
+    """The server's change over the level, re-scraped (for up to `patience` s) until its counters have caught up
+    with what the client saw: the engine thread refreshes them just after posting a step's outputs."""
+    deadline = time.perf_counter() + patience
+    delta = None
+    while True:
+        await asyncio.sleep(0.2)
+        after = _try_scrape(url)
+        if after is None:
+            return delta
+        delta = server_delta(before, after)
+        caught_up = (
+            delta["generation_tokens"] >= summary["client_output_tokens_all"]
+            and sum(delta["finished"].values()) >= summary["completed"]
+        )
+        if caught_up or time.perf_counter() >= deadline:
+            return delta
 
 
 def _try_scrape(url: str | None) -> dict[str, float] | None:
