@@ -29,7 +29,7 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -38,9 +38,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from lt_plugins.activation_meter import note_cached
 from lt_plugins.errors import TrainingConfigError
+from lt_plugins.memory_model import CHECKPOINT_MODES
 
-Mode = Literal["none", "full", "attention", "ops"]
-MODES: tuple[str, ...] = ("none", "full", "attention", "ops")
+MODES: tuple[str, ...] = CHECKPOINT_MODES
 
 DEFAULT_SAVE_OPS: tuple[str, ...] = (
     "aten.mm",
@@ -90,6 +90,35 @@ class CheckpointingConfig:
         for key in ("block_classes", "attention_classes", "save_ops"):
             object.__setattr__(self, key, tuple(getattr(self, key)))  # lists from YAML become tuples
         object.__setattr__(self, "_save_overloads", frozenset(resolve_ops(self.save_ops)))
+
+
+@dataclass
+class CheckpointingSection:
+    """The `checkpointing:` section of the training YAML (activation recomputation, not saved checkpoints)."""
+
+    mode: str = "none"
+    """none | full | attention | ops, or auto (with strategy.name=auto: the planner chooses)."""
+    block_classes: list[str] = field(default_factory=list)
+    """Class names of the blocks (empty: the largest repeated stack, e.g. the decoder layers)."""
+    name_regex: str | None = None
+    """Or a regex on qualified module names."""
+    every_n: int = 1
+    """Checkpoint every n-th block."""
+    attention_classes: list[str] = field(default_factory=lambda: ["CoreAttention"])
+    """attention mode: the core-attention module classes recomputed."""
+    save_ops: list[str] = field(default_factory=lambda: list(DEFAULT_SAVE_OPS))
+    """ops mode: ops whose outputs are kept ('aten.mm', ...); the others are recomputed."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in (*MODES, "auto"):
+            raise TrainingConfigError(f"checkpointing.mode must be one of {', '.join(MODES)}, auto; got {self.mode!r}")
+        if self.mode != "auto":
+            self.to_config()  # validates the other keys, naming them
+
+    def to_config(self) -> CheckpointingConfig:
+        fields_ = {k: getattr(self, k) for k in ("mode", "name_regex", "every_n")}
+        lists = {k: tuple(getattr(self, k)) for k in ("block_classes", "attention_classes", "save_ops")}
+        return CheckpointingConfig(**fields_, **lists)
 
 
 def resolve_ops(names: tuple[str, ...] | list[str]) -> list[torch._ops.OpOverload]:

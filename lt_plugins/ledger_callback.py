@@ -71,6 +71,24 @@ class LedgerRow:
         return {**asdict(self), "ratio": self.ratio}
 
 
+@dataclass
+class LedgerSection:
+    """The `ledger:` section of the training YAML."""
+
+    enabled: bool = False
+    """Add the MemoryLedger callback (writes <run_dir>/memory/memory_ledger_rank*.json)."""
+    measure_at_step: int = 1
+    """Optimizer step at which the terms are measured (>= 1)."""
+    tolerance: float = 0.10
+    """Warn when a term is off its prediction by more than this fraction."""
+
+    def __post_init__(self) -> None:
+        if self.measure_at_step < 1:
+            raise TrainingConfigError(f"ledger.measure_at_step must be >= 1, got {self.measure_at_step}")
+        if not 0 < self.tolerance < 1:
+            raise TrainingConfigError(f"ledger.tolerance must be in (0, 1), got {self.tolerance}")
+
+
 def zero_layout(strategy: Any, precision: str, world: int) -> ZeroLayout | None:
     """The ZeRO layout of a DeepSpeed-based strategy, from its DeepSpeed config; None for other strategies."""
     config = getattr(strategy, "config", None)

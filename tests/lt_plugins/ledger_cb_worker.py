@@ -2,7 +2,7 @@
 
 Usage: python ledger_cb_worker.py OUT_DIR PRESET RUN [RUN ...] where RUN is STAGE:MODE (e.g. 2:none, 3:ops).
 Lightning launches the second rank by re-running this script; every rank runs the same fits in order. Each fit
-trains 3 steps under ZeroStrategy(stage) in bf16-mixed with SelectiveCheckpointing(mode) and a MemoryLedger that
+trains 2 steps under ZeroStrategy(stage) in bf16-mixed with SelectiveCheckpointing(mode) and a MemoryLedger that
 writes OUT_DIR/PRESET-sSTAGE-MODE/memory_ledger_rankR.json; the per-step losses go to losses_rankR.json there.
 """
 
@@ -22,7 +22,7 @@ from lt_plugins.strategy import ZeroStrategy
 from shared_model.config import get_preset
 from shared_model.model import build_model
 
-SEQ, BATCH, STEPS = 64, 1, 3
+SEQ, BATCH, STEPS = 64, 1, 2
 
 
 class LitLM(pl.LightningModule):

@@ -24,13 +24,14 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORKER = Path(__file__).with_name("ledger_cb_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = {
-    "tiny": ["0:none", "0:ops", "1:none", "1:full", "2:attention", "3:ops"],
+    "tiny": ["0:none", "0:full", "1:none", "2:attention", "3:ops"],
     "small": ["0:none", "1:none", "2:none", "3:none"],
 }
 
 
 def _launch(out: Path, preset: str) -> Path:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
+    env["OMP_NUM_THREADS"] = "1"  # two ranks on two cores
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
         env.pop(key, None)
     proc = subprocess.run(
@@ -39,16 +40,27 @@ def _launch(out: Path, preset: str) -> Path:
         env=env,
         capture_output=True,
         text=True,
-        timeout=480,
+        timeout=840,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
 
+class _Runs(dict):
+    """preset → output folder, launched on first use (one launch per preset, each under its own test timeout)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, preset: str) -> Path:
+        self[preset] = _launch(self.root, preset)
+        return self[preset]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("ledger")
-    return {preset: _launch(out, preset) for preset in RUNS}
+    return _Runs(tmp_path_factory.mktemp("ledger"))
 
 
 def _ledger(out: Path, preset: str, run: str, rank: int) -> dict[str, dict]:
@@ -63,6 +75,7 @@ def _losses(out: Path, preset: str, run: str, rank: int) -> list[float]:
     return json.loads((out / f"{preset}-s{stage}-{mode}" / f"losses_rank{rank}.json").read_text())
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("preset", list(RUNS))
 def test_every_term_within_ten_percent_on_every_rank(runs: dict[str, Path], preset: str) -> None:
     for run in RUNS[preset]:
@@ -87,7 +100,7 @@ def test_figures_follow_the_stage(runs: dict[str, Path]) -> None:
 
 def test_activations_match_the_decoder_formula(runs: dict[str, Path]) -> None:
     """What the ledger measured under DeepSpeed bf16 equals memory_model's per-op count (batch 1 x 64 tokens)."""
-    for run in ("0:none", "1:full", "2:attention", "3:ops"):
+    for run in ("0:none", "0:full", "2:attention", "3:ops"):
         measured = _ledger(runs["tiny"], "tiny", run, 0)[ACTIVATIONS]["measured"]
         mode = run.split(":")[1]
         predicted = activation_bytes(get_preset("tiny"), 1, 64, mode, "bf16-mixed")["saved"]
@@ -97,7 +110,7 @@ def test_activations_match_the_decoder_formula(runs: dict[str, Path]) -> None:
 def test_checkpointing_under_every_stage_keeps_the_losses(runs: dict[str, Path]) -> None:
     out = runs["tiny"]
     for rank in (0, 1):
-        assert _losses(out, "tiny", "0:ops", rank) == pytest.approx(_losses(out, "tiny", "0:none", rank), rel=1e-5)
+        assert _losses(out, "tiny", "0:full", rank) == pytest.approx(_losses(out, "tiny", "0:none", rank), rel=1e-5)
         reference = _losses(out, "tiny", "1:none", rank)  # stages 1-3 run the same ZeRO optimizer arithmetic
-        for run in ("1:full", "2:attention", "3:ops"):
+        for run in ("2:attention", "3:ops"):
             assert _losses(out, "tiny", run, rank) == pytest.approx(reference, rel=1e-5), (run, rank)
