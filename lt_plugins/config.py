@@ -18,7 +18,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lt_plugins.checkpointing import CheckpointingSection  # issue 4: activation recomputation section
 from lt_plugins.errors import TrainingConfigError
+from lt_plugins.ledger_callback import LedgerSection  # issue 4: memory ledger section
 from lt_plugins.precision import SUPPORTED_PRECISIONS
 from lt_plugins.strategy import ZeroConfig, merge_deepspeed_config
 
@@ -102,10 +104,11 @@ class OptimSection:
 
 @dataclass
 class StrategySection:
-    """How the processes share the work. `zero` is ZeroStrategy; `ddp` and `auto` are Lightning's own."""
+    """How the processes share the work. `zero` is ZeroStrategy; `ddp` is Lightning's own; `auto` is ZeroStrategy with
+    the stage, offload (and, with checkpointing.mode=auto, the checkpointing mode) chosen by the memory planner."""
 
     name: str = "zero"
-    """zero | ddp | auto."""
+    """zero | ddp | auto (the planner's choice, logged with its reason: lt_plugins/auto_strategy.py)."""
     stage: int = 2
     """ZeRO stage 0-3."""
     offload_optimizer: bool = False
@@ -240,6 +243,9 @@ class TrainConfig:
     checkpoints: CheckpointsSection = field(default_factory=CheckpointsSection)
     export: ExportSection = field(default_factory=ExportSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    # issue 4 (memory planner): activation checkpointing and the memory ledger
+    checkpointing: CheckpointingSection = field(default_factory=CheckpointingSection)
+    ledger: LedgerSection = field(default_factory=LedgerSection)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
