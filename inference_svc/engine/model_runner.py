@@ -3,7 +3,8 @@
 Contract:
 - Owns the model, the KV cache and the attention backend choice. Reads Sequences (never writes them).
 - `run(batch)` flattens the batch into one `[1, T]` token row (decodes first, then prefill chunks), builds the
-  `AttentionMetadata` (slots, block tables, context lengths) once, runs the decoder with a per-step backend, and
+  `AttentionMetadata` (slots, block tables, context lengths) once, runs the decoder with a per-step backend (through
+  `FusedForward`: the decoder's arithmetic over merged q/k/v and gate/up weights, bit-equal to it), and
   returns fp32 logits `[S_sample, vocab]` only for sequences whose last scheduled token is their last token
   (those sample a new token this step); the LM head runs on those rows only.
 - Runs under `torch.inference_mode()`; no autograd state, no global state.
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from inference_svc.engine.attention import AttentionMetadata, KVCache, TorchPagedAttention
+from inference_svc.engine.fused_forward import FusedForward
 from inference_svc.engine.sequence import Sequence
 from shared_model.config import ModelConfig
 from shared_model.model import CausalLM
@@ -56,6 +58,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         backend_factory: BackendFactory = TorchPagedAttention,
+        max_positions: int | None = None,
     ) -> None:
         self.model = model
         self.config = model_config
@@ -67,6 +70,7 @@ class ModelRunner:
             model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim,
             dtype, device,
         )  # fmt: skip
+        self.forward = FusedForward(model, max_positions or model_config.max_position_embeddings)
         self.peak_workspace_bytes = 0
         c = model_config
         elem = torch.empty((), dtype=dtype).element_size()
@@ -78,10 +82,10 @@ class ModelRunner:
         """Logits [S_sample, vocab] (fp32), in batch order of the sampling sequences."""
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         backend = self.backend_factory(self.cache, meta)
-        hidden = self.model.hidden_states(input_ids[None], positions[None], attention=backend)  # [1, T, H]
-        rows = hidden[0, sample_rows] if len(sample_rows) != hidden.shape[1] else hidden[0]
+        hidden = self.forward.hidden_states(input_ids, positions, backend)  # [T, H]
+        rows = hidden[sample_rows] if len(sample_rows) != hidden.shape[0] else hidden
         logits = self.model.logits(rows).float()  # [S_sample, vocab]
-        self._track_workspace(hidden.shape[1], logits.shape[0])
+        self._track_workspace(hidden.shape[0], logits.shape[0])
         return logits
 
     def _prepare(self, batch: Seq[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
