@@ -1,10 +1,10 @@
 """Activation checkpointing modes on the `small` preset: saved bytes, extra FLOPs and step time against `none`.
 
-Usage: python benchmarks/checkpointing.py [--seq-len 256] [--batch 1] [--dtype bf16] [--attention fused|math]
+Usage: python benchmarks/checkpointing.py [--seq-len 256] [--batch 1] [--dtype fp32] [--attention fused|math]
                                           [--repeats 3] [--out benchmarks/checkpointing.json]
 One row per mode: bytes saved for backward (SavedActivationMeter: all of them, and the decoder layers alone), the
 memory_model formula beside them, recomputed FLOPs in % of the step without checkpointing (flop_counter), and the
-median fwd+bwd time as a ratio to `none`, modes interleaved within each repeat (the machine is noisy). Then the
+median fwd+bwd time as a ratio to `none`, modes interleaved in a rotating order (the machine is noisy). Then the
 Megatron theory (Korthikanti et al. 2022) for the same shape, and JSON to --out.
 """
 
@@ -73,9 +73,9 @@ def main() -> None:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32", help="CPUs without bf16 matmul: fp32")
     parser.add_argument("--attention", choices=("fused", "math"), default="fused")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per mode (0: bytes and FLOPs only)")
     parser.add_argument("--out", default="benchmarks/checkpointing.json")
     args = parser.parse_args()
 
@@ -91,9 +91,11 @@ def main() -> None:
 
     rows = {mode: measure(model, ids, mode, args.attention) for mode in MODES}
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    time_step(model, ids, "none", args.attention)  # warm-up
-    for _ in range(args.repeats):
-        for mode in MODES:
+    if args.repeats:
+        for mode in MODES:  # warm-up: allocator and kernels, once per mode
+            time_step(model, ids, mode, args.attention)
+    for rep in range(args.repeats):
+        for mode in MODES[rep % len(MODES) :] + MODES[: rep % len(MODES)]:  # rotate the order: no mode always first
             times[mode].append(time_step(model, ids, mode, args.attention))
     remove_checkpointing(model)
 
@@ -115,7 +117,8 @@ def main() -> None:
         layers = r["saved"] - head
         formula = activation_bytes(config, args.batch, args.seq_len, mode, prec)["saved"]
         extra = (r["flops"] - base["flops"]) / base["flops"]
-        ratio = statistics.median(times[mode]) / statistics.median(times["none"])
+        step_s = statistics.median(times[mode]) if times[mode] else None
+        ratio = None if step_s is None else step_s / statistics.median(times["none"])
         meg = theory.get(mode)
         meg_ratio = None if meg is None else meg / theory["none"]
         row = {
@@ -126,14 +129,15 @@ def main() -> None:
             "layer_vs_none": layers / (base["saved"] - head),
             "formula_bytes": formula,
             "extra_flops": extra,
-            "step_time_s": statistics.median(times[mode]),
+            "step_time_s": step_s,
             "step_ratio": ratio,
             "megatron_layer_ratio": meg_ratio,
         }
         result_rows.append(row)
+        shown = "-" if ratio is None else f"{ratio:.2f}"
         print(
             f"{mode:<10}{r['saved'] / 1e6:>10.1f}{row['saved_vs_none']:>9.2f}{layers / 1e6:>11.1f}"
-            f"{row['layer_vs_none']:>9.2f}{formula / 1e6:>12.1f}{extra:>12.1%}{ratio:>12.2f}"
+            f"{row['layer_vs_none']:>9.2f}{formula / 1e6:>12.1f}{extra:>12.1%}{shown:>12}"
             f"{'-' if meg_ratio is None else format(meg_ratio, '.2f'):>10}"
         )
     print(
