@@ -32,6 +32,7 @@ class KVCache:
         self._layers = [(data[i, 0], data[i, 1]) for i in range(data.shape[0])]
         hkv, dim = data.shape[-2], data.shape[-1]
         self._flat = [(k.view(-1, hkv, dim), v.view(-1, hkv, dim)) for k, v in self._layers]
+        self._pairs = [data[i] for i in range(data.shape[0])]  # [2, num_blocks, block_size, Hkv, D]
 
     @classmethod
     def allocate(
@@ -45,6 +46,10 @@ class KVCache:
 
     def flat(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._flat[i]
+
+    def pair(self, i: int) -> torch.Tensor:
+        """Layer i's K and V blocks as one `[2, num_blocks, block_size, Hkv, D]` view (one gather reads both)."""
+        return self._pairs[i]
 
     @property
     def nbytes(self) -> int:
@@ -79,7 +84,7 @@ class TorchPagedAttention:
 
     Decode gathers each sequence's blocks once per layer (`index_select`) into a padded `[D, Lmax]` tensor and runs SDPA
     with a length mask built once per step; a single sequence whose blocks are consecutive is read as a slice of the
-    cache, without a copy.
+    cache, without a copy, and a single sequence over scattered blocks by one gather of its K and V cut to its length.
     Prefill attends over the chunk's own K/V when nothing is cached before it, else over its gathered context.
     """
 
@@ -105,10 +110,10 @@ class TorchPagedAttention:
         v_flat.index_copy_(0, self.meta.slot_mapping, v)
         d = self.meta.num_decode_tokens
         if d == q.shape[0]:  # a decode-only step
-            return self._decode(q, k_cache, v_cache, k_flat, v_flat, scale)[None]
+            return self._decode(layer_idx, q, k_cache, v_cache, k_flat, v_flat, scale)[None]
         parts: list[torch.Tensor] = []
         if d:
-            parts.append(self._decode(q[:d], k_cache, v_cache, k_flat, v_flat, scale))
+            parts.append(self._decode(layer_idx, q[:d], k_cache, v_cache, k_flat, v_flat, scale))
         start = d
         for plan in self._prefill_plans:
             end = start + plan.q_len
@@ -119,6 +124,7 @@ class TorchPagedAttention:
 
     def _decode(
         self,
+        layer_idx: int,
         q: torch.Tensor,  # [S, Hq, D]
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
@@ -134,6 +140,10 @@ class TorchPagedAttention:
             lo, hi = plan.contiguous
             keys = k_flat[None, lo:hi]  # [1, L, Hkv, D]
             values = v_flat[None, lo:hi]
+        elif plan.length is not None:  # one sequence, scattered blocks: one gather of K and V, cut to its length
+            kv = self.cache.pair(layer_idx).index_select(1, plan.block_index)  # [2, nb, block_size, Hkv, D]
+            keys = kv[0].view(1, -1, hkv, dim)[:, : plan.length]  # [1, L, Hkv, D]
+            values = kv[1].view(1, -1, hkv, dim)[:, : plan.length]
         else:
             keys = k_cache.index_select(0, plan.block_index).view(s, -1, hkv, dim)  # [S, Lmax, Hkv, D]
             values = v_cache.index_select(0, plan.block_index).view(s, -1, hkv, dim)
@@ -154,6 +164,7 @@ class _DecodePlan:
     block_index: torch.Tensor | None  # [S * max_blocks] int64, the blocks of each sequence back to back
     mask: torch.Tensor | None  # [S, 1, 1, max_blocks*bs] bool
     contiguous: tuple[int, int] | None  # slot range of a single consecutive sequence
+    length: int | None = None  # a single sequence over scattered blocks: its context length (no mask needed)
 
 
 def _plan_decode(meta: AttentionMetadata, bs: int, device: torch.device) -> _DecodePlan:
@@ -162,6 +173,7 @@ def _plan_decode(meta: AttentionMetadata, bs: int, device: torch.device) -> _Dec
         blocks = tables[0][: -(-lens[0] // bs)]
         if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
             return _DecodePlan(None, None, (blocks[0] * bs, blocks[0] * bs + lens[0]))
+        return _DecodePlan(torch.tensor(blocks, dtype=torch.int64, device=device), None, None, lens[0])
     max_blocks = max(-(-n // bs) for n in lens)
     index = torch.zeros(len(lens), max_blocks, dtype=torch.int64)
     for i, (n, table) in enumerate(zip(lens, tables, strict=True)):

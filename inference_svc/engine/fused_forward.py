@@ -96,12 +96,16 @@ class FusedForward:
             positions = torch.arange(max_positions, device=self.embed.device)[None]  # [1, P]
             cos, sin = model.model.rotary_emb(positions, self.embed.dtype)  # [1, P, 1, D]
             self.cos, self.sin = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()  # [P, D]
+        dev = self.embed.device
+        self._eps = torch.tensor(self.eps, dtype=torch.float32, device=dev)
+        self._widths = {n: torch.tensor(float(n), device=dev) for n in (c.hidden_size, c.head_dim)}
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm in fp32, scaled in the input dtype: `shared_model.model.RMSNorm`'s ops, in place where possible."""
         h = x.float()
-        ms = torch.sum(h * h, dim=-1, keepdim=True).div_(h.shape[-1])  # = h.pow(2).mean(-1): sum, then divide
-        h = h * ms.add_(self.eps).rsqrt_()
+        width = self._widths[h.shape[-1]]  # the width and eps as fp32 0-d tensors: no scalar wrapping per call
+        ms = torch.sum(h * h, dim=-1, keepdim=True).div_(width)  # = h.pow(2).mean(-1): a sum, then one division
+        h = h * ms.add_(self._eps).rsqrt_()
         return weight * h.to(x.dtype)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

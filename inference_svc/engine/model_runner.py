@@ -72,6 +72,10 @@ class ModelRunner:
         )  # fmt: skip
         self.forward = FusedForward(model, max_positions or model_config.max_position_embeddings)
         self.peak_workspace_bytes = 0
+        # the prefill fields of a decode-only step (read-only constants, as `_prepare` would build them)
+        self._no_prefill_cu = torch.zeros(1, dtype=torch.int32, device=device)
+        self._no_prefill_lens = torch.zeros(0, dtype=torch.int32, device=device)
+        self._no_prefill_tables = _pad_tables([], device)
         c = model_config
         elem = torch.empty((), dtype=dtype).element_size()
         # live activations per token at the widest point: MLP gate+up, q/k/v, residual + normed hidden
@@ -89,6 +93,8 @@ class ModelRunner:
         return logits
 
     def _prepare(self, batch: Seq[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        if all(b.is_decode for b in batch):
+            return self._prepare_decode(batch)
         bs = self.block_size
         decodes = [b for b in batch if b.is_decode]
         prefills = [b for b in batch if not b.is_decode]
@@ -132,6 +138,46 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         return input_ids, positions, meta, sample_rows
+
+    def _prepare_decode(
+        self, batch: Seq[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """`_prepare` for a decode-only step (the common one): the same tensors from three host-to-tensor copies.
+
+        Every item is one token at the end of its sequence, so the flat layout is the batch order and every row
+        samples; the prefill fields are the empty constants built once.
+        """
+        bs, dev = self.block_size, self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        for b in batch:
+            p, table = b.start, b.seq.block_table
+            ids.append(b.seq.token_ids[p])
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            tables.append(table)
+        lens = [p + 1 for p in pos]
+        width = max(len(t) for t in tables)
+        input_ids, positions, slot_mapping = torch.tensor([ids, pos, slots], dtype=torch.int64, device=dev).unbind(0)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decode_tokens=len(batch),
+            decode_context_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            decode_block_tables=torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev
+            ),
+            cu_seqlens_q=self._no_prefill_cu,
+            prefill_context_lens=self._no_prefill_lens,
+            prefill_block_tables=self._no_prefill_tables,
+            decode_lens_list=lens,
+            prefill_q_lens_list=[],
+            prefill_context_lens_list=[],
+            prefill_block_lists=[],
+            decode_block_lists=tables,
+        )
+        return input_ids, positions, meta, list(range(len(batch)))
 
     def _track_workspace(self, num_tokens: int, num_logit_rows: int) -> None:
         """Estimate of the step's largest live activations (bytes) plus its fp32 logits rows."""
