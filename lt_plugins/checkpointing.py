@@ -19,7 +19,8 @@ Contract:
   through child modules (true of transformer blocks and of `CoreAttention`), so that recompute re-gathers them
   through DeepSpeed's submodule hooks; a target holding parameters directly is refused when `ops`/`full` is used
   with `allow_direct_params=False`.
-- `SelectiveCheckpointing` is the Lightning callback: it applies the config to the LightningModule in `setup`.
+- `SelectiveCheckpointing` is the Lightning callback: it applies the config to the LightningModule in `setup`, or at
+  fit start when the module builds its layers in `configure_model`; it undoes it at teardown.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -265,8 +267,22 @@ class SelectiveCheckpointing(Callback):
         super().__init__()
         self.config = config if config is not None else CheckpointingConfig(**fields)
         self.wrapped: list[str] = []
+        self._deferred = False
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        try:
+            self._apply(trainer, pl_module)
+        except TrainingConfigError:
+            if not is_overridden("configure_model", pl_module):
+                raise
+            self._deferred = True  # the layers are created in configure_model, after this hook: retry at fit start
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._deferred:
+            self._deferred = False
+            self._apply(trainer, pl_module)
+
+    def _apply(self, trainer: Any, pl_module: Any) -> None:
         self.wrapped = apply_checkpointing(pl_module, self.config)
         if self.wrapped and trainer.is_global_zero:
             log.info(

@@ -144,3 +144,34 @@ def test_callback_on_a_plain_strategy_trains_identically(mode: str) -> None:
     assert callback.wrapped == [] and "forward" not in checkpointed.net.model.layers[0].__dict__  # undone at teardown
     assert checkpointed.wrapped_during_step == [True] * 3 and reference.wrapped_during_step == [False] * 3
     assert checkpointed.losses == pytest.approx(reference.losses, rel=1e-6)
+
+
+class _LateLit(_Lit):
+    """Builds its layers in configure_model (as under ZeRO-3 init): the callback applies at fit start."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        self.losses: list[float] = []
+        self.wrapped_during_step: list[bool] = []
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):
+            self.net = build_model(tiny_config(num_layers=2))
+
+
+def test_callback_waits_for_configure_model() -> None:
+    callback = SelectiveCheckpointing(mode="full")
+    module = _LateLit()
+    data = torch.randint(0, 512, (4, 17), generator=torch.Generator().manual_seed(0))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+    assert module.wrapped_during_step == [True, True]
