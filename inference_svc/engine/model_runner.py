@@ -2,7 +2,7 @@
 
 Contract:
 - Owns the model, the KV cache and the attention backend choice. Reads Sequences (never writes them).
-- `run(batch)` flattens the batch into one `[1, T]` token row (decodes first, then prefill chunks), builds the
+- `run(batch)` flattens the batch into one `[T]` token row (decodes first, then prefill chunks), builds the
   `AttentionMetadata` (slots, block tables, context lengths) once, runs the decoder with a per-step backend (through
   `FusedForward`: the decoder's arithmetic over merged q/k/v and gate/up weights, bit-equal to it), and
   returns fp32 logits `[S_sample, vocab]` only for sequences whose last scheduled token is their last token
