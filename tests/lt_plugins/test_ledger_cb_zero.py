@@ -19,7 +19,8 @@ from lt_plugins.memory_model import ACTIVATIONS, BUCKETS, MOMENTS, WEIGHTS, acti
 from shared_model.config import get_preset
 from tests.conftest import free_port
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+# A launch runs several DeepSpeed fits of a 100M model in bf16 (slow on CPUs without native bf16): generous bounds.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(1300)]
 
 WORKER = Path(__file__).with_name("ledger_cb_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +41,7 @@ def _launch(out: Path, preset: str) -> Path:
         env=env,
         capture_output=True,
         text=True,
-        timeout=840,
+        timeout=1200,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
@@ -75,7 +76,6 @@ def _losses(out: Path, preset: str, run: str, rank: int) -> list[float]:
     return json.loads((out / f"{preset}-s{stage}-{mode}" / f"losses_rank{rank}.json").read_text())
 
 
-@pytest.mark.timeout(900)
 @pytest.mark.parametrize("preset", list(RUNS))
 def test_every_term_within_ten_percent_on_every_rank(runs: dict[str, Path], preset: str) -> None:
     for run in RUNS[preset]:
