@@ -114,10 +114,10 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
     return settings, engine_config, args
 
 
-async def _serve(settings: ServerSettings, engine_config: Any) -> int:
+async def _serve(settings: ServerSettings, engine_config: Any, fault_hook: Any = None) -> int:
     from inference_svc.server import TandemServer
 
-    server = TandemServer(settings, engine_config)
+    server = TandemServer(settings, engine_config, fault_hook=fault_hook)
     loop = asyncio.get_running_loop()
     shutdown_task: list[asyncio.Task] = []
 
@@ -149,10 +149,11 @@ async def _serve(settings: ServerSettings, engine_config: Any) -> int:
     return 0
 
 
-def serve_main(argv: Sequence[str]) -> int:
+def serve_main(argv: Sequence[str], *, fault_hook: Any = None) -> int:
+    """`tandem serve`. `fault_hook` is the engine's test-only hook (see `AsyncEngine`); the CLI never sets it."""
     settings, engine_config, args = build_serve_config(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_serve(settings, engine_config))
+    return asyncio.run(_serve(settings, engine_config, fault_hook))
 
 
 # ---------------------------------------------------------------------------------------- generate

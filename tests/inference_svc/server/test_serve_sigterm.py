@@ -1,6 +1,9 @@
 """`tandem serve` as a real subprocess: `tandem generate` against it, then SIGTERM drains it — health NOT_SERVING, new
 requests UNAVAILABLE, a short in-flight request finishes, a long one ends UNAVAILABLE after the grace period, and
-the process exits 0."""
+the process exits 0.
+
+The server runs with the test-only slow-step hook (`serve_with_slow_steps`): the long request's id starts with
+'slow-', so it is still decoding when the grace period ends on a machine of any speed."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from tests.conftest import free_port, tiny_config
 
 REPO = Path(__file__).resolve().parents[3]
 GRACE_S = 1.5
-LONG_TOKENS = 2000  # far more than any CPU decodes in GRACE_S with this model
+LONG_TOKENS = 2000  # with the hook's 20 ms per token: at least 40 s, far beyond GRACE_S
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,7 @@ def long_context_bundle(tmp_path_factory: pytest.TempPathFactory, small_tokenize
 
 def _start_server(bundle: Path, port: int) -> tuple[subprocess.Popen, queue.Queue]:
     cmd = [
-        sys.executable, "-m", "shared_model.cli", "serve", "--model", str(bundle), "--port", str(port),
+        sys.executable, "-m", "tests.inference_svc.server.serve_with_slow_steps", "--model", str(bundle), "--port", str(port),
         "--no-metrics", "--device", "cpu", "--kv-cache-memory", "4MiB", "--max-new-tokens", "2040",
         "--shutdown-grace", str(GRACE_S), "--log-level", "WARNING",
     ]  # fmt: skip
@@ -91,7 +94,10 @@ def test_generate_cli_then_sigterm_drain(long_context_bundle: Path) -> None:
             with TandemClient(target, retry=NO_RETRY, timeout=60) as c:
                 tokens = 0
                 try:
-                    for msg in c.generate_stream("x = 1\n", max_new_tokens=max_new_tokens, ignore_eos=True):
+                    for msg in c.generate_stream(
+                        "x = 1\n", request_id=f"slow-{name}" if name == "long" else "", max_new_tokens=max_new_tokens,
+                        ignore_eos=True,
+                    ):  # fmt: skip
                         tokens += len(msg.token_ids)
                         started[name].set()
                         if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
