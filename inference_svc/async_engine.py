@@ -231,15 +231,19 @@ class AsyncEngine:
             if not self._streams:
                 self._idle.set()
 
+    async def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of `text` (the Tokenize RPC and text prompts)."""
+        encode = self.engine.tokenizer.encode
+        if len(text) > _LARGE_PROMPT_CHARS:  # keep the event loop responsive
+            return await asyncio.to_thread(encode, text, add_bos)
+        return encode(text, add_bos)
+
     async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
             return list(prompt)
         if not prompt:
             raise InvalidRequestError("prompt", "the prompt is empty")
-        encode = self.engine.tokenizer.encode
-        if len(prompt) > _LARGE_PROMPT_CHARS:  # keep the event loop responsive
-            return await asyncio.to_thread(encode, prompt)
-        return encode(prompt)
+        return await self.tokenize(prompt)
 
     def _admit(self, rid: str, num_tokens: int) -> _Stream:
         lim = self.limits

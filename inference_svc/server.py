@@ -268,8 +268,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             engine = self._engine()
             self._check_size(request)
+            ids = await engine.tokenize(request.text, add_bos=request.add_bos)
             tok = engine.engine.tokenizer
-            ids = await asyncio.to_thread(tok.encode, request.text, request.add_bos)
             return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
         except Exception as exc:
             await self._fail(context, exc)
