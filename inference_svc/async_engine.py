@@ -40,7 +40,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference_svc.engine.types import RequestOutput, SamplingParams
+from inference_svc.engine.types import FinishReason, RequestOutput, SamplingParams
 from inference_svc.errors import (
     CapacityError,
     DeadlineExceededError,
@@ -393,6 +393,8 @@ class AsyncEngine:
                 self.fault_hook(out)
             if out.finished:
                 self._live.pop(rid, None)
+                if out.finish_reason is FinishReason.ERROR:  # the engine logged it; the reader gets INTERNAL
+                    return RequestFailedError(out.error or "the engine failed this request")
                 if self.metrics is not None and out.finish_reason is not None:
                     self.metrics.observe_finished(out.finish_reason.value, out.timing)
                 return out if live.cause is None else live.cause

@@ -8,12 +8,15 @@ Contract:
 - `abort_request` takes effect at the next `step()`, which returns a final `RequestOutput(finished=True,
   finish_reason=CANCELLED)` for it; its blocks are freed then.
 - `step()` returns one `RequestOutput` per request that produced a token, finished or was cancelled this step.
+  A request whose logits are not finite finishes alone with `finish_reason=ERROR` and `error` set (one log line);
+  `generate()` raises `RequestFailedError` for it.
 - Times come from `time.monotonic()`; `Timing` is in milliseconds from the request's arrival.
 - Bytes per KV token come from `shared_model.ledger` (2 · layers · kv_width · bytes per element).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass
@@ -26,15 +29,17 @@ from inference_svc.engine.block_manager import BlockManager
 from inference_svc.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from inference_svc.engine.detokenizer import IncrementalDetokenizer
 from inference_svc.engine.model_runner import BackendFactory, ModelRunner
-from inference_svc.engine.sampler import Sampler, SampleRequest
+from inference_svc.engine.sampler import Sampler, SampleRequest, Samples
 from inference_svc.engine.scheduler import Scheduler, StepEvent
 from inference_svc.engine.sequence import Sequence
 from inference_svc.engine.types import FinishReason, RequestOutput, SamplingParams, Timing, Usage
-from inference_svc.errors import InvalidRequestError, ModelLoadError
+from inference_svc.errors import InvalidRequestError, ModelLoadError, RequestFailedError
 from shared_model import ledger
 from shared_model.bundle import Bundle, load_bundle, parse_dtype
 from shared_model.config import ModelConfig
 from shared_model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,7 @@ class Engine:
         device = _resolve_device(config.device)
         dtype: str | torch.dtype = "auto" if config.dtype == "auto" else parse_dtype(config.dtype)
         try:
-            bundle = load_bundle(path, dtype=dtype, device=device)
+            bundle = load_bundle(path, dtype=dtype, device=device, verify_checksums=config.verify_checksums)
         except Exception as exc:
             raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
         backend_name, backend = _resolve_backend(config.attention_backend, device)
@@ -216,8 +221,12 @@ class Engine:
             logits = self.runner.run(batch)
             sampling = [b for b in batch if b.samples]
             requests = [SampleRequest(b.seq.sampling, b.seq.token_ids, b.seq.generator) for b in sampling]
-            tokens, logprobs = self.sampler.sample(logits, requests) if requests else ([], None)
-            events += self.scheduler.postprocess(batch, tokens, logprobs, time.monotonic())
+            samples = self.sampler.sample(logits, requests) if requests else Samples([], None, [])
+            for j in samples.failed:
+                log.error("request %s: the model's logits are not finite; failing it alone", sampling[j].seq.request_id)
+            events += self.scheduler.postprocess(
+                batch, samples.tokens, samples.logprobs, time.monotonic(), frozenset(samples.failed)
+            )
         outputs = [self._to_output(e) for e in events]
         for e in events:
             if e.finished:
@@ -236,6 +245,7 @@ class Engine:
             finish_reason=seq.finish_reason if e.finished else None,
             usage=usage,
             timing=_timing(seq) if e.finished else None,
+            error=e.error,
         )
 
     # ------------------------------------------------------------------ reporting
@@ -307,6 +317,9 @@ class Engine:
                 lps[out.request_id] += out.logprobs or []
                 if out.finished:
                     final[out.request_id] = out
+        failed = {rid: out.error for rid, out in final.items() if out.finish_reason is FinishReason.ERROR}
+        if failed:
+            raise RequestFailedError(f"{len(failed)} of {len(ids)} requests failed: {next(iter(failed.values()))}")
         return [
             GenerationResult(
                 request_id=rid,

@@ -5,6 +5,11 @@ Contract:
   the model's distribution: log_softmax of the raw logits, before penalties, temperature or truncation).
 - Order of transforms: repetition penalty (CTRL: positive logits divided, negative multiplied, over tokens in the
   prompt or output) → greedy argmax when temperature is 0 → temperature → top-k → top-p → min-p → draw.
+- No valid parameter overflows: penalized logits are clamped to the finite float range, and temperature divides
+  `logits - rowmax` (all <= 0) and is floored at fp32's smallest normal number, so a temperature of 1e-38 (or
+  5e-324) gives probability 0 to every token but the best, never NaN.
+- A row of raw logits that is not finite (NaN or ±inf from the model) is never sampled from: it is reported in
+  `Samples.failed` and its token is meaningless; the engine fails that request alone.
 - A draw is `argmax(p / E)` with E ~ Exp(1) (equivalent to sampling from p). E comes from the request's own
   generator when it has a seed, so a seeded request draws the same numbers whatever the batch; unseeded rows share
   one engine generator. Everything else is vectorized over rows.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +35,15 @@ class SampleRequest:
     generator: torch.Generator | None
 
 
+class Samples(NamedTuple):
+    """One token per row, its log-probability when asked, and the rows that could not be sampled."""
+
+    tokens: list[int]
+    logprobs: list[float] | None
+    failed: list[int]
+    """Indices of rows whose raw logits were not finite (their entry in `tokens` is a placeholder)."""
+
+
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self._generator = torch.Generator()
@@ -37,10 +52,15 @@ class Sampler:
         else:
             self._generator.seed()
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> tuple[list[int], list[float] | None]:
+    def sample(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> Samples:
         # logits: [S, V] fp32
         want_logprobs = any(r.params.logprobs for r in requests)
         chosen_lp = None
+        finite = torch.isfinite(logits).all(dim=-1)  # [S]
+        failed: list[int] = []
+        if not bool(finite.all()):
+            failed = (~finite).nonzero()[:, 0].tolist()
+            logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))  # keep NaN out of the batch
         raw = logits
         logits = _apply_penalties(raw, requests)
         greedy = [r.params.greedy for r in requests]
@@ -50,11 +70,13 @@ class Sampler:
             tokens = self._sample_rows(logits, requests, greedy)
         if want_logprobs:
             chosen_lp = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None])[:, 0].tolist()
-        return tokens.tolist(), chosen_lp
+        return Samples(tokens.tolist(), chosen_lp, failed)
 
     def _sample_rows(self, logits: torch.Tensor, requests: Sequence[SampleRequest], greedy: list[bool]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature if not g else 1.0 for r, g in zip(requests, greedy, strict=True)])
-        scaled = logits / temps.to(logits.device)[:, None]
+        temps = temps.clamp_(min=torch.finfo(temps.dtype).tiny)  # 5e-324 would round to 0 in fp32: 0/0 = NaN
+        # shift first: every entry is <= 0, so dividing by a tiny temperature gives -inf, never inf - inf = NaN
+        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temps.to(logits.device)[:, None]
         top_k = [r.params.top_k for r in requests]
         top_p = [r.params.top_p for r in requests]
         min_p = [r.params.min_p for r in requests]
@@ -90,7 +112,8 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRequest]) ->
         p = requests[i].params.repetition_penalty
         vals = logits[i, ids]
         logits[i, ids] = torch.where(vals > 0, vals / p, vals * p)
-    return logits
+    big = torch.finfo(logits.dtype).max
+    return logits.clamp_(-big, big)  # a tiny or huge penalty must not push a logit to ±inf
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

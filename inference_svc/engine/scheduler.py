@@ -16,12 +16,15 @@ Contract:
   preempted: its blocks are freed (cached full blocks stay evictable and often serve its own recompute), it returns
   to `waiting` with `num_computed_tokens = 0`, and is prefilled again (prompt + tokens generated so far) later.
 - `postprocess()` advances computed counts, registers newly full blocks with the prefix cache, appends sampled
-  tokens, detokenizes, checks stop conditions, and frees the blocks of finished sequences at once.
+  tokens, detokenizes, checks stop conditions, and frees the blocks of finished sequences at once. A sequence whose
+  row the sampler could not sample (non-finite logits) finishes with `FinishReason.ERROR` and its blocks are freed;
+  the others in the step go on.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from inference_svc.engine.block_manager import BlockManager
@@ -40,6 +43,7 @@ class StepEvent:
     logprobs: list[float] | None = None
     text_delta: str = ""
     finished: bool = False
+    error: str | None = None
 
 
 @dataclass
@@ -160,8 +164,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ postprocessing
     def postprocess(
-        self, batch: list[ScheduledSeq], tokens: list[int], logprobs: list[float] | None, now: float
+        self,
+        batch: list[ScheduledSeq],
+        tokens: list[int],
+        logprobs: list[float] | None,
+        now: float,
+        failed: Collection[int] = (),
     ) -> list[StepEvent]:
+        """`tokens[j]` is the j-th sampling sequence's token; `failed` holds the j whose logits were not finite."""
         events: list[StepEvent] = []
         j = 0
         for item in batch:
@@ -169,6 +179,12 @@ class Scheduler:
             seq.num_computed_tokens += item.num_tokens
             self._register_full_blocks(seq)
             if not item.samples:
+                continue
+            if j in failed:
+                event = self._finish(seq, FinishReason.ERROR, now)
+                event.error = "the model produced non-finite logits for this request"
+                events.append(event)
+                j += 1
                 continue
             token = tokens[j]
             lp = None if logprobs is None or not seq.sampling.logprobs else [logprobs[j]]

@@ -12,6 +12,7 @@ Contract:
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from inference_svc.errors import InvalidRequestError
@@ -29,6 +30,8 @@ class FinishReason(str, enum.Enum):
     """max_new_tokens was reached, or the context is full."""
     CANCELLED = "cancelled"
     """Aborted from outside: client cancel, disconnect, deadline, shutdown."""
+    ERROR = "error"
+    """Failed inside the engine, this request alone (e.g. its logits were not finite); `RequestOutput.error`."""
 
 
 @dataclass(frozen=True)
@@ -61,16 +64,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
             raise InvalidRequestError("max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # also rejects NaN
+            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise InvalidRequestError("top_k", f"must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0:
-            raise InvalidRequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise InvalidRequestError(
+                "repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}"
+            )
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
@@ -127,3 +132,5 @@ class RequestOutput:
     usage: Usage = field(default_factory=Usage)
     timing: Timing | None = None
     """Set on the final increment."""
+    error: str | None = None
+    """With finish_reason ERROR: why the engine failed this request (one line, no internals)."""
