@@ -1,18 +1,30 @@
 """Weight bundles: a Hugging Face–compatible folder written and read by Tandem.
 
 Layout: `config.json`, `model.safetensors` (or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`
-above `max_shard_bytes`), `tokenizer.json`, `tokenizer_config.json`, `generation_config.json`.
+above `max_shard_bytes`), `tokenizer.json`, `tokenizer_config.json`, `generation_config.json`, and Tandem's
+manifest `tandem_bundle.json` (format version; every other file's size and SHA-256). The manifest is also the
+marker that says "this folder is a Tandem bundle": only such a folder may be replaced.
 
 Contract:
-- `save_bundle` writes into a temporary sibling folder and renames it into place: a reader never sees a half
-  bundle, and a failure leaves any previous bundle untouched. safetensors only, never pickle.
-- `load_bundle` reads any Llama/Qwen2/Qwen3 folder in that layout (Tandem's or transformers' `save_pretrained`)
-  in a chosen dtype. A missing file, an unknown model_type, a missing, unexpected or misshapen tensor is a
-  `BundleError` naming the file or the tensor (and both shapes).
+- `save_bundle` writes into a temporary sibling folder, manifest last, and renames it into place: a reader never
+  sees a half bundle, and a failure leaves any previous bundle untouched. safetensors only, never pickle.
+- `save_bundle(..., overwrite=True)` (and `check_bundle_target`) replaces only a missing folder, an empty folder,
+  or a Tandem bundle (regular files named in its manifest, plus the manifest). Anything else, e.g. a run folder,
+  a checkpoint, or a bundle with a foreign file in it, is a `BundleError` naming the folder and the reason, and
+  nothing is touched.
+- `load_bundle` reads any Llama/Qwen2/Qwen3 folder in that layout (Tandem's or transformers' `save_pretrained`;
+  the manifest is optional) in a chosen dtype. Refused with a one-line `BundleError` naming the file and the
+  field or tensor: a missing file, an unknown model_type, an invalid config.json field (e.g.
+  max_position_embeddings below `shared_model.config.MIN_POSITIONS`), a tokenizer whose ids exceed config.json's
+  vocab_size, a missing, unexpected or misshapen tensor (both shapes named), a NaN/Inf weight. With
+  `verify_checksums=True` every manifest entry is checked (size, SHA-256) and every file the loader reads must be
+  listed; a folder without a manifest is then refused (nothing to verify against).
+- `sha256_file` is the one file-hashing helper (lt_plugins' checkpoint manifest uses it too).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -34,6 +46,11 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 GENERATION_FILE = "generation_config.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+MANIFEST_FILE = "tandem_bundle.json"
+"""Tandem's bundle manifest and marker: {"format": 1, "files": {name: {"bytes": n, "sha256": hex}}}."""
+MANIFEST_FORMAT = 1
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
 DTYPES: dict[str, torch.dtype] = {
@@ -125,14 +142,19 @@ def weight_files(folder: str | Path) -> list[Path]:
 
 
 def read_state_dict(folder: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of a folder by name, optionally cast to `dtype`."""
+    """Every tensor of a folder by name, optionally cast to `dtype`. A NaN/Inf value, stored or produced by the
+    cast (a value beyond float16's range), is a BundleError naming the file and the tensor."""
     out: dict[str, torch.Tensor] = {}
     for file in weight_files(folder):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     t = f.get_tensor(name)
-                    out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+                    _check_finite(file, name, t)
+                    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                        t = t.to(dtype)
+                        _check_finite(file, name, t, cast_to=dtype)
+                    out[name] = t
         except BundleError:
             raise
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
@@ -140,17 +162,33 @@ def read_state_dict(folder: str | Path, dtype: torch.dtype | None = None) -> dic
     return out
 
 
+def _check_finite(file: Path, name: str, t: torch.Tensor, cast_to: torch.dtype | None = None) -> None:
+    if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+        return
+    if cast_to is None:
+        raise BundleError(f"{file}: tensor {name} holds NaN or Inf values")
+    raise BundleError(f"{file}: tensor {name} has values outside the range of {dtype_name(cast_to)}")
+
+
 def load_bundle(
     folder: str | Path,
     dtype: str | torch.dtype | None = torch.float32,
     device: str | torch.device = "cpu",
     load_tokenizer: bool = True,
+    verify_checksums: bool = False,
 ) -> Bundle:
-    """Load a model folder. dtype None or 'auto' means the folder's own dtype (float32 if it names none)."""
+    """Load a model folder. dtype None or 'auto' means the folder's own dtype (float32 if it names none).
+    `verify_checksums` checks every file against the folder's `tandem_bundle.json` before reading it."""
     folder = Path(folder)
     if not folder.is_dir():
         raise BundleError(f"model folder not found: {folder}")
+    if verify_checksums:
+        verify_bundle(folder)
     config = read_config(folder)
+    tokenizer = None
+    if load_tokenizer and (folder / TOKENIZER_FILE).is_file():
+        tokenizer = Tokenizer.load(folder)
+        _check_tokenizer_fits(folder, tokenizer, config)
     if dtype is None or dtype == "auto":
         target = folder_dtype(folder) or torch.float32
     else:
@@ -167,10 +205,89 @@ def load_bundle(
     if config.tie_word_embeddings:  # assign=True replaced both parameters: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device).eval()
-    tokenizer = None
-    if load_tokenizer and (folder / "tokenizer.json").is_file():
-        tokenizer = Tokenizer.load(folder)
     return Bundle(model=model, config=config, tokenizer=tokenizer, dtype=target, path=folder)
+
+
+def tokenizer_id_bound(tokenizer: Tokenizer) -> int:
+    """One more than the largest id the tokenizer can emit (added and special tokens included)."""
+    # Tokenizer exposes no id table; its wrapped tokenizers.Tokenizer does (same package). Ids may be sparse.
+    vocab = tokenizer._tk.get_vocab(with_added_tokens=True)
+    return max(tokenizer.vocab_size, max(vocab.values(), default=-1) + 1)
+
+
+def _check_tokenizer_fits(folder: Path, tokenizer: Tokenizer, config: ModelConfig) -> None:
+    bound = tokenizer_id_bound(tokenizer)
+    if bound > config.vocab_size:
+        raise BundleError(
+            f"{folder / TOKENIZER_FILE}: the tokenizer emits ids up to {bound - 1} ({bound} ids) but "
+            f"{CONFIG_FILE}: vocab_size is {config.vocab_size}; every text prompt would hold ids the model has no "
+            "embedding for"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ manifest
+def sha256_file(path: str | Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    """Record every file of a freshly written bundle folder (written last, before the folder is renamed)."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
+    entries = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
+    _write_json(folder / MANIFEST_FILE, {"format": MANIFEST_FORMAT, "files": entries})
+
+
+def read_manifest(folder: str | Path) -> dict[str, dict] | None:
+    """The `files` table of a folder's tandem_bundle.json, None when it has none; a malformed one is refused."""
+    path = Path(folder) / MANIFEST_FILE
+    if not path.exists() and not path.is_symlink():
+        return None
+    data = _read_json(path)
+    if data.get("format") != MANIFEST_FORMAT:
+        raise BundleError(f"{path}: format is {data.get('format')!r}, this Tandem reads format {MANIFEST_FORMAT}")
+    files = data.get("files")
+    if not isinstance(files, dict):
+        raise BundleError(f"{path}: 'files' must be an object of file name → {{bytes, sha256}}")
+    for name, meta in files.items():
+        plain = isinstance(name, str) and name not in ("", ".", "..", MANIFEST_FILE) and "/" not in name
+        plain = plain and "\\" not in name
+        if not plain:
+            raise BundleError(f"{path}: files: {name!r} is not a plain file name of this folder")
+        ok = isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and isinstance(meta.get("sha256"), str)
+        if not ok:
+            raise BundleError(f"{path}: files: {name} must hold an integer 'bytes' and a string 'sha256'")
+    return files
+
+
+def verify_bundle(folder: str | Path) -> None:
+    """Check every file against the folder's manifest (size, then SHA-256); every file the loader reads must be
+    listed. BundleError naming the file on the first mismatch, or when there is no manifest."""
+    folder = Path(folder)
+    files = read_manifest(folder)
+    if files is None:
+        raise BundleError(
+            f"{folder / MANIFEST_FILE}: missing, so there is no manifest to verify checksums against "
+            "(bundles written by Tandem's save_bundle have one; load without checksum verification otherwise)"
+        )
+    for name, meta in sorted(files.items()):
+        path = folder / name
+        if not path.is_file():
+            raise BundleError(f"{path}: listed in {MANIFEST_FILE} but missing")
+        size = path.stat().st_size
+        if size != meta["bytes"]:
+            raise BundleError(f"{path}: {size} bytes, {MANIFEST_FILE} says {meta['bytes']} (corrupt or replaced)")
+        if sha256_file(path) != meta["sha256"]:
+            raise BundleError(f"{path}: SHA-256 does not match {MANIFEST_FILE} (corrupt or altered file)")
+    read = [folder / CONFIG_FILE, folder / INDEX_FILE, folder / TOKENIZER_FILE, folder / TOKENIZER_CONFIG_FILE]
+    read += weight_files(folder)
+    unlisted = [p for p in read if p.is_file() and p.name not in files]
+    if unlisted:
+        raise BundleError(f"{unlisted[0]}: not listed in {MANIFEST_FILE}, so its checksum cannot be verified")
 
 
 def _check_tensors(
@@ -205,11 +322,10 @@ def save_bundle(
     """Write a bundle atomically and return its path. `state_dict` may be a model; dtype None keeps each
     tensor's own dtype (the config records the dtype of the first floating tensor)."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise BundleError(f"{out_dir} already exists (pass overwrite=True to replace it)")
-    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+    check_bundle_target(out_dir, overwrite)
+    if tokenizer is not None and tokenizer_id_bound(tokenizer) > config.vocab_size:
         raise BundleError(
-            f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {config.vocab_size}"
+            f"tokenizer has {tokenizer_id_bound(tokenizer)} tokens but the model's vocab_size is {config.vocab_size}"
         )
     sd = state_dict.state_dict() if isinstance(state_dict, CausalLM) else dict(state_dict)
     if tokenizer is not None:
@@ -226,12 +342,46 @@ def save_bundle(
         _write_json(tmp / GENERATION_FILE, _generation_config(config))
         if tokenizer is not None:
             tokenizer.save(tmp)
+        _write_manifest(tmp)
         _fsync_dir(tmp)
+        check_bundle_target(out_dir, overwrite)  # again: the folder may have changed while the weights were written
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def check_bundle_target(out_dir: str | Path, overwrite: bool = False) -> None:
+    """Raise BundleError unless `out_dir` may receive a bundle: it does not exist, or (with `overwrite`) it is an
+    empty folder or a Tandem bundle (regular files named in its tandem_bundle.json, and that manifest)."""
+    out_dir = Path(out_dir)
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not overwrite:
+        raise BundleError(f"{out_dir} already exists (pass overwrite=True to replace it)")
+    refuse = f"refusing to overwrite {out_dir}:"
+    if out_dir.is_symlink():
+        raise BundleError(f"{refuse} it is a symbolic link (give the folder it points to)")
+    if not out_dir.is_dir():
+        raise BundleError(f"{refuse} it is a file, not a bundle folder")
+    entries = sorted(out_dir.iterdir())
+    if not entries:
+        return
+    if not (out_dir / MANIFEST_FILE).is_file() or (out_dir / MANIFEST_FILE).is_symlink():
+        shown = ", ".join(p.name for p in entries[:3]) + (", …" if len(entries) > 3 else "")
+        raise BundleError(f"{refuse} it is not empty and not a Tandem bundle (no {MANIFEST_FILE}; holds {shown})")
+    try:
+        listed = set(read_manifest(out_dir) or {})
+    except BundleError as exc:
+        raise BundleError(f"{refuse} its {MANIFEST_FILE} is unreadable ({exc})") from None
+    for entry in entries:
+        if entry.name == MANIFEST_FILE:
+            continue
+        if entry.name not in listed:
+            raise BundleError(f"{refuse} {entry.name} is not a file of the bundle (not in its {MANIFEST_FILE})")
+        if entry.is_symlink() or not entry.is_file():
+            raise BundleError(f"{refuse} {entry.name} is not a regular file")
 
 
 def _tensors_to_write(

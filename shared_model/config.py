@@ -2,6 +2,7 @@
 
 Contract:
 - `ModelConfig` is immutable and validated at construction; an invalid value raises `ConfigError` naming the field.
+  `max_position_embeddings` must be at least `MIN_POSITIONS`: a shorter context cannot hold a prompt and a reply.
 - `PRESETS` holds configs only (never weights). `get_preset(name)` returns a copy.
 - `ModelConfig.from_hf_dict` reads `config.json` of model_type llama, qwen2 or qwen3 (transformers 4.x layout with
   `rope_theta`/`rope_scaling`, or 5.x layout with `rope_parameters`). A field whose value changes the architecture
@@ -20,6 +21,9 @@ from shared_model.errors import ConfigError
 
 ModelType = Literal["llama", "qwen2", "qwen3"]
 MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+
+MIN_POSITIONS = 16
+"""Shortest context (max_position_embeddings) a model may declare: a few prompt tokens plus a reply."""
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -87,7 +91,7 @@ class ModelConfig:
     attention_out_bias: bool = False
     """Bias on the output projection (llama/qwen3 with attention_bias; never qwen2)."""
     max_position_embeddings: int = 4096
-    """Longest context the model supports."""
+    """Longest context the model supports; at least MIN_POSITIONS (16)."""
     bos_token_id: int | None = None
     """Beginning-of-sequence token id, if the model has one."""
     eos_token_ids: tuple[int, ...] = ()
@@ -110,6 +114,11 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_position_embeddings < MIN_POSITIONS:
+            raise ConfigError(
+                f"max_position_embeddings must be at least {MIN_POSITIONS} (a context that holds a prompt and a "
+                f"reply), got {self.max_position_embeddings}"
+            )
         if self.model_type not in MODEL_TYPES:
             raise ConfigError(f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
         if self.num_heads % self.num_kv_heads:

@@ -29,6 +29,7 @@ def test_round_trip_files_logits_and_tokenizer(saved):
         "config.json",
         "generation_config.json",
         "model.safetensors",
+        "tandem_bundle.json",
         "tokenizer.json",
         "tokenizer_config.json",
     ]
