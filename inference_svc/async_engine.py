@@ -6,6 +6,9 @@ Contract:
   `loop.call_soon_threadsafe`, once per step with every increment of that step.
 - State has one owner each: the admission counters and the per-request streams belong to the event loop; the
   per-request deadlines, abort causes and inter-token clocks belong to the engine thread.
+- Text is refused before it is tokenized when it has more characters than the context could ever hold
+  (`max_prompt_chars`), and tokenized through a `TokenizeGate`: one worker thread, metered in characters, so a
+  flood of large prompts gets RESOURCE_EXHAUSTED instead of unbounded threads, memory and GIL time.
 - Admission control (`AdmissionLimits`): a request is admitted only if the requests still waiting for their first
   token, and their prompt tokens, stay within the limits after adding it; otherwise `CapacityError` is raised and
   nothing about the request exists anywhere (nothing half-admitted). The reservation is released when the request
@@ -50,13 +53,13 @@ from inference_svc.errors import (
 )
 from inference_svc.metrics import ServiceMetrics
 from inference_svc.settings import AdmissionLimits
+from inference_svc.tokenize_gate import TokenizeGate
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 _IDLE_POLL_S = 0.05
-_LARGE_PROMPT_CHARS = 8192
 
 FaultHook = Callable[[RequestOutput], None]
 
@@ -121,6 +124,9 @@ class AsyncEngine:
         self.metrics = metrics
         self.fault_hook = fault_hook
         self.info: dict[str, Any] = engine.info()
+        self._tokenizer_gate = TokenizeGate(engine.tokenizer, self.limits.max_tokenizing_chars)
+        self.max_prompt_chars = engine.max_model_len * engine.tokenizer.max_chars_per_token
+        """A text prompt longer than this cannot fit the context, whatever it encodes to: refused unread."""
         # event-loop state
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, _Stream] = {}
@@ -157,6 +163,7 @@ class AsyncEngine:
         self._inbox.put(_STOP)
         await asyncio.to_thread(self._thread.join, 30.0)
         self._thread = None
+        await asyncio.to_thread(self._tokenizer_gate.close)
 
     async def drain(self, grace: float) -> int:
         """Refuse new work, let in-flight requests finish for `grace` s, abort the rest; return how many were cut."""
@@ -232,17 +239,20 @@ class AsyncEngine:
                 self._idle.set()
 
     async def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
-        """Token ids of `text` (the Tokenize RPC and text prompts)."""
-        encode = self.engine.tokenizer.encode
-        if len(text) > _LARGE_PROMPT_CHARS:  # keep the event loop responsive
-            return await asyncio.to_thread(encode, text, add_bos)
-        return encode(text, add_bos)
+        """Token ids of `text` (the Tokenize RPC and text prompts), through the metered `TokenizeGate`."""
+        return await self._tokenizer_gate.encode(text, add_bos)
 
     async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
             return list(prompt)
         if not prompt:
             raise InvalidRequestError("prompt", "the prompt is empty")
+        if len(prompt) > self.max_prompt_chars:
+            raise InvalidRequestError(
+                "prompt",
+                f"{len(prompt)} characters cannot fit this engine's context of {self.engine.max_model_len} tokens "
+                f"(at most {self.max_prompt_chars} characters with this tokenizer); refused before tokenizing",
+            )
         return await self.tokenize(prompt)
 
     def _admit(self, rid: str, num_tokens: int) -> _Stream:

@@ -6,6 +6,14 @@ Contract:
 - `Tokenizer.load(folder_or_file)` reads `tokenizer.json` (+ `tokenizer_config.json` for the special tokens when
   present) written by Tandem or by Hugging Face.
 - `save(folder)` writes `tokenizer.json` and `tokenizer_config.json` that transformers' `AutoTokenizer` reads.
+- `encode(text)` tokenizes as transformers does: special-token text typed in `text` (e.g. `<|eos|>`) becomes that
+  control token, which keeps parity for plain prompts. `encode(text, literal=True)` never produces a control token
+  from text (it is split like ordinary characters): for text a user typed inside a structure Tandem renders
+  itself, such as a chat message's content.
+- Long texts (over `_GIL_FREE_CHARS`) go through the library's batch path, which releases the GIL while it works,
+  so one big prompt does not stall the other threads of a server.
+- `max_chars_per_token`: an upper bound on the characters of text one token can stand for; a text longer than
+  `n * max_chars_per_token` cannot encode to `n` tokens or fewer (used to refuse oversized prompts unread).
 - Stateless after construction; safe to share between threads.
 """
 
@@ -19,6 +27,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from shared_model.errors import TokenizerError
+
+_GIL_FREE_CHARS = 4096
+"""Texts longer than this are encoded with the GIL released (the batch path; the same ids)."""
+_NORMALIZER_SLACK = 4
+"""A normalizer can shrink text (NFC composes up to ~3 characters into one): the bound allows for it."""
 
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
@@ -37,6 +50,9 @@ class Tokenizer:
         model_max_length: int | None = None,
     ) -> None:
         self._tk = tokenizer
+        self._literal = HFTokenizer.from_str(tokenizer.to_str())
+        self._literal.encode_special_tokens = True  # a separate instance: the flag is per tokenizer, not per call
+        self._max_chars_per_token: int | None = None
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
         self.model_max_length = model_max_length
         self.bos_id = self._id_of(bos_token)
@@ -123,11 +139,26 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tk.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self._tk.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_bos: bool = False, literal: bool = False) -> list[int]:
+        """Token ids of `text`; `literal=True`: special-token text in it stays text (see the module docstring)."""
+        tk = self._literal if literal else self._tk
+        if len(text) > _GIL_FREE_CHARS:
+            ids = tk.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = tk.encode(text, add_special_tokens=False).ids
         if add_bos and self.bos_id is not None:
             return [self.bos_id, *ids]
         return ids
+
+    @property
+    def max_chars_per_token(self) -> int:
+        """Upper bound on the characters one token covers (its vocabulary string is at least as long as the text it
+        encodes: byte-level symbols are one per byte, byte fallbacks `<0x41>` longer), with slack for normalizers."""
+        if self._max_chars_per_token is None:
+            longest = max((len(t) for t in self._tk.get_vocab(with_added_tokens=True)), default=1)
+            slack = _NORMALIZER_SLACK if self._tk.normalizer is not None else 1
+            self._max_chars_per_token = max(1, longest) * slack
+        return self._max_chars_per_token
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [enc.ids for enc in self._tk.encode_batch(list(texts), add_special_tokens=False)]

@@ -1,0 +1,86 @@
+"""A flood of large text prompts cannot stall the service: text that cannot fit the context is refused before it
+is tokenized, and tokenization is bounded (one worker, metered in characters; beyond the limit RESOURCE_EXHAUSTED
+before any work). Mechanisms are tested here; the latency and memory figures are in benchmarks/hostile_input.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from inference_svc.errors import CapacityError
+from inference_svc.tokenize_gate import TokenizeGate
+from shared_model.tokenizer import Tokenizer
+
+
+def _code(fn, *args, **kwargs) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        fn(*args, **kwargs)
+    return info.value.code(), info.value.details()
+
+
+def test_prompt_longer_than_the_context_could_hold_is_refused_unread(client, server) -> None:
+    engine = server.server.engine
+    assert engine is not None
+    limit = engine.max_prompt_chars
+    before = engine._tokenizer_gate.encoded_chars
+    code, details = _code(client.generate, "a" * (limit + 1), max_new_tokens=2)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt" in details and "refused before tokenizing" in details and str(limit) in details
+    assert engine._tokenizer_gate.encoded_chars == before  # not one character was tokenized
+    ok = client.generate("a" * 40, max_new_tokens=2, ignore_eos=True)  # the service is unharmed
+    assert len(ok.token_ids) == 2
+
+
+def test_gate_refuses_beyond_its_budget_before_any_work(small_tokenizer: Tokenizer) -> None:
+    text = "def f(x):\n    return x + 1\n" * 300  # 8,100 characters: above the inline size
+    gate = TokenizeGate(small_tokenizer, max_pending_chars=len(text) + 10)
+
+    async def flood() -> None:
+        first = asyncio.create_task(gate.encode(text))
+        await asyncio.sleep(0)  # `first` is accepted: its characters are pending until its work ends
+        assert gate.pending_chars == len(text)
+        with pytest.raises(CapacityError, match="tokenizer is busy"):
+            await gate.encode(text)
+        assert gate.refused == 1 and gate.encoded_chars == len(text)  # the refused text was never tokenized
+        assert await first == small_tokenizer.encode(text)
+        await asyncio.sleep(0)  # the release is posted from the worker thread
+        for _ in range(100):
+            if gate.pending_chars == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert gate.pending_chars == 0
+        assert await gate.encode(text) == small_tokenizer.encode(text)  # budget free again
+
+    asyncio.run(flood())
+    gate.close()
+
+
+def test_cancelled_caller_keeps_its_work_metered_until_it_ends(small_tokenizer: Tokenizer) -> None:
+    text = "x = [i * i for i in range(10)]\n" * 400
+    gate = TokenizeGate(small_tokenizer, max_pending_chars=10 * len(text))
+
+    async def cancel_one() -> None:
+        task = asyncio.create_task(gate.encode(text))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(500):  # bounded wait for the worker to finish (or drop) the cancelled work
+            if gate.pending_chars == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert gate.pending_chars == 0
+
+    asyncio.run(cancel_one())
+    gate.close()
+
+
+def test_long_text_encodes_the_same_through_the_gil_free_path(small_tokenizer: Tokenizer) -> None:
+    text = "héllo <|eos|> wörld\n" * 1000  # 20,000 characters: the batch path
+    ids = small_tokenizer.encode(text)
+    assert ids == small_tokenizer._tk.encode(text, add_special_tokens=False).ids  # the GIL-holding single path
+    assert small_tokenizer.eos_id in ids  # plain prompts keep special-token text as control tokens (transformers)
+    literal = small_tokenizer.encode(text, literal=True)
+    assert small_tokenizer.eos_id not in literal and small_tokenizer.decode(literal) == text
