@@ -157,12 +157,7 @@ class Engine:
             raise InvalidRequestError(
                 "prompt",
                 f"the prompt has {len(token_ids)} tokens; this engine's context holds {self.max_model_len} "
-                f"(prompt + at least one generated token), limited by "
-                + (
-                    "the KV-cache pool"
-                    if self.max_model_len == self.block_manager.num_blocks * self.config.block_size
-                    else "max_model_len"
-                ),
+                f"(prompt + at least one generated token), limited by {self._context_limit()}",
             )
         bad_stop = [t for t in sampling.stop_token_ids if t >= self.model_config.vocab_size]
         if bad_stop:
@@ -182,6 +177,14 @@ class Engine:
         self._prompt_tokens_total += len(token_ids)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _context_limit(self) -> str:
+        """What sets `max_model_len`, in the words of the setting a user would change."""
+        if self.max_model_len == self.model_config.max_position_embeddings:
+            return f"the model's max_position_embeddings ({self.model_config.max_position_embeddings}, config.json)"
+        if self.max_model_len == self.config.max_model_len:
+            return f"max_model_len ({self.config.max_model_len}, --max-model-len)"
+        return f"the KV-cache pool ({self.block_manager.num_blocks} blocks of {self.config.block_size} tokens)"
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
