@@ -5,9 +5,15 @@ Contract:
   `CheckpointError`, never a silently wrong model), then merges the shards with DeepSpeed's own
   `get_fp32_state_dict_from_zero_checkpoint` into one fp32 state dict.
 - `export_bundle(ckpt_dir, out_dir, dtype)` strips the LightningModule prefix (`model.`), checks every tensor is
-  finite, and writes the bundle with `shared_model.bundle.save_bundle` (safetensors, atomic rename). The model's
-  `config.json` and tokenizer come from the run's `model_meta/` folder (found next to or above the checkpoint, or
-  given explicitly).
+  finite, and writes the bundle with `shared_model.bundle.save_bundle` (safetensors, a manifest of checksums,
+  atomic rename). The model's `config.json` and tokenizer come from the run's `model_meta/` folder (found next to
+  or above the checkpoint, or given explicitly).
+- Before reading any shard, `export_bundle` checks the target (`check_export_target`): `out_dir` may not be, contain
+  or lie inside what the export reads (the checkpoint, the checkpoints folder holding it, `model_meta/`), nor be or
+  contain the run folder or the path given as `ckpt_dir`; paths are compared resolved (symlinks followed). A new
+  folder inside the run beside those (the default `<run>/bundle`) is allowed. With `overwrite`, an existing
+  `out_dir` must be empty or a Tandem bundle (`shared_model.bundle.check_bundle_target`). Any refusal is a
+  one-line `CheckpointError` and nothing is written or deleted.
 - `ExportBundle` is the callback form: when training ends, rank 0 exports the newest checkpoint; all ranks wait.
 """
 
@@ -22,7 +28,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lt_plugins.checkpoint_io import latest_checkpoint, verify_checkpoint
 from lt_plugins.errors import CheckpointError
 from lt_plugins.lit_module import STATE_PREFIX
-from shared_model.bundle import read_config, save_bundle
+from shared_model.bundle import check_bundle_target, read_config, save_bundle
 from shared_model.errors import SharedModelError
 from shared_model.tokenizer import Tokenizer
 
@@ -50,6 +56,36 @@ def find_model_meta(ckpt_dir: Path) -> Path:
     raise CheckpointError(f"no {META_DIR}/config.json next to or above {ckpt_dir}; pass the model folder explicitly")
 
 
+def check_export_target(out_dir: str | Path, ckpt_dir: Path, meta_dir: Path, given: str | Path | None = None) -> None:
+    """Raise CheckpointError if writing a bundle to `out_dir` could replace or nest inside what the export reads."""
+    out = Path(out_dir).resolve()
+    ckpt, meta = ckpt_dir.resolve(), meta_dir.resolve()
+    given_path = Path(given).resolve() if given is not None else None
+    # read: out may not be, contain or lie inside these. held: out may not be or contain these (a new folder
+    # inside the run, like the default <run>/bundle, is fine; a non-bundle folder there is refused by save_bundle).
+    read: dict[Path, str] = {ckpt: "the checkpoint being exported", meta: "the model description being read"}
+    held: dict[Path, str] = {}
+    if given_path is not None:
+        held[given_path] = "the checkpoint path given"
+    if ckpt.parent.name == "checkpoints":
+        read[ckpt.parent] = "the checkpoints folder being read"
+        held[ckpt.parent.parent] = "the run being read"
+    elif ckpt.parent == given_path:
+        read[ckpt.parent] = "the folder of checkpoints being read"
+    if meta.name == META_DIR:
+        held[meta.parent] = "the run being read"
+    guarded = {**held, **read}
+    for folder, what in guarded.items():
+        if out == folder:
+            raise CheckpointError(f"refusing to export to {out_dir}: it is {what} ({folder})")
+    for folder, what in guarded.items():
+        if folder.is_relative_to(out):
+            raise CheckpointError(f"refusing to export to {out_dir}: it contains {what} ({folder})")
+    for folder, what in read.items():
+        if out.is_relative_to(folder):
+            raise CheckpointError(f"refusing to export to {out_dir}: it lies inside {what} ({folder})")
+
+
 def consolidate(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     """One fp32 state dict from the shards of a verified DeepSpeed checkpoint."""
     ckpt_dir = Path(ckpt_dir)
@@ -72,8 +108,13 @@ def export_bundle(
     overwrite: bool = False,
 ) -> Path:
     """Consolidate `ckpt_dir` and write a bundle to `out_dir` atomically; returns the bundle's absolute path."""
-    ckpt_dir = resolve_checkpoint(ckpt_dir)
+    given, ckpt_dir = ckpt_dir, resolve_checkpoint(ckpt_dir)
     meta = Path(meta_dir) if meta_dir is not None else find_model_meta(ckpt_dir)
+    check_export_target(out_dir, ckpt_dir, meta, given)
+    try:
+        check_bundle_target(out_dir, overwrite)
+    except SharedModelError as exc:
+        raise CheckpointError(str(exc)) from exc
     try:
         config = read_config(meta)
         tokenizer = Tokenizer.load(meta) if (meta / "tokenizer.json").is_file() else None
