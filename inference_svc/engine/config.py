@@ -97,6 +97,8 @@ class EngineConfig:
     """Longest sequence (prompt + output); None: the model's max_position_embeddings, capped by the KV pool."""
     max_new_tokens_limit: int = 4096
     """Ceiling on a request's max_new_tokens; requests asking more are refused."""
+    verify_checksums: bool = False
+    """Check every bundle file against its tandem_bundle.json (size, SHA-256) before loading; refuse a mismatch."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
@@ -108,7 +110,7 @@ class EngineConfig:
             parse_bytes(self.kv_cache_memory)
         if not isinstance(self.gpu_memory_fraction, (int, float)) or not 0 < self.gpu_memory_fraction <= 1:
             raise EngineConfigError("gpu_memory_fraction", f"must be in (0, 1], got {self.gpu_memory_fraction!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "verify_checksums"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
