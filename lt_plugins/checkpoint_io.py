@@ -8,7 +8,10 @@ Contract:
   that never finished, or not a Tandem checkpoint), a listed file missing (partial copy), a size or hash mismatch
   (corrupt file), or no DeepSpeed `latest` tag. It returns the tag directory.
 - `latest_checkpoint(folder)` is the newest checkpoint with a manifest under a run's checkpoint folder, or None.
-- `PeriodicCheckpoint` saves `step-NNNNNN` directories every N optimizer steps and at the end of training.
+- `PeriodicCheckpoint` saves `step-NNNNNN` directories every N optimizer steps and at the end of training. Before
+  each save it checks, on every process, that the last training loss and every parameter are finite; if not it
+  raises `NonFiniteError` and writes nothing, so a checkpoint of NaN/inf state never exists, let alone becomes
+  the newest (`latest_checkpoint`) one that resume and export pick.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lt_plugins.errors import CheckpointError
+from lt_plugins.finite import check_finite_before_save, loss_from_outputs
 from shared_model.bundle import sha256_file as _sha256
 
 MANIFEST = "tandem_manifest.json"
@@ -91,22 +95,25 @@ class PeriodicCheckpoint(Callback):
             raise CheckpointError(f"every_n_steps and keep_last must be > 0, got {every_n_steps}, {keep_last}")
         self.dirpath, self.every_n_steps, self.keep_last = Path(dirpath), every_n_steps, keep_last
         self._last_saved: int | None = None
+        self._last_loss: Any = None
         self.saved: list[Path] = []
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._last_saved = trainer.global_step  # a resumed run does not re-save the step it resumed from
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, *args: Any) -> None:
+        self._last_loss = loss_from_outputs(outputs)
         step = trainer.global_step
         if step % self.every_n_steps == 0 and step != self._last_saved:
-            self._save(trainer)
+            self._save(trainer, pl_module)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.global_step != self._last_saved:
-            self._save(trainer)
+            self._save(trainer, pl_module)
 
-    def _save(self, trainer: Trainer) -> None:
+    def _save(self, trainer: Trainer, pl_module: LightningModule) -> None:
         path = self.dirpath / f"step-{trainer.global_step:06d}"
+        check_finite_before_save(trainer, pl_module, path.name, self._last_loss)  # raises: nothing is written
         trainer.save_checkpoint(path)
         self._last_saved = trainer.global_step
         self.saved.append(path)

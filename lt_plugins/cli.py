@@ -4,7 +4,10 @@ Contract:
 - `train_main(["--config", "configs/tiny-cpu.yaml", "trainer.devices=2", ...])` loads and validates the config,
   prepares the data (cached in the run dir), writes the resolved `config.yaml` and `model_meta/` into the run dir,
   trains (Lightning launches the other processes by re-running this command), saves sharded checkpoints, exports
-  the bundle and prints `bundle: /abs/path` as its last line. Returns 0, or 2 with a one-line error.
+  the bundle and prints `bundle: /abs/path` as its last line. Returns 0, or 2 with a one-line error on stderr
+  (`tandem train: error: data.extra: path not found: /x/y`) and no traceback for every deliberate error: a bad
+  config value, bad data settings, a non-finite loss or model state (`NonFiniteLossGuard`, installed for every
+  run, stops training; no checkpoint of that state is written).
 - The run directory is `run_dir` from the config, else `./runs/<run_name>-<timestamp>`; the first process exports
   it as `TANDEM_RUN_DIR` so the processes Lightning launches agree on it. Multi-node runs should set `run_dir`.
 - `export_main([CKPT_DIR, OUT_DIR, "--dtype", "bfloat16"])` consolidates a checkpoint (a run dir picks its newest)
@@ -26,6 +29,7 @@ from typing import Any
 from lt_plugins.config import TrainConfig, load_config, to_yaml
 from lt_plugins.errors import TrainingError
 from lt_plugins.precision import check_precision
+from shared_model.errors import SharedModelError
 
 RUN_DIR_ENV = "TANDEM_RUN_DIR"
 
@@ -62,13 +66,19 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[Any] | None =
     from lt_plugins.auto_strategy import resolve_auto, training_callbacks  # issue 4: planner, checkpointing, ledger
     from lt_plugins.checkpoint_io import PeriodicCheckpoint
     from lt_plugins.export import META_DIR, ExportBundle
+    from lt_plugins.finite import NonFiniteLossGuard
     from lt_plugins.precision import PrecisionPolicyCallback
     from lt_plugins.strategy import ZeroStrategy
 
     cfg = resolve_auto(cfg)  # no-op unless strategy.name=auto
     t = cfg.trainer
     strategy: Any = cfg.strategy.name
-    all_callbacks: list[Any] = [PrecisionPolicyCallback(), *(callbacks or []), *training_callbacks(cfg, run_dir)]
+    all_callbacks: list[Any] = [
+        NonFiniteLossGuard(),  # first: a NaN loss stops the run before any other callback sees its step
+        PrecisionPolicyCallback(),
+        *(callbacks or []),
+        *training_callbacks(cfg, run_dir),
+    ]
     if cfg.strategy.name == "zero":
         strategy = ZeroStrategy(cfg.strategy.zero_config(), extra=cfg.strategy.extra)
         all_callbacks.append(
@@ -167,6 +177,11 @@ def run_training(cfg: TrainConfig) -> Path | None:
     return export.bundle_path if export is not None else None
 
 
+def one_line(exc: BaseException) -> str:
+    """An error message on one line (multi-line messages from libraries are joined)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def train_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="tandem train", description="Train a model from an OmegaConf YAML config.")
     parser.add_argument("--config", help="YAML file (see configs/); the schema is lt_plugins/config.py")
@@ -179,8 +194,8 @@ def train_main(argv: Sequence[str]) -> int:
             print(to_yaml(cfg), end="")
             return 0
         bundle = run_training(cfg)
-    except TrainingError as exc:
-        print(f"tandem train: error: {exc}", file=sys.stderr)
+    except (TrainingError, SharedModelError) as exc:  # deliberate errors: one line, no traceback
+        print(f"tandem train: error: {one_line(exc)}", file=sys.stderr, flush=True)
         return 2
     if bundle is not None:
         print(f"bundle: {bundle}", flush=True)

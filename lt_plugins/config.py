@@ -11,6 +11,7 @@ Contract:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,24 @@ from lt_plugins.ledger_callback import LedgerSection  # issue 4: memory ledger s
 from lt_plugins.precision import SUPPORTED_PRECISIONS
 from lt_plugins.strategy import ZeroConfig, merge_deepspeed_config
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""Largest finite float32: optimizer step sizes beyond it cannot be applied to the weights."""
+
 
 def _positive(section: str, obj: Any, *names: str) -> None:
+    """Each named field is None or a finite number > 0 (NaN and inf pass a bare `<= 0` test, so check them first)."""
     for name in names:
         value = getattr(obj, name)
-        if value is not None and value <= 0:
-            raise TrainingConfigError(f"{section}.{name} must be > 0, got {value}")
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            raise TrainingConfigError(f"{section}.{name} must be a finite number > 0, got {value}")
+
+
+def _in_range(key: str, value: float, low: float, high: float, *, high_open: bool = False) -> None:
+    """`value` is finite and in [low, high] (or [low, high) with `high_open`); the message names `key`."""
+    inside = math.isfinite(value) and low <= value and (value < high if high_open else value <= high)
+    if not inside:
+        interval = f"[{low}, {high})" if high_open else f"[{low}, {high}]"
+        raise TrainingConfigError(f"{key} must be a finite number in {interval}, got {value}")
 
 
 @dataclass
@@ -72,8 +85,7 @@ class DataSection:
     """Seed of the block shuffle."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.val_fraction < 1:
-            raise TrainingConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        _in_range("data.val_fraction", self.val_fraction, 0, 1, high_open=True)
         _positive("data", self, "max_documents", "vocab_size", "block_size", "batch_size")
 
 
@@ -82,22 +94,31 @@ class OptimSection:
     """AdamW with linear warm-up and cosine decay."""
 
     lr: float = 1e-3
-    """Peak learning rate."""
+    """Peak learning rate (finite, > 0, and lr/(1-beta1) within float32)."""
     min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of lr."""
+    """Final learning rate as a fraction of lr, in [0, 1]."""
     warmup_steps: int = 20
     """Linear warm-up steps."""
     weight_decay: float = 0.1
-    """Decoupled weight decay on matrices (not on norms or biases)."""
+    """Decoupled weight decay on matrices (not on norms or biases); finite, >= 0."""
     beta1: float = 0.9
-    """Adam beta1."""
+    """Adam beta1, in [0, 1)."""
     beta2: float = 0.95
-    """Adam beta2."""
+    """Adam beta2, in [0, 1)."""
 
     def __post_init__(self) -> None:
         _positive("optim", self, "lr")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise TrainingConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _in_range("optim.min_lr_ratio", self.min_lr_ratio, 0, 1)
+        if not math.isfinite(self.weight_decay) or self.weight_decay < 0:
+            raise TrainingConfigError(f"optim.weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        _in_range("optim.beta1", self.beta1, 0, 1, high_open=True)
+        _in_range("optim.beta2", self.beta2, 0, 1, high_open=True)
+        first_update = self.lr / (1 - self.beta1)  # AdamW's bias-corrected step size is largest at step 1
+        if first_update > FLOAT32_MAX:
+            raise TrainingConfigError(
+                f"optim.lr={self.lr} is too large: AdamW's first step size lr/(1-optim.beta1)={first_update:.3g} "
+                "overflows float32"
+            )
         if self.warmup_steps < 0:
             raise TrainingConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
 
@@ -155,7 +176,7 @@ class TrainerSection:
     accumulate_grad_batches: int = 1
     """Micro-batches per optimizer step."""
     gradient_clip_val: float | None = 1.0
-    """Clip the global gradient norm (None: no clipping)."""
+    """Clip the global gradient norm to this finite value >= 0 (None or 0: no clipping)."""
     val_check_interval: int = 50
     """Validate every N training batches."""
     limit_val_batches: int = 8
@@ -186,6 +207,9 @@ class TrainerSection:
         )
         if self.limit_val_batches < 0:
             raise TrainingConfigError(f"trainer.limit_val_batches must be >= 0, got {self.limit_val_batches}")
+        clip = self.gradient_clip_val
+        if clip is not None and (not math.isfinite(clip) or clip < 0):
+            raise TrainingConfigError(f"trainer.gradient_clip_val must be a finite number >= 0 or null, got {clip}")
 
 
 @dataclass

@@ -6,6 +6,9 @@ Contract:
   and packs each split into rows of `block_size + 1` tokens (inputs and shifted targets). The tokenizer and the
   blocks are cached in `cache_dir` under a key of everything they depend on; a second call (another rank, a
   resumed run) only reads. Files are written to a temporary name and renamed into place.
+- Bad data settings raise `TrainingConfigError` naming the key, before any tokenizing: a `data.extra` entry that
+  matches no file (`data.extra: path not found: …`), a corpus with no documents or too few tokens for one block
+  (`data: …`), a `data.tokenizer` that is missing or unreadable (`data.tokenizer: …`). Messages are one line.
 - `StepLoader` serves the training blocks as a pure function of the micro-step: micro-step m on rank r of w reads
   rows perm_e[(m mod S)·B·w + r·B : … + B] of the epoch-e permutation (e = m div S, seeded). Iteration starts at
   the micro-step the Trainer has reached, so a resumed run sees exactly the batches a straight run would, and
@@ -16,6 +19,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -31,7 +35,8 @@ from safetensors.torch import load_file, save_file
 
 from lt_plugins.config import DataSection
 from lt_plugins.errors import TrainingConfigError
-from shared_model.corpus import CorpusConfig, load_corpus
+from shared_model.corpus import Corpus, CorpusConfig, load_corpus
+from shared_model.errors import SharedModelError
 from shared_model.tokenizer import Tokenizer
 
 
@@ -69,28 +74,22 @@ def prepare_blocks(cfg: DataSection, cache_dir: str | Path, vocab_size: int) -> 
     if blocks_file.is_file() and (folder / "tokenizer.json").is_file():
         tensors = load_file(str(blocks_file))
         return Blocks(tensors["train"], tensors["val"], Tokenizer.load(folder))
-    corpus = load_corpus(
-        CorpusConfig(
-            include_stdlib=cfg.include_stdlib,
-            extra=tuple(cfg.extra),
-            val_fraction=cfg.val_fraction,
-            max_documents=cfg.max_documents,
-        )
-    )
-    if cfg.tokenizer is not None:
-        tokenizer = Tokenizer.load(cfg.tokenizer)
-    else:
-        tokenizer = Tokenizer.train(corpus.texts("train"), cfg.vocab_size or vocab_size)
+    corpus = _load_corpus(cfg)
+    tokenizer = _tokenizer(cfg, corpus, vocab_size)
     if tokenizer.vocab_size > vocab_size:
+        key = "data.tokenizer" if cfg.tokenizer is not None else "data.vocab_size"
         raise TrainingConfigError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab_size} "
+            f"{key}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab_size} "
             "(data.vocab_size / data.tokenizer vs model.preset)"
         )
     row = cfg.block_size + 1
     train = _pack(tokenizer.encode_batch(corpus.texts("train")), tokenizer.eos_id, row)
     val = _pack(tokenizer.encode_batch(corpus.texts("val")), tokenizer.eos_id, row)
     if len(train) == 0:
-        raise TrainingConfigError(f"the training split holds fewer than data.block_size+1={row} tokens")
+        raise TrainingConfigError(
+            f"data: the training split holds fewer than data.block_size+1={row} tokens "
+            f"({len(corpus.train)} documents); add documents (data.extra, data.include_stdlib) or lower data.block_size"
+        )
     tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     tokenizer.save(tmp)
@@ -98,6 +97,59 @@ def prepare_blocks(cfg: DataSection, cache_dir: str | Path, vocab_size: int) -> 
     with contextlib.suppress(OSError):  # another process finished first: use theirs
         os.rename(tmp, folder)
     return Blocks(train, val, tokenizer)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _check_extra(patterns: list[str]) -> None:
+    """Every `data.extra` entry names at least one file (a path or a glob pattern)."""
+    for pattern in patterns:
+        matches = [Path(m) for m in glob.glob(pattern, recursive=True)]
+        if not matches:
+            raise TrainingConfigError(f"data.extra: path not found: {pattern}")
+        if not any(m.is_file() for m in matches):
+            raise TrainingConfigError(f"data.extra: {pattern} matches no file (directories are not read; use a glob)")
+
+
+def _load_corpus(cfg: DataSection) -> Corpus:
+    """The corpus the data section describes; every failure is a one-line `TrainingConfigError` naming the key."""
+    _check_extra(cfg.extra)
+    if not cfg.include_stdlib and not cfg.extra:
+        raise TrainingConfigError("data: the corpus is empty: data.include_stdlib is false and data.extra is empty")
+    try:
+        corpus = load_corpus(
+            CorpusConfig(
+                include_stdlib=cfg.include_stdlib,
+                extra=tuple(cfg.extra),
+                val_fraction=cfg.val_fraction,
+                max_documents=cfg.max_documents,
+            )
+        )
+    except SharedModelError as exc:
+        raise TrainingConfigError(f"data: {_one_line(exc)}") from None
+    if not corpus.train:
+        raise TrainingConfigError(
+            f"data: the corpus has no training document ({len(corpus.val)} held out by data.val_fraction, "
+            f"{len(corpus.skipped)} not UTF-8); add files with data.extra or data.include_stdlib"
+        )
+    return corpus
+
+
+def _tokenizer(cfg: DataSection, corpus: Corpus, vocab_size: int) -> Tokenizer:
+    """`data.tokenizer` loaded, or a BPE trained on the training split; failures name the key."""
+    if cfg.tokenizer is None:
+        try:
+            return Tokenizer.train(corpus.texts("train"), cfg.vocab_size or vocab_size)
+        except SharedModelError as exc:
+            raise TrainingConfigError(f"data.vocab_size: {_one_line(exc)}") from None
+    if not Path(cfg.tokenizer).exists():
+        raise TrainingConfigError(f"data.tokenizer: path not found: {cfg.tokenizer}")
+    try:
+        return Tokenizer.load(cfg.tokenizer)
+    except SharedModelError as exc:
+        raise TrainingConfigError(f"data.tokenizer: {_one_line(exc)}") from None
 
 
 class StepLoader:
