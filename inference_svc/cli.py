@@ -4,6 +4,10 @@ Contract:
 - `serve_main` parses flags into `ServerSettings` + `EngineConfig` (an invalid value exits 2 naming the flag), binds
   the gRPC port (loopback unless --host says otherwise; health NOT_SERVING while the model loads), and once the
   model is loaded and warmed up prints `tandem serve: listening on HOST:PORT` and `tandem serve: SERVING ...`.
+  /metrics binds `--metrics-host` (loopback by default), never `--host` implicitly. IPv6 hosts are taken with or
+  without brackets (`::1`, `[::1]`) and printed as `[::1]:PORT`.
+  A gRPC or metrics address that cannot be bound prints one line `tandem serve: gRPC|metrics: cannot listen on
+  HOST:PORT: <reason>` on stderr (no traceback) and exits 1.
   It runs until SIGTERM or SIGINT, which drain gracefully (see `TandemServer.shutdown`).
   Exit code 0 after a drain, 1 if the model fails to load.
   `--dtype auto` means the folder's own dtype on GPU and float32 on CPU.
@@ -26,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from inference_svc.errors import InferenceError
-from inference_svc.settings import AdmissionLimits, ServerSettings
+from inference_svc.settings import AdmissionLimits, ServerSettings, host_port
 
 log = logging.getLogger("tandem.serve")
 
@@ -35,9 +39,12 @@ log = logging.getLogger("tandem.serve")
 def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem serve", description="Serve a model over gRPC (tandem.inference.v1).")
     p.add_argument("--model", required=True, help="Tandem bundle or Hugging Face Llama/Qwen2/Qwen3 folder")
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    p.add_argument("--host", default="127.0.0.1", help="gRPC interface to bind, IPv4 or IPv6 (default: loopback)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: any free port)")
+    p.add_argument(
+        "--metrics-host", default="127.0.0.1", help="/metrics interface to bind, apart from --host (default: loopback)"
+    )
     p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -48,6 +55,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion in tokens")
     g.add_argument("--max-batched-tokens", type=int, default=2048, help="most tokens computed in one engine step")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument(
+        "--verify-checksums", action="store_true", help="check every bundle file against tandem_bundle.json at load"
+    )
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-running", type=int, default=64, help="most requests decoding at once")
     lim.add_argument("--max-queue", type=int, default=256, help="most requests waiting for their first token")
@@ -89,6 +99,7 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
             host=args.host,
             port=args.port,
             metrics_port=None if args.no_metrics else args.metrics_port,
+            metrics_host=args.metrics_host,
             admission=AdmissionLimits(max_queued_requests=args.max_queue, max_queued_tokens=args.max_queue_tokens),
             max_request_bytes=args.max_request_bytes,
             shutdown_grace=args.shutdown_grace,
@@ -103,6 +114,7 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
             max_num_seqs=args.max_running,
             max_num_batched_tokens=args.max_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
+            verify_checksums=args.verify_checksums,
             attention_backend=args.attention_backend,
             dtype=_resolve_dtype(args.dtype, args.device),
             device=args.device,
@@ -137,7 +149,7 @@ async def _serve(settings: ServerSettings, engine_config: Any, fault_hook: Any =
         return 1
     if not shutdown_task:
         info = server.engine_info()
-        print(f"tandem serve: listening on {settings.host}:{server.port}", flush=True)
+        print(f"tandem serve: listening on {host_port(settings.host, server.port)}", flush=True)
         print(
             f"tandem serve: SERVING {settings.model} (dtype {info.get('dtype')}, attention "
             f"{info.get('attention_backend')}, KV capacity {info.get('kv_capacity_tokens')} tokens, "

@@ -19,12 +19,27 @@ class InvalidRequestError(InferenceError, ValueError):
         self.field = field
 
 
+class MalformedRequestError(InvalidRequestError):
+    """The request bytes are not a valid protobuf message of the RPC's type (maps to INVALID_ARGUMENT).
+
+    The message says what was wrong in the client's terms (not parseable, invalid UTF-8 in a string field), never
+    the parser's internals."""
+
+    def __init__(self, message_type: str, reason: str) -> None:
+        InferenceError.__init__(self, f"malformed request: not a valid {message_type} ({reason})")
+        self.field = "request"
+
+
 class CapacityError(InferenceError):
     """The service is full right now: bounded queue by requests or tokens (maps to RESOURCE_EXHAUSTED)."""
 
 
 class EngineStoppedError(InferenceError):
     """The engine is draining or stopped and takes no new work (maps to UNAVAILABLE)."""
+
+
+class ServerStartError(InferenceError):
+    """The server could not start listening: the message names the address (`HOST:PORT`) and the cause."""
 
 
 class ModelLoadError(InferenceError):

@@ -2,7 +2,13 @@
 
 Contract:
 - `ServiceMetrics` owns one `CollectorRegistry` (not the process-global one), so several servers can live in one
-  process (tests) without clashing. `serve_http(host, port)` exposes it at `/metrics`.
+  process (tests) without clashing. `MetricsHTTPServer` exposes it at `/metrics`.
+- `MetricsHTTPServer` is an asyncio server in the caller's event loop: no thread per connection (no thread at
+  all), at most `max_connections` connections at once (one more is closed on accept), and each connection gets
+  `timeout` seconds from accept to the end of its response, after which it is closed, so half-open or slow
+  clients cannot pile up. One request per connection (`Connection: close`); GET/HEAD of `/metrics` (or `/`) only.
+  It binds IPv4 and IPv6 addresses alike (`host` without brackets); a bind failure raises `ServerStartError`
+  naming `HOST:PORT`.
 - Latency histograms are in seconds and come from the engine's own `Timing` (monotonic clock, from the request's
   arrival in the engine): TTFT, time per output token, end-to-end and queue time are observed once per finished
   request; inter-token latency once per streamed increment after the first.
@@ -14,11 +20,19 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from inference_svc.engine.types import Timing
+
+log = logging.getLogger(__name__)
+
+_MAX_REQUEST_HEAD_BYTES = 8192
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -153,7 +167,82 @@ class ServiceMetrics:
         """The Prometheus text format of every metric (what /metrics serves)."""
         return generate_latest(self.registry)
 
-    def serve_http(self, host: str, port: int) -> tuple[Any, int]:
-        """Start the /metrics HTTP server in a daemon thread; return (server, bound port). `server.shutdown()`."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server, server.server_address[1]
+
+class MetricsHTTPServer:
+    """/metrics over HTTP from the event loop, bounded in connections and time (see the module docstring)."""
+
+    def __init__(self, render: Callable[[], bytes], *, max_connections: int = 32, timeout: float = 10.0) -> None:
+        self._render = render
+        self.max_connections = max_connections
+        self.timeout = timeout
+        self._server: asyncio.Server | None = None
+        self._open: set[asyncio.Task] = set()
+        self.refused = 0
+        """Connections closed on accept because `max_connections` were already open."""
+        self.timed_out = 0
+        """Connections closed because they had not finished within `timeout`."""
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._open)
+
+    async def start(self, host: str, port: int) -> int:
+        """Bind `host` (no brackets) and `port` (0: any free one); return the bound port."""
+        from inference_svc.errors import ServerStartError
+        from inference_svc.settings import host_port
+
+        try:
+            self._server = await asyncio.start_server(
+                self._accept, host, port, reuse_address=True, limit=_MAX_REQUEST_HEAD_BYTES
+            )
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise ServerStartError(f"metrics: cannot listen on {host_port(host, port)}: {reason}") from None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        """Stop accepting, close every open connection, wait for them."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._open):
+            task.cancel()
+        if self._open:
+            await asyncio.gather(*self._open, return_exceptions=True)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if len(self._open) >= self.max_connections:
+            self.refused += 1
+            writer.transport.abort()
+            return
+        self._open.add(task)
+        try:
+            await asyncio.wait_for(self._serve_one(reader, writer), self.timeout)
+        except asyncio.TimeoutError:
+            self.timed_out += 1
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, UnicodeError):
+            pass  # the client went away or sent something that is not an HTTP request: nothing to answer
+        finally:
+            self._open.discard(task)
+            writer.transport.abort()  # no-op after a clean close; drops whatever a stalled client did not read
+
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")  # at most _MAX_REQUEST_HEAD_BYTES (the reader's limit)
+        method, _, rest = head.split(b"\r\n", 1)[0].decode("ascii").partition(" ")
+        path = rest.split(" ", 1)[0].split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            status, body, ctype = "405 Method Not Allowed", b"only GET and HEAD\n", "text/plain; charset=utf-8"
+        elif path not in ("/metrics", "/"):
+            status, body, ctype = "404 Not Found", b"not found; try /metrics\n", "text/plain; charset=utf-8"
+        else:
+            status, body, ctype = "200 OK", self._render(), CONTENT_TYPE_LATEST
+        head_out = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+        writer.write((head_out + "Connection: close\r\n\r\n").encode("ascii"))
+        if method != "HEAD":
+            writer.write(body)
+        writer.close()  # flushes what is buffered, then closes
+        await writer.wait_closed()

@@ -11,8 +11,20 @@ Contract:
   is bound until the model is loaded and warmed up, SERVING then, NOT_SERVING again once draining starts.
   Requests that arrive before SERVING or while draining get UNAVAILABLE.
 - API keys (optional): every RPC except `grpc.health.v1.Health/*` needs metadata `authorization: Bearer KEY`,
-  else UNAUTHENTICATED. Keys are compared in constant time (SHA-256 digests through `hmac.compare_digest`, so not
-  even the length leaks) and never logged.
+  else UNAUTHENTICATED. More than one `authorization` entry is ambiguous and refused (UNAUTHENTICATED saying so).
+  Keys are compared in constant time (SHA-256 digests through `hmac.compare_digest`, so not even the length
+  leaks) and never logged. The key is checked before the request body is parsed: an unauthenticated client gets
+  UNAUTHENTICATED whatever bytes it sends.
+- Malformed requests (bytes that are not the RPC's message: garbage, truncated fields, invalid UTF-8 in a string)
+  get INVALID_ARGUMENT "malformed request: ...", without parser internals, counted in `tandem_request_errors`
+  like any error, and logged as one WARNING line at most, rate-limited across calls (`_MalformedLog`).
+- Every Inference RPC that ends without a status sent by the server (client cancel or disconnect at any point
+  after the handler started: while admitted, decoding, or between two streamed messages) is counted exactly once
+  in `tandem_request_errors`, as DEADLINE_EXCEEDED if its deadline had passed, else CANCELLED. Errors the server
+  answers are counted where it answers them (`_fail`), never twice.
+- `GetModelInfo.model_name` is the model folder's name, never its path on the server.
+- Start-up: a gRPC or metrics address that cannot be bound raises `ServerStartError` / `OSError` naming
+  `HOST:PORT` (IPv6 written `[::1]:PORT`). /metrics listens on `metrics_host`, not on `host`.
 - Message size: requests whose serialized size is above `max_request_bytes` get INVALID_ARGUMENT naming `request`;
   the transport refuses (RESOURCE_EXHAUSTED, without reading them) messages above 4× that.
 - Shutdown (`TandemServer.shutdown`, wired to SIGTERM/SIGINT by the CLI): health NOT_SERVING, new requests
@@ -23,16 +35,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import hmac
 import json
 import logging
+import os
+import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -44,12 +61,14 @@ from inference_svc.errors import (
     DeadlineExceededError,
     EngineStoppedError,
     InvalidRequestError,
+    MalformedRequestError,
     RequestFailedError,
+    ServerStartError,
 )
-from inference_svc.metrics import ServiceMetrics
+from inference_svc.metrics import MetricsHTTPServer, ServiceMetrics
 from inference_svc.proto_gen import inference_pb2 as pb
 from inference_svc.proto_gen import inference_pb2_grpc as pb_grpc
-from inference_svc.settings import ServerSettings, read_api_keys
+from inference_svc.settings import ServerSettings, bare_host, host_port, read_api_keys
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +163,7 @@ def model_info_to_proto(info: dict[str, Any], max_request_bytes: int) -> pb.Mode
         **{k: int(info.get(k, 0)) for k in typed_ledger}, kv_block_size=int(info.get("block_size", 0)), extra=extra
     )
     return pb.ModelInfo(
-        model_name=str(info.get("model_path", "")),
+        model_name=_folder_name(str(info.get("model_path", ""))),
         config=config,
         max_context=int(info.get("max_model_len", 0)),
         dtype=str(info.get("dtype", "")),
@@ -155,6 +174,11 @@ def model_info_to_proto(info: dict[str, Any], max_request_bytes: int) -> pb.Mode
         max_new_tokens_limit=int(info.get("max_new_tokens_limit", 0)),
         max_request_bytes=max_request_bytes,
     )
+
+
+def _folder_name(path: str) -> str:
+    """The model folder's own name ('/srv/models/qwen3-0.6b/' → 'qwen3-0.6b'): never the server's layout."""
+    return os.path.basename(os.path.normpath(path)) if path else ""
 
 
 def _ledger_figures(info: dict[str, Any]) -> dict[str, float]:
@@ -210,10 +234,22 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self._owner.metrics.observe_error(code.name)
         await context.abort(code, message)
 
-    def _on_cancel(self, context: grpc.aio.ServicerContext) -> None:
+    def on_rpc_done(self, context: grpc.aio.ServicerContext) -> None:
+        """Done-callback of every Inference RPC: count it if it ended with no status sent by the server.
+
+        gRPC sends no status when the call was cancelled by the client (or its deadline) at any point, and the
+        CancelledError may be raised inside gRPC's own write between two streamed messages rather than in the
+        handler, so this, not an `except CancelledError` in the handler, is the one place that counts cancels."""
+        if context.done():  # the server sent a status: OK, or an error `_fail` (or the interceptor) counted
+            return
         remaining = context.time_remaining()
         expired = remaining is not None and remaining <= 0
         self._owner.metrics.observe_error("DEADLINE_EXCEEDED" if expired else "CANCELLED")
+
+    async def reject_malformed(self, request: _Malformed, context: grpc.aio.ServicerContext) -> None:
+        """INVALID_ARGUMENT for a request whose bytes did not parse; counted; one rate-limited log line."""
+        self._owner.malformed_log.note(context.peer(), request.error)
+        await self._fail(context, request.error)
 
     def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[RequestOutput]:
         engine = self._engine()
@@ -240,9 +276,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     response.timing.CopyFrom(timing_to_proto(out.timing))
             response.text = "".join(texts)
             return response
-        except asyncio.CancelledError:
-            self._on_cancel(context)
-            raise
         except Exception as exc:
             await self._fail(context, exc, request.request_id)
             raise  # unreachable: abort raises
@@ -258,9 +291,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         yield stream_message(out)
             finally:
                 await outputs.aclose()  # type: ignore[attr-defined]  # abort now, not at garbage collection
-        except asyncio.CancelledError:
-            self._on_cancel(context)
-            raise
         except Exception as exc:
             await self._fail(context, exc, request.request_id)
 
@@ -284,6 +314,99 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise
 
 
+# ---------------------------------------------------------------------------------------- registration
+class _Malformed:
+    """What the request deserializer returns for bytes that are not a valid message of the RPC's type."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: MalformedRequestError) -> None:
+        self.error = error
+
+
+def _safe_deserializer(message_class: type[Message]) -> Callable[[bytes], Message | _Malformed]:
+    """`message_class.FromString` that never raises: bad bytes become a `_Malformed` the handler answers."""
+    type_name = message_class.DESCRIPTOR.name
+
+    def deserialize(raw: bytes) -> Message | _Malformed:
+        try:
+            return message_class.FromString(raw)
+        except (DecodeError, UnicodeError) as exc:
+            bad_utf8 = isinstance(exc, UnicodeError) or "UTF-8" in str(exc)
+            reason = "invalid UTF-8 in a string field" if bad_utf8 else "the bytes do not parse as protobuf"
+            return _Malformed(MalformedRequestError(type_name, reason))
+        except Exception:  # whatever else the parser raises must not reach gRPC's UNKNOWN + traceback path
+            return _Malformed(MalformedRequestError(type_name, "the bytes do not parse as protobuf"))
+
+    return deserialize
+
+
+def _guarded(servicer: InferenceServicer, method: Callable, streaming: bool) -> Callable:
+    """Wrap one servicer method: count the RPC if it is cut (`on_rpc_done`), answer malformed requests."""
+    if streaming:
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            context.add_done_callback(servicer.on_rpc_done)
+            if isinstance(request, _Malformed):
+                await servicer.reject_malformed(request, context)
+                return
+            inner = method(request, context)
+            try:
+                async for message in inner:
+                    yield message
+            finally:
+                await inner.aclose()  # the servicer's own cleanup (engine abort) runs now, not at collection
+
+        return stream
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        context.add_done_callback(servicer.on_rpc_done)
+        if isinstance(request, _Malformed):
+            await servicer.reject_malformed(request, context)
+        return await method(request, context)
+
+    return unary
+
+
+def add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """Register the Inference service like the generated `add_InferenceServicer_to_server`, but with
+    `_safe_deserializer` and `_guarded` handlers (same method names, types and streaming kinds)."""
+    service = pb.DESCRIPTOR.services_by_name["Inference"]
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for m in service.methods:
+        request_class, response_class = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
+        assert not m.client_streaming, "no Inference RPC streams requests"
+        factory = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[m.name] = factory(
+            _guarded(servicer, getattr(servicer, m.name), m.server_streaming),
+            request_deserializer=_safe_deserializer(request_class),
+            response_serializer=response_class.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+class _MalformedLog:
+    """At most one WARNING line per malformed request, and at most one per `interval` seconds overall: the next
+    line after a quiet spell says how many were left unlogged. Never a traceback, never the request bytes."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._last = -float("inf")
+        self._suppressed = 0
+
+    def note(self, peer: str, error: MalformedRequestError) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.interval:
+                self._suppressed += 1
+                return
+            suppressed, self._suppressed, self._last = self._suppressed, 0, now
+        more = f" ({suppressed} more since the last such line)" if suppressed else ""
+        log.warning("malformed request from %s: %s%s", peer, error, more)
+
+
 # ---------------------------------------------------------------------------------------- API keys
 def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
@@ -296,36 +419,52 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         self._digests = tuple(_digest(k) for k in keys)
         self._on_denied = on_denied
 
-    def authorized(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
-        value = ""
-        for key, v in metadata or ():
-            if key.lower() == "authorization":
-                value = v.decode() if isinstance(v, bytes) else str(v)
+    def denial(self, metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+        """Why this metadata is refused (the client-facing message), or None if it carries a configured key."""
+        values = [v for key, v in metadata or () if key.lower() == "authorization"]
+        if len(values) > 1:
+            return "ambiguous authorization: send exactly one 'authorization: Bearer KEY' header, not several"
+        value = values[0] if values else ""
+        value = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
         scheme, _, presented = value.partition(" ")
         digest = _digest(presented.strip().encode())
         ok = False
         for d in self._digests:  # no early exit: the time does not depend on which key matched
             ok |= hmac.compare_digest(digest, d)
-        return ok and scheme.lower() == "bearer"
+        if ok and scheme.lower() == "bearer":
+            return None
+        return _DENIED
+
+    def authorized(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
+        return self.denial(metadata) is None
 
     async def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
-        if handler_call_details.method.startswith(HEALTH_METHOD_PREFIX) or self.authorized(
-            handler_call_details.invocation_metadata
-        ):
+        if handler_call_details.method.startswith(HEALTH_METHOD_PREFIX):
+            return await continuation(handler_call_details)
+        reason = self.denial(handler_call_details.invocation_metadata)
+        if reason is None:
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
         if self._on_denied is not None:
             self._on_denied()
-        return _denying_handler(handler)
+        return _denying_handler(handler, reason)
 
 
-def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+_DENIED = "missing or invalid API key (authorization: Bearer KEY)"
+
+
+def _ignore_body(raw: bytes) -> None:
+    """The denying handler's deserializer: an unauthenticated request's bytes are never parsed."""
+    return None
+
+
+def _denying_handler(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
     async def deny(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (authorization: Bearer KEY)")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
-    kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    kwargs = {"request_deserializer": _ignore_body, "response_serializer": handler.response_serializer}
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(deny, **kwargs)
     if handler.request_streaming:
@@ -355,7 +494,8 @@ class TandemServer:
         self._fault_hook = fault_hook
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
-        self._metrics_http: Any = None
+        self._metrics_http: MetricsHTTPServer | None = None
+        self.malformed_log = _MalformedLog()
         self.port = 0
         self.metrics_port: int | None = None
         self.serving = False
@@ -384,25 +524,37 @@ class TandemServer:
             denied = lambda: self.metrics.observe_error("UNAUTHENTICATED")  # noqa: E731
             interceptors.append(ApiKeyInterceptor(keys, on_denied=denied))
         server = grpc.aio.server(interceptors=interceptors, options=self._grpc_options())
-        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(self), server)
+        add_inference_service(InferenceServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{s.host}:{s.port}"
-        if s.tls:
-            assert s.tls_cert is not None and s.tls_key is not None
-            with open(s.tls_key, "rb") as f_key, open(s.tls_cert, "rb") as f_cert:
-                creds = grpc.ssl_server_credentials([(f_key.read(), f_cert.read())])
-            self.port = server.add_secure_port(address, creds)
-        else:
-            self.port = server.add_insecure_port(address)
+        address = host_port(s.host, s.port)
+        check_bindable(s.host, s.port, "gRPC")
+        try:
+            if s.tls:
+                assert s.tls_cert is not None and s.tls_key is not None
+                with open(s.tls_key, "rb") as f_key, open(s.tls_cert, "rb") as f_cert:
+                    creds = grpc.ssl_server_credentials([(f_key.read(), f_cert.read())])
+                self.port = server.add_secure_port(address, creds)
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:  # grpc raises a bare RuntimeError ("Failed to bind") when the port is taken
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"could not bind {address}")
+            raise ServerStartError(f"gRPC: cannot listen on {address} (address in use or not available)")
         self._server = server
         await server.start()
         if s.metrics_port is not None:
-            self._metrics_http, self.metrics_port = self.metrics.serve_http(s.host, s.metrics_port)
-        log.info("listening on %s:%d (tls=%s, api keys=%s)", s.host, self.port, s.tls, s.api_key_file is not None)
+            http = MetricsHTTPServer(
+                self.metrics.render, max_connections=s.metrics_max_connections, timeout=s.metrics_timeout
+            )
+            self.metrics_port = await http.start(bare_host(s.metrics_host), s.metrics_port)
+            self._metrics_http = http
+        log.info(
+            "listening on %s (tls=%s, api keys=%s), metrics on %s",
+            host_port(s.host, self.port), s.tls, s.api_key_file is not None,
+            "off" if self.metrics_port is None else host_port(s.metrics_host, self.metrics_port),
+        )  # fmt: skip
 
         engine = self._prebuilt_engine
         if engine is None:
@@ -455,7 +607,7 @@ class TandemServer:
             await self._server.stop(1.0)
         if self._metrics_http is not None:
             with contextlib.suppress(Exception):
-                self._metrics_http.shutdown()
+                await self._metrics_http.close()
         self._stopped.set()
         log.info("stopped (%d requests cut at the end of the grace period)", cut)
         return cut
@@ -465,6 +617,35 @@ class TandemServer:
 
     def engine_info(self) -> dict[str, Any]:
         return dict(self.engine.info) if self.engine is not None else {}
+
+
+def check_bindable(host: str, port: int, what: str) -> None:
+    """Raise `ServerStartError` naming `HOST:PORT` if a listening socket cannot be bound there right now.
+
+    gRPC's own bind failure is a bare RuntimeError plus C-core log lines on stderr; trying a plain socket first
+    turns the common cases (port in use, address not on this machine) into one clear message. Port 0 always
+    binds."""
+    if port == 0:
+        return
+    bare = bare_host(host)
+    try:
+        infos = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ServerStartError(f"{what}: cannot listen on {host_port(host, port)}: {exc.strerror}") from None
+    failures: list[OSError] = []
+    for family, kind, proto, _canon, sockaddr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(sockaddr)
+            except OSError as exc:
+                failures.append(exc)
+                if exc.errno == errno.EADDRINUSE:
+                    break
+    in_use = [f for f in failures if f.errno == errno.EADDRINUSE]
+    if in_use or (failures and len(failures) == len(infos)):  # 'localhost' may lack ::1: one family is enough
+        exc = (in_use or failures)[0]
+        raise ServerStartError(f"{what}: cannot listen on {host_port(host, port)}: {exc.strerror or exc}")
 
 
 def settings_summary(settings: ServerSettings) -> dict[str, Any]:

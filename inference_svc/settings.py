@@ -5,6 +5,10 @@ Contract:
   holds the bounded-queue limits the async engine enforces. Every field is checked at construction; an invalid
   value raises `SettingsError` whose message (and `field` attribute) names the field.
 - TLS needs both `tls_cert` and `tls_key`, or neither. Files named here must exist when the settings are built.
+- Hosts (`host`, `metrics_host`) are an IP address (IPv6 with or without brackets: `::1` and `[::1]` are the same)
+  or `localhost`. `bare_host` / `host_port` are the one place that turns them into a socket address or `HOST:PORT`.
+- Metrics are exposed on `metrics_host` (loopback by default), never implicitly on the gRPC `host`: /metrics is
+  plaintext and unauthenticated, so making it reachable from elsewhere is an explicit choice.
 - Nothing here reads files' contents or opens sockets; `server.py` does that.
 """
 
@@ -23,6 +27,31 @@ class SettingsError(InferenceError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+def bare_host(host: str) -> str:
+    """`host` without IPv6 brackets, as sockets take it: '[::1]' → '::1'; '127.0.0.1' and 'localhost' unchanged."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def host_port(host: str, port: int) -> str:
+    """`HOST:PORT` as gRPC targets, URLs and log lines write it: IPv6 in brackets ('[::1]:50051')."""
+    bare = bare_host(host)
+    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
+
+
+def _check_host(name: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise SettingsError(name, f"must be a host name or address, got {value!r}")
+    bare = bare_host(value)
+    if bare == "localhost":
+        return
+    try:
+        address = ipaddress.ip_address(bare)
+    except ValueError:
+        raise SettingsError(name, f"must be an IP address or 'localhost', got {value!r}") from None
+    if bare != value and address.version != 6:
+        raise SettingsError(name, f"brackets are for IPv6 addresses only, got {value!r}")
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -45,10 +74,14 @@ class AdmissionLimits:
     """Most requests waiting for their first token (queued or prefilling); one more gets RESOURCE_EXHAUSTED."""
     max_queued_tokens: int = 262144
     """Most prompt tokens summed over those waiting requests; a request that would exceed it is refused."""
+    max_tokenizing_chars: int = 4 * 1024 * 1024
+    """Most characters of text being tokenized at once (prompts and Tokenize calls summed); beyond it a request
+    gets RESOURCE_EXHAUSTED before any work is done. About 1 s of one core per MiB of text."""
 
     def __post_init__(self) -> None:
         _check_int("max_queued_requests", self.max_queued_requests, 1)
         _check_int("max_queued_tokens", self.max_queued_tokens, 1)
+        _check_int("max_tokenizing_chars", self.max_tokenizing_chars, 1)
 
 
 @dataclass(frozen=True)
@@ -62,7 +95,16 @@ class ServerSettings:
     port: int = 50051
     """gRPC port (0: any free port; the bound one is logged and available as `TandemServer.port`)."""
     metrics_port: int | None = 9090
-    """Prometheus /metrics HTTP port on the same host; None disables it; 0 picks a free port."""
+    """Prometheus /metrics HTTP port; None disables it; 0 picks a free port."""
+    metrics_host: str = "127.0.0.1"
+    """Interface the /metrics HTTP server binds, independent of `host`: loopback unless told otherwise, because
+    /metrics is plaintext and unauthenticated. Set it (e.g. 0.0.0.0 inside a container) only where the scraper
+    needs it and the network is trusted."""
+    metrics_max_connections: int = 32
+    """Most /metrics connections served at once; one more is closed at once (no thread is ever started per
+    connection)."""
+    metrics_timeout: float = 10.0
+    """Seconds a /metrics connection may take from accept to the end of the response; then it is closed."""
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     """Bounded-queue limits."""
     max_request_bytes: int = 1024 * 1024
@@ -86,15 +128,13 @@ class ServerSettings:
             raise SettingsError("model", "a model folder is required")
         if not Path(self.model).is_dir():
             raise SettingsError("model", f"{self.model!r} is not a folder")
-        if not isinstance(self.host, str) or not self.host:
-            raise SettingsError("host", f"must be a host name or address, got {self.host!r}")
-        if self.host not in ("localhost", "[::]", "[::1]"):
-            try:
-                ipaddress.ip_address(self.host)
-            except ValueError:
-                raise SettingsError("host", f"must be an IP address or 'localhost', got {self.host!r}") from None
+        _check_host("host", self.host)
+        _check_host("metrics_host", self.metrics_host)
         _check_port("port", self.port)
         _check_port("metrics_port", self.metrics_port, allow_none=True)
+        _check_int("metrics_max_connections", self.metrics_max_connections, 1)
+        if not isinstance(self.metrics_timeout, (int, float)) or not self.metrics_timeout > 0:
+            raise SettingsError("metrics_timeout", f"must be seconds > 0, got {self.metrics_timeout!r}")
         if not isinstance(self.admission, AdmissionLimits):
             raise SettingsError("admission", "must be an AdmissionLimits")
         _check_int("max_request_bytes", self.max_request_bytes, 1024)

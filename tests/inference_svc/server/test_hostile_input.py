@@ -1,0 +1,237 @@
+"""Hostile input against a real server on a free loopback port (issue 15, server side):
+
+- malformed protobuf (garbage, invalid UTF-8 in `prompt`, a truncated length prefix) gets INVALID_ARGUMENT
+  "malformed request: ..." with no parser internals, is counted in `tandem_request_errors`, and writes at most one
+  log line per call (rate-limited, never a traceback);
+- with API keys on, an unauthenticated client sending garbage gets UNAUTHENTICATED (the key is checked first);
+- two `authorization` headers are ambiguous: UNAUTHENTICATED saying so, even when both carry a valid key;
+- `GetModelInfo.model_name` is the folder's name, not the server's absolute path;
+- every client cancel of a stream is counted exactly once as CANCELLED.
+
+Raw bytes go through `channel.unary_unary(method)` / `unary_stream(method)` with no serializer.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from inference_svc.client import NO_RETRY
+from inference_svc.proto_gen import inference_pb2 as pb
+from inference_svc.proto_gen import inference_pb2_grpc as pb_grpc
+from inference_svc.server import ApiKeyInterceptor
+from tests.inference_svc.server.conftest import MAX_NEW_TOKENS_LIMIT, ServerThread, make_server
+
+KEY = "tk-hostile-0123456789"
+SERVICE = "/tandem.inference.v1.Inference/"
+
+# GenerateRequest.prompt is field 2 (a string): tag 0x12, then a length prefix, then the bytes
+BAD_UTF8_PROMPT = b"\x12\x02\xc3\x28"
+TRUNCATED_PREFIX = b"\x12\x50abc"  # says 80 bytes follow, 3 do
+GARBAGE = b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01"
+PAYLOADS = {"garbage": GARBAGE, "bad-utf8-prompt": BAD_UTF8_PROMPT, "truncated-length-prefix": TRUNCATED_PREFIX}
+INTERNALS = ("Traceback", "DecodeError", "Error parsing", "google.protobuf", "Unexpected", "<class", 'File "', ".py")
+
+
+def _errors(srv: ServerThread, code: str) -> float:
+    """tandem_request_errors_total{code=CODE} from the server's own exposition text."""
+    needle = f'tandem_request_errors_total{{code="{code}"}} '
+    for line in srv.server.metrics.render().decode().splitlines():
+        if line.startswith(needle):
+            return float(line[len(needle) :])
+    return 0.0
+
+
+def _wait_for_errors(srv: ServerThread, code: str, at_least: float, timeout: float = 30.0) -> float:
+    """Poll the counter until it reaches `at_least` (bounded), then return it."""
+    deadline = time.monotonic() + timeout
+    while (value := _errors(srv, code)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return value
+
+
+def _raw_call(target: str, method: str, payload: bytes, *, streaming: bool, metadata=None) -> grpc.RpcError:
+    with grpc.insecure_channel(target) as channel:
+        if streaming:
+            call = channel.unary_stream(SERVICE + method)
+            with pytest.raises(grpc.RpcError) as info:
+                list(call(payload, timeout=30, metadata=metadata))
+        else:
+            call = channel.unary_unary(SERVICE + method)
+            with pytest.raises(grpc.RpcError) as info:
+                call(payload, timeout=30, metadata=metadata)
+    return info.value
+
+
+@pytest.fixture(scope="module")
+def keyed_server(bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    keys = tmp_path_factory.mktemp("hostile-keys") / "api-keys"
+    keys.write_text(f"{KEY}\n")
+    srv = make_server(bundle_dir, api_key_file=str(keys))
+    yield srv
+    srv.close()
+
+
+# ------------------------------------------------------------------------------ malformed protobuf
+CASES = [
+    *[("Generate", False, name) for name in PAYLOADS],
+    *[("GenerateStream", True, name) for name in PAYLOADS],
+    ("Tokenize", False, "garbage"),
+    ("Tokenize", False, "truncated-length-prefix"),
+    ("Tokenize", False, "bad-utf8-text"),
+    ("GetModelInfo", False, "garbage"),
+    ("GetModelInfo", False, "truncated-length-prefix"),
+]
+
+
+@pytest.mark.parametrize(("method", "streaming", "payload_name"), CASES)
+def test_malformed_request_is_invalid_argument(server: ServerThread, method, streaming, payload_name, caplog) -> None:
+    payload = b"\x0a\x02\xc3\x28" if payload_name == "bad-utf8-text" else PAYLOADS[payload_name]  # text = 1
+    caplog.set_level(logging.DEBUG)
+    before = _errors(server, "INVALID_ARGUMENT")
+    err = _raw_call(server.target, method, payload, streaming=streaming)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+    details = err.details() or ""
+    assert details.startswith("malformed request: "), details
+    assert not any(s in details for s in INTERNALS), details
+    assert _wait_for_errors(server, "INVALID_ARGUMENT", before + 1) == before + 1
+    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(noisy) <= 1, [r.getMessage() for r in noisy]
+    assert all(r.exc_info is None and r.levelno < logging.ERROR for r in noisy)
+
+
+def test_bad_utf8_is_named_as_such(server: ServerThread) -> None:
+    err = _raw_call(server.target, "Generate", BAD_UTF8_PROMPT, streaming=False)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "UTF-8" in (err.details() or "")
+
+
+def test_malformed_log_is_rate_limited(server: ServerThread, caplog) -> None:
+    """A flood of malformed calls writes one WARNING line (within the rate limit), with no traceback."""
+    caplog.set_level(logging.DEBUG)
+    limiter = server.server.malformed_log
+    limiter.interval, saved = 3600.0, limiter.interval
+    limiter._last = -float("inf")  # start a fresh window for this test
+    try:
+        n = 12
+        before = _errors(server, "INVALID_ARGUMENT")
+        for i in range(n):
+            payload = list(PAYLOADS.values())[i % len(PAYLOADS)]
+            assert _raw_call(server.target, "Generate", payload, streaming=False).code() == (
+                grpc.StatusCode.INVALID_ARGUMENT
+            )
+        assert _wait_for_errors(server, "INVALID_ARGUMENT", before + n) == before + n
+    finally:
+        limiter.interval = saved
+    lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert lines[0].exc_info is None and "malformed request" in lines[0].getMessage()
+    assert "\n" not in lines[0].getMessage()
+
+
+def test_server_still_serves_after_malformed_requests(server: ServerThread) -> None:
+    for payload in PAYLOADS.values():
+        _raw_call(server.target, "GenerateStream", payload, streaming=True)
+    with server.client(timeout=60) as c:
+        assert len(c.generate("hello", max_new_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+@pytest.mark.parametrize("payload", list(PAYLOADS.values()), ids=list(PAYLOADS))
+@pytest.mark.parametrize(("method", "streaming"), [("Generate", False), ("GenerateStream", True)])
+def test_unauthenticated_garbage_is_unauthenticated(keyed_server: ServerThread, method, streaming, payload) -> None:
+    before = _errors(keyed_server, "UNAUTHENTICATED")
+    err = _raw_call(keyed_server.target, method, payload, streaming=streaming)
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
+    assert _wait_for_errors(keyed_server, "UNAUTHENTICATED", before + 1) == before + 1
+    # the same bytes with a valid key are parsed, and refused as malformed
+    err = _raw_call(
+        keyed_server.target, method, payload, streaming=streaming, metadata=(("authorization", f"Bearer {KEY}"),)
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+
+
+# ------------------------------------------------------------------------------ duplicate authorization
+@pytest.mark.parametrize("second", [KEY, "wrong"], ids=["same-key-twice", "valid-then-wrong"])
+@pytest.mark.parametrize("order", ["valid-first", "valid-last"])
+def test_duplicate_authorization_is_refused(keyed_server: ServerThread, second: str, order: str) -> None:
+    headers = [("authorization", f"Bearer {KEY}"), ("authorization", f"Bearer {second}")]
+    if order == "valid-last":
+        headers.reverse()
+    with grpc.insecure_channel(keyed_server.target) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Tokenize(pb.TokenizeRequest(text="hello"), metadata=tuple(headers), timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "ambiguous" in (info.value.details() or "")
+        assert KEY not in (info.value.details() or "")
+        # exactly one header with the key is fine
+        ok = stub.Tokenize(pb.TokenizeRequest(text="hello"), metadata=(headers[0 if order == "valid-first" else 1],))
+        assert len(ok.token_ids) > 0
+
+
+def test_denial_reason_of_duplicate_headers() -> None:
+    icpt = ApiKeyInterceptor([KEY.encode()])
+    assert icpt.denial([("authorization", f"Bearer {KEY}")]) is None
+    reason = icpt.denial([("authorization", "Bearer x"), ("Authorization", f"Bearer {KEY}")])
+    assert reason is not None and "ambiguous" in reason
+    assert not icpt.authorized([("authorization", f"Bearer {KEY}"), ("authorization", f"Bearer {KEY}")])
+
+
+# ------------------------------------------------------------------------------ model_name
+def test_model_name_is_the_folder_name(client, bundle_dir: Path) -> None:
+    info = client.model_info()
+    assert info.model_name == bundle_dir.name
+    assert "/" not in info.model_name and str(bundle_dir.parent) not in info.model_name
+    assert str(bundle_dir.parent) not in info.config.config_json
+
+
+# ------------------------------------------------------------------------------ CANCELLED counter
+def test_every_client_cancel_is_counted_once(bundle_dir: Path) -> None:
+    """40 concurrent streams, each cancelled by the client at a random point after its first message: the cancels
+    land while the server waits on the engine and while it is writing a message (where gRPC, not the handler,
+    sees the CancelledError). CANCELLED rises by exactly 40. Each stream asks for far more tokens than it can
+    produce before its cancel arrives, so none finishes first on any machine."""
+    srv = make_server(bundle_dir)
+    try:
+        n = 40
+        before = _errors(srv, "CANCELLED")
+        sampling = pb.SamplingParams(max_new_tokens=MAX_NEW_TOKENS_LIMIT, ignore_eos=True)
+        req = pb.GenerateRequest(prompt="for i in range(10):\n    ", sampling=sampling)
+        rng = random.Random(15)
+        plans = [(rng.randint(1, 3), rng.uniform(0.0, 0.004)) for _ in range(n)]
+        codes: list[grpc.StatusCode] = []
+        errors: list[BaseException] = []
+
+        def cancel_one(channel: grpc.Channel, reads: int, pause: float) -> None:
+            try:
+                call = pb_grpc.InferenceStub(channel).GenerateStream(req, timeout=60)
+                for _ in range(reads):
+                    next(call)
+                time.sleep(pause)  # where the cancel lands, not a timing assertion
+                call.cancel()
+                codes.append(call.code())
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        with grpc.insecure_channel(srv.target) as channel:
+            threads = [threading.Thread(target=cancel_one, args=(channel, *plan)) for plan in plans]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        assert not errors, errors
+        assert codes == [grpc.StatusCode.CANCELLED] * n
+        got = _wait_for_errors(srv, "CANCELLED", before + n)
+        assert got == before + n, f"{got - before} of {n} client cancels counted"
+        with srv.client(retry=NO_RETRY, timeout=60) as c:  # nothing counted late or twice
+            c.generate("hello", max_new_tokens=2)
+        assert _errors(srv, "CANCELLED") == before + n
+    finally:
+        srv.close()
