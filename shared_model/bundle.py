@@ -320,7 +320,8 @@ def save_bundle(
     overwrite: bool = False,
 ) -> Path:
     """Write a bundle atomically and return its path. `state_dict` may be a model; dtype None keeps each
-    tensor's own dtype (the config records the dtype of the first floating tensor)."""
+    tensor's own dtype (the config records the dtype of the first floating tensor). `overwrite` replaces an
+    existing `out_dir` only if it is empty or a Tandem bundle (see `check_bundle_target`)."""
     out_dir = Path(out_dir)
     check_bundle_target(out_dir, overwrite)
     if tokenizer is not None and tokenizer_id_bound(tokenizer) > config.vocab_size:
