@@ -84,8 +84,8 @@ def check_finite_before_save(
     else:
         what = "another process holds NaN or inf values"
     raise NonFiniteError(
-        f"refusing to save checkpoint {name} at step {trainer.global_step}: {what}; training stopped, the newest "
-        "finite checkpoint stays latest (lower optim.lr or check the data)"
+        f"refusing to save checkpoint {name} at step {trainer.global_step}: {what}; training stopped and nothing "
+        "was written, so the newest earlier checkpoint (if any) stays latest (lower optim.lr or check the data)"
     )
 
 
