@@ -111,11 +111,6 @@ class OptimSection:
         _in_range("optim.min_lr_ratio", self.min_lr_ratio, 0, 1)
         if not math.isfinite(self.weight_decay) or self.weight_decay < 0:
             raise TrainingConfigError(f"optim.weight_decay must be a finite number >= 0, got {self.weight_decay}")
-        if self.lr * self.weight_decay > 1:  # AdamW scales the weights by 1 - lr·weight_decay every step
-            raise TrainingConfigError(
-                f"optim.weight_decay={self.weight_decay} is too large for optim.lr={self.lr}: lr·weight_decay must be "
-                "<= 1 (AdamW multiplies the weights by 1 - lr·weight_decay each step)"
-            )
         _in_range("optim.beta1", self.beta1, 0, 1, high_open=True)
         _in_range("optim.beta2", self.beta2, 0, 1, high_open=True)
         first_update = self.lr / (1 - self.beta1)  # AdamW's bias-corrected step size is largest at step 1
@@ -123,6 +118,11 @@ class OptimSection:
             raise TrainingConfigError(
                 f"optim.lr={self.lr} is too large: AdamW's first step size lr/(1-optim.beta1)={first_update:.3g} "
                 "overflows float32"
+            )
+        if self.lr * self.weight_decay > 1:  # AdamW scales the weights by 1 - lr·weight_decay every step
+            raise TrainingConfigError(
+                f"optim.weight_decay={self.weight_decay} is too large for optim.lr={self.lr}: lr·weight_decay must be "
+                "<= 1 (AdamW multiplies the weights by 1 - lr·weight_decay each step)"
             )
         if self.warmup_steps < 0:
             raise TrainingConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
