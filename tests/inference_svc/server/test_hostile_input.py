@@ -194,40 +194,58 @@ def test_model_name_is_the_folder_name(client, bundle_dir: Path) -> None:
 
 # ------------------------------------------------------------------------------ CANCELLED counter
 def test_every_client_cancel_is_counted_once(bundle_dir: Path) -> None:
-    """40 concurrent streams, each cancelled by the client at a random point after its first message: the cancels
-    land while the server waits on the engine and while it is writing a message (where gRPC, not the handler,
-    sees the CancelledError). CANCELLED rises by exactly 40. Each stream asks for far more tokens than it can
-    produce before its cancel arrives, so none finishes first on any machine."""
+    """40 concurrent streams cancelled by the client, CANCELLED rises by exactly 40.
+
+    Half are cancelled at a random point while the server waits on the engine. The other half stop reading after
+    their first message, on a channel with a small HTTP/2 window, and are cancelled only once the engine has
+    generated everything: their handlers are then blocked inside gRPC's own write, where the CancelledError
+    lands in gRPC's code rather than in the handler (the cancels that used to go uncounted). Each stream asks
+    for more tokens than fit in that window, so none can finish first on any machine."""
     srv = make_server(bundle_dir)
     try:
         n = 40
         before = _errors(srv, "CANCELLED")
-        sampling = pb.SamplingParams(max_new_tokens=MAX_NEW_TOKENS_LIMIT, ignore_eos=True)
+        sampling = pb.SamplingParams(max_new_tokens=MAX_NEW_TOKENS_LIMIT, ignore_eos=True, logprobs=True)
         req = pb.GenerateRequest(prompt="for i in range(10):\n    ", sampling=sampling)
         rng = random.Random(15)
-        plans = [(rng.randint(1, 3), rng.uniform(0.0, 0.004)) for _ in range(n)]
+        plans = [(rng.randint(1, 3), rng.uniform(0.0, 0.004), i % 2 == 1) for i in range(n)]
+        engine_done = threading.Event()
+        early_done = threading.Barrier(n // 2 + 1)
         codes: list[grpc.StatusCode] = []
         errors: list[BaseException] = []
 
-        def cancel_one(channel: grpc.Channel, reads: int, pause: float) -> None:
+        def cancel_one(channel: grpc.Channel, reads: int, pause: float, late: bool) -> None:
             try:
-                call = pb_grpc.InferenceStub(channel).GenerateStream(req, timeout=60)
+                call = pb_grpc.InferenceStub(channel).GenerateStream(req, timeout=120)
                 for _ in range(reads):
                     next(call)
-                time.sleep(pause)  # where the cancel lands, not a timing assertion
+                if late:
+                    assert engine_done.wait(60)
+                else:
+                    time.sleep(pause)  # where the cancel lands, not a timing assertion
                 call.cancel()
                 codes.append(call.code())
             except BaseException as exc:  # reported below
                 errors.append(exc)
+            finally:
+                if not late:
+                    early_done.wait(60)
 
-        with grpc.insecure_channel(srv.target) as channel:
+        small_window = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+        with grpc.insecure_channel(srv.target, options=small_window) as channel:
             threads = [threading.Thread(target=cancel_one, args=(channel, *plan)) for plan in plans]
             for t in threads:
                 t.start()
+            early_done.wait(60)
+            deadline = time.monotonic() + 60  # the late half: the engine generates all their tokens
+            while (st := srv.stats()).num_running or st.num_waiting:
+                assert time.monotonic() < deadline, f"engine still busy: {st}"
+                time.sleep(0.02)
+            engine_done.set()
             for t in threads:
                 t.join(60)
         assert not errors, errors
-        assert codes == [grpc.StatusCode.CANCELLED] * n
+        assert codes == [grpc.StatusCode.CANCELLED] * n, "a stream finished before its cancel"
         got = _wait_for_errors(srv, "CANCELLED", before + n)
         assert got == before + n, f"{got - before} of {n} client cancels counted"
         with srv.client(retry=NO_RETRY, timeout=60) as c:  # nothing counted late or twice
