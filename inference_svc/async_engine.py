@@ -238,9 +238,12 @@ class AsyncEngine:
             if not self._streams:
                 self._idle.set()
 
-    async def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
-        """Token ids of `text` (the Tokenize RPC and text prompts), through the metered `TokenizeGate`."""
-        return await self._tokenizer_gate.encode(text, add_bos)
+    async def tokenize(self, text: str, add_bos: bool = False, build: Callable[[list[int]], Any] | None = None) -> Any:
+        """Token ids of `text`, or `build(ids)` computed on the tokenizer's thread (the Tokenize RPC's response),
+        through the metered `TokenizeGate`."""
+        return await self._tokenizer_gate.encode(
+            text, add_bos, build=build, field="prompt" if build is None else "text"
+        )
 
     async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):

@@ -298,9 +298,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             engine = self._engine()
             self._check_size(request)
-            ids = await engine.tokenize(request.text, add_bos=request.add_bos)
             tok = engine.engine.tokenizer
-            return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
+
+            def response(ids: list[int]) -> pb.TokenizeResponse:  # built on the tokenizer's thread, not the loop
+                return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
+
+            return await engine.tokenize(request.text, add_bos=request.add_bos, build=response)
         except Exception as exc:
             await self._fail(context, exc)
             raise

@@ -74,9 +74,10 @@ class AdmissionLimits:
     """Most requests waiting for their first token (queued or prefilling); one more gets RESOURCE_EXHAUSTED."""
     max_queued_tokens: int = 262144
     """Most prompt tokens summed over those waiting requests; a request that would exceed it is refused."""
-    max_tokenizing_chars: int = 4 * 1024 * 1024
-    """Most characters of text being tokenized at once (prompts and Tokenize calls summed); beyond it a request
-    gets RESOURCE_EXHAUSTED before any work is done. About 1 s of one core per MiB of text."""
+    max_tokenizing_chars: int = 2 * 1024 * 1024
+    """Most characters of long texts being tokenized at once (prompts and Tokenize calls summed, one worker thread:
+    about 1.4 s of one core per million characters); beyond it a request gets RESOURCE_EXHAUSTED before any work
+    is done, and a single text longer than this gets INVALID_ARGUMENT."""
 
     def __post_init__(self) -> None:
         _check_int("max_queued_requests", self.max_queued_requests, 1)

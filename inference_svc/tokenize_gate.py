@@ -1,14 +1,20 @@
-"""The bounded front of tokenization: text is checked cheaply, then tokenized on one dedicated thread, metered.
+"""The bounded front of tokenization: text is tokenized on one dedicated thread, metered in characters.
 
 Contract:
-- `TokenizeGate.encode(text, ...)` returns the token ids of `text`. Short texts (at most `inline_chars`) are
-  encoded inline on the caller's thread: that costs less than a thread hop. Longer ones run on the gate's own
-  single worker thread, with the GIL released by the tokenizer (`Tokenizer.encode`), so the event loop and the
-  engine thread keep running while a large prompt is tokenized.
+- `TokenizeGate.encode(text, add_bos, literal, build)` returns the token ids of `text`, or `build(ids)` when a
+  `build` is given (e.g. the Tokenize RPC's response with every token's string), computed on the same thread.
+  Short texts (at most `inline_chars`) run inline on the caller's thread: that costs less than a thread hop.
+  Longer ones run on the gate's own single worker thread, with the GIL released by the tokenizer while it works
+  (`Tokenizer.encode`), so the event loop and the engine thread keep running while a large text is tokenized.
 - Work is metered in characters: the characters of every long text accepted and not yet finished are summed, and
   a text that would take that sum past `max_pending_chars` is refused at once with `CapacityError` (the gRPC
-  layer answers RESOURCE_EXHAUSTED) before any work is done on it. So a flood of large prompts costs at most
+  layer answers RESOURCE_EXHAUSTED) before any work is done on it; a text longer than the whole budget could
+  never pass and gets `InvalidRequestError` naming `field` instead. So a flood of large texts costs at most
   `max_pending_chars` of queued work and one encoding's memory at a time, not one thread and one copy each.
+  A caller that is cancelled does not stop an encoding already running: its characters stay counted until it ends.
+- When the last long text finishes, the gate asks the C allocator to hand freed memory back to the system
+  (glibc's `malloc_trim`, a second later, on the worker thread; nothing elsewhere): a burst of large texts
+  leaves many freed pages behind that the allocator would otherwise keep.
 - Meters, owned by the event loop (the only caller), read by tests and metrics: `pending_chars` (long texts
   accepted and not finished), `encoded_chars` (all characters ever handed to the tokenizer), `refused`.
 - `close()` stops the worker thread; pending encodings finish first.
@@ -18,13 +24,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
+import functools
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-from inference_svc.errors import CapacityError
+from inference_svc.errors import CapacityError, InvalidRequestError
 from shared_model.tokenizer import Tokenizer
 
 INLINE_CHARS = 2048
 """Texts up to this many characters are encoded on the caller's thread (well under a millisecond)."""
+TRIM_DELAY_S = 1.0
+"""How long after the last long text the allocator is trimmed (the responses are sent and freed by then)."""
 
 
 class TokenizeGate:
@@ -38,12 +51,26 @@ class TokenizeGate:
         self.encoded_chars = 0
         self.refused = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tokenize")
+        self._closed = False
 
-    async def encode(self, text: str, add_bos: bool = False, literal: bool = False) -> list[int]:
+    async def encode(
+        self,
+        text: str,
+        add_bos: bool = False,
+        literal: bool = False,
+        build: Callable[[list[int]], Any] | None = None,
+        field: str = "prompt",
+    ) -> Any:
+        """Ids of `text` (or `build(ids)`); `field` names the request field in an error (see the module docstring)."""
         n = len(text)
+        work = functools.partial(_encode, self.tokenizer, text, add_bos, literal, build)
         if n <= self.inline_chars:
             self.encoded_chars += n
-            return self.tokenizer.encode(text, add_bos, literal)
+            return work()
+        if n > self.max_pending_chars:  # could never pass: not a reason to retry
+            raise InvalidRequestError(
+                field, f"{n} characters are more than the server tokenizes at once ({self.max_pending_chars})"
+            )
         if self.pending_chars + n > self.max_pending_chars:
             self.refused += 1
             raise CapacityError(
@@ -53,18 +80,50 @@ class TokenizeGate:
         loop = asyncio.get_running_loop()
         self.pending_chars += n
         self.encoded_chars += n
-        work = self._pool.submit(self.tokenizer.encode, text, add_bos, literal)
-        # released when the work really ends (a cancelled caller does not stop an encoding already running)
-        work.add_done_callback(lambda _: _call_soon(loop, self._release, n))
-        return await asyncio.wrap_future(work)
+        future = self._pool.submit(work)
+        future.add_done_callback(lambda _: _call_soon(loop, self._release, loop, n))
+        return await asyncio.wrap_future(future)
 
-    def _release(self, n: int) -> None:
+    def _release(self, loop: asyncio.AbstractEventLoop, n: int) -> None:
         self.pending_chars -= n
+        if self.pending_chars == 0:
+            loop.call_later(TRIM_DELAY_S, self._trim)
+
+    def _trim(self) -> None:
+        if self.pending_chars == 0 and not self._closed:
+            with contextlib.suppress(RuntimeError):  # shut down in the meantime
+                self._pool.submit(release_free_memory)
 
     def close(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=True)
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: object, *args: object) -> None:
+def _encode(
+    tokenizer: Tokenizer, text: str, add_bos: bool, literal: bool, build: Callable[[list[int]], Any] | None
+) -> Any:
+    ids = tokenizer.encode(text, add_bos, literal)
+    return ids if build is None else build(ids)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def release_free_memory() -> bool:
+    """Return the C heap's free pages to the system where the allocator can (glibc); False elsewhere."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: object) -> None:
     with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is metering any more
-        loop.call_soon_threadsafe(fn, *args)  # type: ignore[arg-type]
+        loop.call_soon_threadsafe(fn, *args)

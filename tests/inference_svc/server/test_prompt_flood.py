@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from inference_svc.errors import CapacityError
+from inference_svc.errors import CapacityError, InvalidRequestError
 from inference_svc.tokenize_gate import TokenizeGate
 from shared_model.tokenizer import Tokenizer
 
@@ -84,3 +84,21 @@ def test_long_text_encodes_the_same_through_the_gil_free_path(small_tokenizer: T
     assert small_tokenizer.eos_id in ids  # plain prompts keep special-token text as control tokens (transformers)
     literal = small_tokenizer.encode(text, literal=True)
     assert small_tokenizer.eos_id not in literal and small_tokenizer.decode(literal) == text
+
+
+def test_text_longer_than_the_whole_budget_is_invalid_not_retryable(small_tokenizer: Tokenizer) -> None:
+    gate = TokenizeGate(small_tokenizer, max_pending_chars=5000)
+    with pytest.raises(InvalidRequestError, match="text: 6000 characters are more than"):
+        asyncio.run(gate.encode("a" * 6000, field="text"))
+    assert gate.encoded_chars == 0 and gate.refused == 0
+    gate.close()
+
+
+def test_tokenize_rpc_builds_its_response_through_the_gate(client, server) -> None:
+    engine = server.server.engine
+    before = engine._tokenizer_gate.encoded_chars
+    text = "for i in range(3):\n    print(i)\n" * 100  # 3,200 characters: above the inline size, on the worker
+    r = client.tokenize(text)
+    assert list(r.token_ids) == engine.engine.tokenizer.encode(text)
+    assert len(r.tokens) == len(r.token_ids) and all(r.tokens)
+    assert engine._tokenizer_gate.encoded_chars == before + len(text)

@@ -1,0 +1,217 @@
+"""Hostile input against a served model: a flood of 1 MB prompts, and requests with the most stop strings allowed.
+
+What it measures, against `tandem serve` run as a subprocess from `--repo` (default: this checkout; give an older
+checkout, e.g. a `git worktree` of an earlier commit, to measure "before"), on a free loopback port:
+- flood: a bystander streams tokens; meanwhile `--flood` concurrent Generate calls each send a text prompt of
+  `--prompt-mb` MB (inside the default --max-request-bytes) and `--tokenize` Tokenize calls the same text. Reported:
+  the bystander's p99 and largest inter-token gap during the flood against its own unloaded p99 (same run), the
+  status codes the flood got, and the server's RSS before and after (goals: p99 < 3x unloaded, largest gap
+  < 250 ms, RSS back within 100 MiB). Two models: one whose context cannot hold 1 MB of text (refused unread)
+  and one whose context could (the prompts go through the metered tokenizer).
+- stops: a bystander's time per output token while `--neighbours` other streams decode with 16 stop strings of
+  256 characters each, against the same with plain neighbours (goal: at most 1.2x).
+Random weights: only speed and memory mean anything here. Writes JSON (`--out`) and prints a summary.
+
+    python benchmarks/hostile_input.py [--repo DIR] [--out FILE] [--flood 32] [--prompt-mb 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from inference_svc.client import NO_RETRY, TandemClient, build_request  # noqa: E402
+from shared_model.bundle import save_bundle  # noqa: E402
+from shared_model.config import ModelConfig  # noqa: E402
+from shared_model.corpus import CorpusConfig, load_corpus  # noqa: E402
+from shared_model.model import build_model  # noqa: E402
+from shared_model.tokenizer import Tokenizer  # noqa: E402
+
+STOPS = [("ab" * 128)[:255] + chr(0x41 + i) for i in range(16)]  # 16 x 256 characters, the allowed maximum
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def make_bundle(folder: Path, tokenizer: Tokenizer, max_positions: int) -> Path:
+    config = ModelConfig(
+        model_type="qwen3", vocab_size=tokenizer.vocab_size, hidden_size=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, intermediate_size=128, qk_norm=True, max_position_embeddings=max_positions,
+    )  # fmt: skip
+    return save_bundle(folder, config, build_model(config, seed=0), tokenizer)
+
+
+class Server:
+    def __init__(self, repo: Path, bundle: Path, kv_memory: str, env: dict[str, str] | None = None) -> None:
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "shared_model.cli", "serve", "--model", str(bundle), "--port", str(self.port)]
+        cmd += ["--no-metrics", "--device", "cpu", "--kv-cache-memory", kv_memory, "--log-level", "ERROR"]
+        env = {**os.environ, "PYTHONPATH": str(repo), **(env or {})}
+        self.proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.target = f"127.0.0.1:{self.port}"
+        with TandemClient(self.target) as c:
+            c.wait_until_serving(300)
+
+    def rss(self) -> float:
+        return _rss_mib(self.proc.pid)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _stream_times(target: str, stop_event: threading.Event, out: list[float], **sampling: Any) -> None:
+    """Stream until finished or `stop_event`; append each message's arrival time to `out`."""
+    with TandemClient(target, retry=NO_RETRY, timeout=600) as c:
+        stream = c.stub.GenerateStream(build_request("x = 1\n", **sampling), timeout=600)
+        try:
+            for _ in stream:
+                out.append(time.perf_counter())
+                if stop_event.is_set():
+                    stream.cancel()
+                    return
+        except grpc.RpcError:
+            return
+
+
+def _gaps_ms(times: list[float], start: float = 0.0, end: float = float("inf")) -> list[float]:
+    return [(b - a) * 1000 for a, b in itertools.pairwise(times) if start <= a and b <= end]
+
+
+def _p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98] if len(values) >= 2 else float("nan")
+
+
+def flood_case(server: Server, n_flood: int, n_tokenize: int, prompt: str) -> dict[str, Any]:
+    alone: list[float] = []
+    _stream_times(server.target, threading.Event(), alone, max_new_tokens=300, ignore_eos=True)
+    unloaded_p99 = _p99(_gaps_ms(alone[1:]))
+    rss_before = server.rss()
+    done, times = threading.Event(), []
+    bystander = threading.Thread(
+        target=_stream_times, args=(server.target, done, times), kwargs={"max_new_tokens": 4000, "ignore_eos": True}
+    )
+    bystander.start()
+    while len(times) < 20 and bystander.is_alive():
+        time.sleep(0.01)
+    codes: dict[str, int] = {}
+
+    def one(kind: str) -> str:
+        with TandemClient(server.target, retry=NO_RETRY, timeout=300, max_message_bytes=8 << 20) as c:
+            try:
+                c.tokenize(prompt) if kind == "tokenize" else c.generate(prompt, max_new_tokens=2)
+                return f"{kind}:OK"
+            except grpc.RpcError as exc:
+                return f"{kind}:{exc.code().name}"
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n_flood + n_tokenize) as pool:
+        for code in pool.map(one, ["generate"] * n_flood + ["tokenize"] * n_tokenize):
+            codes[code] = codes.get(code, 0) + 1
+    t1 = time.perf_counter()
+    done.set()
+    bystander.join(60)
+    time.sleep(3.0)  # let the server free the flood's buffers (and trim its heap) before reading RSS
+    during = _gaps_ms(times, t0, t1)
+    return {
+        "unloaded_p99_gap_ms": unloaded_p99,
+        "flood_s": t1 - t0,
+        "gaps_during_flood": len(during),
+        "p99_gap_ms": _p99(during),
+        "max_gap_ms": max(during, default=float("nan")),
+        "p99_ratio": _p99(during) / unloaded_p99,
+        "codes": codes,
+        "rss_before_mib": rss_before,
+        "rss_after_mib": server.rss(),
+        "rss_growth_mib": server.rss() - rss_before,
+    }
+
+
+def stops_case(server: Server, neighbours: int) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for name, stops in (("plain", []), ("stops", STOPS)):
+        done = threading.Event()
+        others = [
+            threading.Thread(
+                target=_stream_times,
+                args=(server.target, done, []),
+                kwargs={"max_new_tokens": 4000, "ignore_eos": True, "stop": stops, "temperature": 1.0, "seed": i},
+            )
+            for i in range(neighbours)
+        ]
+        for t in others:
+            t.start()
+        time.sleep(0.5)
+        times: list[float] = []
+        _stream_times(server.target, threading.Event(), times, max_new_tokens=200, ignore_eos=True)
+        done.set()
+        for t in others:
+            t.join(60)
+        result[f"{name}_tpot_ms"] = (times[-1] - times[1]) * 1000 / (len(times) - 2)
+    result["ratio"] = result["stops_tpot_ms"] / result["plain_tpot_ms"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repo", type=Path, default=REPO, help="source tree whose `tandem serve` is measured")
+    p.add_argument("--out", type=Path, default=None, help="JSON results file")
+    p.add_argument("--flood", type=int, default=32, help="concurrent large Generate calls")
+    p.add_argument("--tokenize", type=int, default=8, help="concurrent large Tokenize calls")
+    p.add_argument("--prompt-mb", type=float, default=1.0, help="size of each flood prompt in MB (ASCII text)")
+    p.add_argument("--neighbours", type=int, default=8, help="streams beside the bystander in the stop case")
+    args = p.parse_args(argv)
+    corpus = load_corpus(CorpusConfig(max_documents=80))
+    text = "".join(corpus.texts())
+    prompt = (text * (1 + int(args.prompt_mb * 1e6) // len(text)))[: int(args.prompt_mb * 1e6 * 0.999)]
+    tokenizer = Tokenizer.train(corpus.texts(), vocab_size=2048)
+    results: dict[str, Any] = {"repo": str(args.repo), "prompt_chars": len(prompt), "flood": args.flood}
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = {"context_4k": (4096, "8MiB"), "context_64k": (65536, "40MiB")}
+        for name, (positions, kv) in cases.items():
+            server = Server(args.repo, make_bundle(Path(tmp) / name, tokenizer, positions), kv)
+            try:
+                results[f"flood_{name}"] = flood_case(server, args.flood, args.tokenize, prompt)
+                if name == "context_4k":
+                    results["stops"] = stops_case(server, args.neighbours)
+            finally:
+                server.close()
+            print(name, json.dumps(results[f"flood_{name}"], indent=1), flush=True)
+    print("stops", json.dumps(results["stops"], indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
