@@ -16,7 +16,8 @@ Contract:
   leaks) and never logged. The key is checked before the request body is parsed: an unauthenticated client gets
   UNAUTHENTICATED whatever bytes it sends.
 - Malformed requests (bytes that are not the RPC's message: garbage, truncated fields, invalid UTF-8 in a string)
-  get INVALID_ARGUMENT "malformed request: ...", without parser internals, counted in `tandem_request_errors`
+  to any Inference RPC, or to health `Check`/`Watch` (`MalformedRequestGuard`), get INVALID_ARGUMENT
+  "malformed request: ...", without parser internals, counted in `tandem_request_errors`
   like any error, and logged as one WARNING line at most, rate-limited across calls (`_MalformedLog`).
 - Every Inference RPC that ends without a status sent by the server (client cancel or disconnect at any point
   after the handler started: while admitted, decoding, or between two streamed messages) is counted exactly once
@@ -38,6 +39,7 @@ import contextlib
 import errno
 import hashlib
 import hmac
+import inspect
 import json
 import logging
 import os
@@ -389,6 +391,51 @@ def add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) 
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
+class MalformedRequestGuard(grpc.aio.ServerInterceptor):
+    """The same malformed-request answer for the other services' unary-request RPCs (health `Check`/`Watch`,
+    which stay open without an API key): their deserializer is wrapped so bad bytes get INVALID_ARGUMENT from
+    `reject`, never gRPC's UNKNOWN with a logged traceback. Inference handlers are built safe already
+    (`add_inference_service`); request-streaming handlers (reflection) parse inside the servicer and are left."""
+
+    def __init__(self, reject: Callable[[_Malformed, grpc.aio.ServicerContext], Any]) -> None:
+        self._reject = reject
+
+    async def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler_call_details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+            return handler  # sync handlers: none registered here
+        message_class = getattr(handler.request_deserializer, "__self__", None)
+        if not (isinstance(message_class, type) and issubclass(message_class, Message)):
+            return handler
+        reject = self._reject
+        if inspect.isasyncgenfunction(behavior):
+
+            async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Malformed):
+                    await reject(request, context)
+                async for message in behavior(request, context):
+                    yield message
+
+        else:
+
+            async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
+                if isinstance(request, _Malformed):
+                    await reject(request, context)
+                return await behavior(request, context)
+
+        factory = (
+            grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
+        )
+        return factory(
+            guarded,
+            request_deserializer=_safe_deserializer(message_class),
+            response_serializer=handler.response_serializer,
+        )
+
+
 class _MalformedLog:
     """At most one WARNING line per malformed request, and at most one per `interval` seconds overall: the next
     line after a quiet spell says how many were left unlogged. Never a traceback, never the request bytes."""
@@ -521,13 +568,15 @@ class TandemServer:
     async def start(self) -> None:
         """Bind the port (health NOT_SERVING), load + warm up the engine, then SERVING."""
         s = self.settings
-        interceptors = []
+        interceptors: list[grpc.aio.ServerInterceptor] = []
         if s.api_key_file is not None:
             keys = read_api_keys(s.api_key_file)
             denied = lambda: self.metrics.observe_error("UNAUTHENTICATED")  # noqa: E731
-            interceptors.append(ApiKeyInterceptor(keys, on_denied=denied))
+            interceptors.append(ApiKeyInterceptor(keys, on_denied=denied))  # first: the key before the bytes
+        servicer = InferenceServicer(self)
+        interceptors.append(MalformedRequestGuard(servicer.reject_malformed))
         server = grpc.aio.server(interceptors=interceptors, options=self._grpc_options())
-        add_inference_service(InferenceServicer(self), server)
+        add_inference_service(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)

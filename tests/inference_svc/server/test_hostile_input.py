@@ -253,3 +253,21 @@ def test_every_client_cancel_is_counted_once(bundle_dir: Path) -> None:
         assert _errors(srv, "CANCELLED") == before + n
     finally:
         srv.close()
+
+
+# ------------------------------------------------------------------------------ health stays open, and safe
+@pytest.mark.parametrize("payload", [GARBAGE, TRUNCATED_PREFIX, b"\x0a\x02\xc3\x28"], ids=["garbage", "trunc", "utf8"])
+def test_malformed_health_check_is_invalid_argument(keyed_server: ServerThread, payload: bytes, caplog) -> None:
+    """Health needs no key, so it is the one RPC anyone can send garbage to: it gets the same answer, no traceback."""
+    caplog.set_level(logging.DEBUG)
+    with grpc.insecure_channel(keyed_server.target) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary("/grpc.health.v1.Health/Check")(payload, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (info.value.details() or "").startswith("malformed request: ")
+        with pytest.raises(grpc.RpcError) as info:
+            list(channel.unary_stream("/grpc.health.v1.Health/Watch")(payload, timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert all(r.exc_info is None and r.levelno < logging.ERROR for r in caplog.records)
+    with keyed_server.client(retry=NO_RETRY) as c:
+        assert c.health() == "SERVING"
