@@ -22,9 +22,10 @@ Contract:
 - Every Inference RPC that ends without a status sent by the server (client cancel or disconnect at any point
   after the handler started: while admitted, decoding, or between two streamed messages) is counted exactly once
   in `tandem_request_errors`, as DEADLINE_EXCEEDED if its deadline had passed, else CANCELLED. Errors the server
-  answers are counted where it answers them (`_fail`), never twice.
+  answers are counted where it answers them (`_fail`), never twice. (A call cancelled before gRPC has even read
+  its request never reaches the service and is not counted.)
 - `GetModelInfo.model_name` is the model folder's name, never its path on the server.
-- Start-up: a gRPC or metrics address that cannot be bound raises `ServerStartError` / `OSError` naming
+- Start-up: a gRPC or metrics address that cannot be bound raises `ServerStartError` naming
   `HOST:PORT` (IPv6 written `[::1]:PORT`). /metrics listens on `metrics_host`, not on `host`.
 - Message size: requests whose serialized size is above `max_request_bytes` get INVALID_ARGUMENT naming `request`;
   the transport refuses (RESOURCE_EXHAUSTED, without reading them) messages above 4× that.
