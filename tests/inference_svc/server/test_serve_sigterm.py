@@ -38,7 +38,8 @@ def long_context_bundle(tmp_path_factory: pytest.TempPathFactory, small_tokenize
 
 def _start_server(bundle: Path, port: int) -> tuple[subprocess.Popen, queue.Queue]:
     cmd = [
-        sys.executable, "-m", "tests.inference_svc.server.serve_with_slow_steps", "--model", str(bundle), "--port", str(port),
+        sys.executable, "-m", "tests.inference_svc.server.serve_with_slow_steps",
+        "--model", str(bundle), "--port", str(port),
         "--no-metrics", "--device", "cpu", "--kv-cache-memory", "4MiB", "--max-new-tokens", "2040",
         "--shutdown-grace", str(GRACE_S), "--log-level", "WARNING",
     ]  # fmt: skip
