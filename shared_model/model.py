@@ -9,9 +9,16 @@ Contract:
   positions (the inference engine).
 - This file holds no parallelism, checkpointing or serving code: those are applied from outside. The core
   attention call is its own module (`CoreAttention`) so that checkpointing policies can target it by class.
+- Merged projections are a load-time transform (`shared_model.fuse`): it sets `Attention.merged` and
+  `MLP.merged_gate_up`, and the same forward then runs one matmul for q/k/v (and one for gate/up), normalizes and
+  rotates the q and k heads in one pass. Each output is the same dot product, so the result is bit-equal; with
+  nothing merged (training: the plain parameters ZeRO partitions) the forward is the textbook one.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +26,27 @@ from torch import nn
 
 from shared_model.attention import CAUSAL, AttentionBackend
 from shared_model.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last axis in fp32, times `weight` in x's dtype (weight broadcasts: [D] or [H, D]).
+
+    Without autograd (serving) the same arithmetic runs with fewer temporaries: a sum divided by the width is
+    the mean, bit for bit, and the in-place steps touch only tensors made here."""
+    dtype = x.dtype
+    h = x.float()
+    if torch.is_grad_enabled():
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    else:  # the width and eps as cached fp32 0-d tensors: no scalar wrapping per call
+        ms = torch.sum(h * h, dim=-1, keepdim=True).div_(_constant(float(h.shape[-1]), h.device))
+        h = h * ms.add_(_constant(eps, h.device)).rsqrt_()
+    return weight * h.to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _constant(value: float, device: torch.device) -> torch.Tensor:
+    """An fp32 0-d tensor holding `value` (read-only by convention: never written in place)."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
 
 
 class RMSNorm(nn.Module):
@@ -30,10 +58,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -78,7 +103,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate pairs (i, i + D/2) of x [B, T, H, D] by the position angles (the rotate-half convention)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    if torch.is_grad_enabled():
+        return x * cos + rotated * sin
+    return (x * cos).add_(rotated.mul_(sin))  # serving: the same sums, two fewer temporaries
 
 
 class CoreAttention(nn.Module):
@@ -91,6 +118,16 @@ class CoreAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         return backend(self.layer_idx, q, k, v, self.scale)
+
+
+@dataclass(frozen=True)
+class MergedQKV:
+    """q/k/v as one projection (set by `shared_model.fuse`; the q_proj/k_proj/v_proj parameters are views of it)."""
+
+    weight: torch.Tensor  # [q + 2 kv, hidden]
+    bias: torch.Tensor | None  # [q + 2 kv]
+    qk_norm: torch.Tensor | None  # [Hq + Hkv, D]: q_norm's weight for each q head, then k_norm's for each kv head
+    qk_size: int  # q + kv: the q and k heads, side by side in the merged output
 
 
 class Attention(nn.Module):
@@ -107,17 +144,30 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.core = CoreAttention(layer_idx, c.head_dim**-0.5)
+        self.eps = c.rms_norm_eps
+        self.merged: MergedQKV | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # [B, T, Hq, D]
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        hq, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        m = self.merged
+        if m is None:
+            q = self.q_proj(x).view(b, t, hq, dim)  # [B, T, Hq, D]
+            k = self.k_proj(x).view(b, t, hkv, dim)  # [B, T, Hkv, D]
+            v = self.v_proj(x).view(b, t, hkv, dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # the same arithmetic over one matmul, q and k heads normalized and rotated together
+            qkv = F.linear(x, m.weight, m.bias)  # [B, T, q + 2 kv]
+            qk = qkv[..., : m.qk_size].view(b, t, hq + hkv, dim)
+            if m.qk_norm is not None:
+                qk = rms_norm(qk, m.qk_norm, self.eps)
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, :, :hq], qk[:, :, hq:]
+            v = qkv[..., m.qk_size :].view(b, t, hkv, dim)
         out = self.core(q, k, v, backend)  # [B, T, Hq, D]
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(b, t, hq * dim))
 
 
 class MLP(nn.Module):
@@ -128,9 +178,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.merged_gate_up: torch.Tensor | None = None
+        """[2 * intermediate, hidden], set by `shared_model.fuse` (gate_proj/up_proj are views of it)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.merged_gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.merged_gate_up).chunk(2, dim=-1)  # [B, T, intermediate] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -112,9 +112,7 @@ class Engine:
         )
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        self.runner = ModelRunner(
-            model, self.model_config, num_blocks, bs, self.dtype, device, backend, max_positions=self.max_model_len
-        )
+        self.runner = ModelRunner(model, self.model_config, num_blocks, bs, self.dtype, device, backend)
         self.sampler = Sampler()
         self._eos_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_id} if self.tokenizer.eos_id is not None else set()

@@ -3,10 +3,10 @@
 Contract:
 - Owns the model, the KV cache and the attention backend choice. Reads Sequences (never writes them).
 - `run(batch)` flattens the batch into one `[T]` token row (decodes first, then prefill chunks), builds the
-  `AttentionMetadata` (slots, block tables, context lengths) once, runs the decoder with a per-step backend (through
-  `FusedForward`: the decoder's arithmetic over merged q/k/v and gate/up weights, bit-equal to it), and
-  returns fp32 logits `[S_sample, vocab]` only for sequences whose last scheduled token is their last token
-  (those sample a new token this step); the LM head runs on those rows only.
+  `AttentionMetadata` (slots, block tables, context lengths) once, runs shared_model's decoder with a per-step
+  backend (the same `CausalLM`, with its projections merged at load by `shared_model.fuse`: bit-equal to the
+  plain decoder), and returns fp32 logits `[S_sample, vocab]` only for sequences whose last scheduled token is
+  their last token (those sample a new token this step); the LM head runs on those rows only.
 - Runs under `torch.inference_mode()`; no autograd state, no global state.
 """
 
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from inference_svc.engine.attention import AttentionMetadata, KVCache, TorchPagedAttention
-from inference_svc.engine.fused_forward import FusedForward
 from inference_svc.engine.sequence import Sequence
 from shared_model.config import ModelConfig
+from shared_model.fuse import fuse_projections
 from shared_model.model import CausalLM
 
 
@@ -58,7 +58,6 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         backend_factory: BackendFactory = TorchPagedAttention,
-        max_positions: int | None = None,
     ) -> None:
         self.model = model
         self.config = model_config
@@ -70,7 +69,7 @@ class ModelRunner:
             model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim,
             dtype, device,
         )  # fmt: skip
-        self.forward = FusedForward(model, max_positions or model_config.max_position_embeddings)
+        fuse_projections(model)
         self.peak_workspace_bytes = 0
         # the prefill fields of a decode-only step (read-only constants, as `_prepare` would build them)
         self._no_prefill_cu = torch.zeros(1, dtype=torch.int32, device=device)
@@ -86,7 +85,7 @@ class ModelRunner:
         """Logits [S_sample, vocab] (fp32), in batch order of the sampling sequences."""
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         backend = self.backend_factory(self.cache, meta)
-        hidden = self.forward.hidden_states(input_ids, positions, backend)  # [T, H]
+        hidden = self.model.hidden_states(input_ids[None], positions[None], backend)[0]  # [T, H]
         rows = hidden[sample_rows] if len(sample_rows) != hidden.shape[0] else hidden
         logits = self.model.logits(rows).float()  # [S_sample, vocab]
         self._track_workspace(hidden.shape[0], logits.shape[0])

@@ -1,0 +1,60 @@
+"""Merged projections: a load-time transform of the one decoder, for serving.
+
+Contract:
+- `fuse_projections(model)` merges, in every layer, the q/k/v weights (and biases) into one `[q + 2 kv, hidden]`
+  matrix and gate/up into one `[2 * intermediate, hidden]` matrix, and re-points the model's own parameters at row
+  slices of them (views: no second copy of the weights, the Hugging Face names and the state dict unchanged, so
+  export and parity read the same tensors). The decoder's forward (`shared_model.model`) then runs one matmul
+  where it ran three (two), and normalizes and rotates the q and k heads in one pass: the same dot products and
+  elementwise ops, so its output is bit-equal to the unmerged model's.
+- Inference only: the merged parameters stop requiring grad, and the merged matrices are plain tensors that ZeRO never
+  sees. Training keeps the plain parameters. Apply it after the model has its final device and dtype
+  (`Module.to` would copy the parameters out of the merged matrices). Applying it twice does nothing more.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shared_model.model import Attention, CausalLM, MergedQKV
+
+
+def fuse_projections(model: CausalLM) -> CausalLM:
+    """Merge q/k/v and gate/up in place (see the module docstring); returns `model`."""
+    c = model.config
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.merged is None:
+                weight, bias = _merge([attn.q_proj, attn.k_proj, attn.v_proj])
+                attn.merged = MergedQKV(weight, bias, _qk_norm_weight(attn), c.q_size + c.kv_size)
+            if mlp.merged_gate_up is None:
+                mlp.merged_gate_up, _ = _merge([mlp.gate_proj, mlp.up_proj])
+    return model
+
+
+def _merge(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several Linears sharing an input; each Linear's parameters become views of it."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    has_bias = [m.bias is not None for m in linears]
+    if any(has_bias) and not all(has_bias):
+        raise ValueError("cannot merge projections where only some have a bias")
+    bias = torch.cat([m.bias.detach() for m in linears]) if all(has_bias) else None  # type: ignore[union-attr]
+    start = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[start : start + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start : start + n], requires_grad=False)
+        start += n
+    return weight, bias
+
+
+def _qk_norm_weight(attn: Attention) -> torch.Tensor | None:
+    """q_norm's weight for each q head, then k_norm's for each kv head: `[Hq + Hkv, D]`, one norm for both."""
+    if attn.q_norm is None or attn.k_norm is None:
+        return None
+    q = attn.q_norm.weight.detach().expand(attn.num_heads, -1)
+    k = attn.k_norm.weight.detach().expand(attn.num_kv_heads, -1)
+    return torch.cat([q, k])

@@ -1,0 +1,54 @@
+"""Merged projections (`shared_model.fuse`) leave the decoder's output bit-identical, for every architecture
+variant, dtype and step length, and leave the state dict (names and values) as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared_model.attention import CAUSAL
+from shared_model.config import RopeScaling
+from shared_model.fuse import fuse_projections
+from shared_model.model import build_model
+from tests.conftest import tiny_config
+
+CONFIGS = {
+    "qwen3": tiny_config(),
+    "llama": tiny_config(model_type="llama", qk_norm=False),
+    "qwen2-bias": tiny_config(model_type="qwen2", qk_norm=False, attention_bias=True),
+    "llama3-scaled": tiny_config(model_type="llama", qk_norm=False, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64)),
+    "gqa3-headdim": tiny_config(num_heads=6, num_kv_heads=2, head_dim=24),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_merged_projections_are_bitwise_equal_to_the_plain_decoder(name: str, dtype: torch.dtype) -> None:
+    cfg = CONFIGS[name]
+    fused = fuse_projections(build_model(cfg, dtype=dtype, seed=0))
+    reference = build_model(cfg, dtype=dtype, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    for t in (1, 5, 33):
+        ids = torch.randint(0, cfg.vocab_size, (2, t), generator=gen)
+        pos = torch.arange(100, 100 + t).expand(2, t)
+        with torch.inference_mode():
+            got = fused(ids, pos, CAUSAL)
+            want = reference(ids, pos, CAUSAL)
+        assert torch.equal(got, want), f"{name} {dtype} T={t}: max |Δ| {(got.float() - want.float()).abs().max()}"
+
+
+def test_state_dict_keeps_its_names_and_values_and_shares_the_merged_memory() -> None:
+    cfg = tiny_config()
+    model = build_model(cfg, seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fuse_projections(model)
+    fuse_projections(model)  # idempotent
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.merged is not None and mlp.merged_gate_up is not None
+    merged = attn.merged.weight
+    assert attn.k_proj.weight.data_ptr() == merged[cfg.q_size :].data_ptr()  # a view, not a copy
+    assert mlp.up_proj.weight.data_ptr() == mlp.merged_gate_up[cfg.intermediate_size :].data_ptr()
+    assert not any(p.requires_grad for p in (attn.q_proj.weight, attn.v_proj.weight, mlp.gate_proj.weight))
