@@ -124,7 +124,11 @@ class AsyncEngine:
         self.metrics = metrics
         self.fault_hook = fault_hook
         self.info: dict[str, Any] = engine.info()
-        self._tokenizer_gate = TokenizeGate(engine.tokenizer, self.limits.max_tokenizing_chars)
+        self._tokenizer_gate = TokenizeGate(
+            engine.tokenizer,
+            self.limits.max_tokenizing_chars,
+            on_meter=None if metrics is None else metrics.observe_tokenizer,
+        )
         self.max_prompt_chars = engine.max_model_len * engine.tokenizer.max_chars_per_token
         """A text prompt longer than this cannot fit the context, whatever it encodes to: refused unread."""
         # event-loop state

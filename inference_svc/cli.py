@@ -62,6 +62,12 @@ def _serve_parser() -> argparse.ArgumentParser:
     lim.add_argument("--max-running", type=int, default=64, help="most requests decoding at once")
     lim.add_argument("--max-queue", type=int, default=256, help="most requests waiting for their first token")
     lim.add_argument("--max-queue-tokens", type=int, default=262144, help="most prompt tokens waiting, summed")
+    lim.add_argument(
+        "--max-tokenizing-chars",
+        type=int,
+        default=AdmissionLimits.max_tokenizing_chars,
+        help="most characters of long texts being tokenized at once; more gets RESOURCE_EXHAUSTED",
+    )
     lim.add_argument("--max-new-tokens", type=int, default=4096, help="ceiling on a request's max_new_tokens")
     lim.add_argument("--max-request-bytes", type=int, default=1024 * 1024, help="largest serialized request")
     lim.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
@@ -100,7 +106,11 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
             port=args.port,
             metrics_port=None if args.no_metrics else args.metrics_port,
             metrics_host=args.metrics_host,
-            admission=AdmissionLimits(max_queued_requests=args.max_queue, max_queued_tokens=args.max_queue_tokens),
+            admission=AdmissionLimits(
+                max_queued_requests=args.max_queue,
+                max_queued_tokens=args.max_queue_tokens,
+                max_tokenizing_chars=args.max_tokenizing_chars,
+            ),
             max_request_bytes=args.max_request_bytes,
             shutdown_grace=args.shutdown_grace,
             tls_cert=args.tls_cert,

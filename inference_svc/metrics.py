@@ -99,6 +99,14 @@ class ServiceMetrics:
         self.admission_queue_tokens = Gauge(
             "tandem_admission_queue_tokens", "Prompt tokens of admitted requests without a token yet.", registry=r
         )
+        self.tokenizer_pending = Gauge(
+            "tandem_tokenizer_pending_chars",
+            "Characters of long texts accepted by the tokenizer, not done.",
+            registry=r,
+        )
+        self.tokenized_chars = Counter(
+            "tandem_tokenized_chars", "Characters of text handed to the tokenizer (prompts and Tokenize).", registry=r
+        )
         self.kv_used = Gauge("tandem_kv_blocks_used", "KV-cache blocks in use.", registry=r)
         self.kv_total = Gauge("tandem_kv_blocks_total", "KV-cache blocks in the pool.", registry=r)
         self.kv_cached = Gauge("tandem_kv_blocks_cached", "KV blocks holding a registered prefix.", registry=r)
@@ -161,6 +169,14 @@ class ServiceMetrics:
     def observe_admission(self, requests: int, tokens: int) -> None:
         self.admission_queue.set(requests)
         self.admission_queue_tokens.set(tokens)
+
+    def observe_tokenizer(self, pending_chars: int, tokenized_chars_total: int) -> None:
+        """The `TokenizeGate`'s meters: characters in flight now, and all characters tokenized so far."""
+        self.tokenizer_pending.set(pending_chars)
+        delta = tokenized_chars_total - self._last.get("tokenized_chars", 0.0)
+        if delta > 0:
+            self.tokenized_chars.inc(delta)
+        self._last["tokenized_chars"] = float(tokenized_chars_total)
 
     # ------------------------------------------------------------------ exposition
     def render(self) -> bytes:

@@ -15,8 +15,9 @@ Contract:
 - When the last long text finishes, the gate asks the C allocator to hand freed memory back to the system
   (glibc's `malloc_trim`, a second later, on the worker thread; nothing elsewhere): a burst of large texts
   leaves many freed pages behind that the allocator would otherwise keep.
-- Meters, owned by the event loop (the only caller), read by tests and metrics: `pending_chars` (long texts
-  accepted and not finished), `encoded_chars` (all characters ever handed to the tokenizer), `refused`.
+- Meters, owned by the event loop (the only caller), read by tests and reported to `on_meter` (the Prometheus
+  metrics) on every change: `pending_chars` (long texts accepted and not finished), `encoded_chars` (all
+  characters ever handed to the tokenizer), and `refused`.
 - `close()` stops the worker thread; pending encodings finish first.
 """
 
@@ -43,8 +44,15 @@ TRIM_DELAY_S = 1.0
 class TokenizeGate:
     """Metered, single-worker tokenization for one tokenizer (see the module docstring)."""
 
-    def __init__(self, tokenizer: Tokenizer, max_pending_chars: int, inline_chars: int = INLINE_CHARS) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_pending_chars: int,
+        inline_chars: int = INLINE_CHARS,
+        on_meter: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
+        self._on_meter = on_meter  # (pending_chars, encoded_chars) after each change, e.g. to the metrics
         self.max_pending_chars = max_pending_chars
         self.inline_chars = inline_chars
         self.pending_chars = 0
@@ -66,6 +74,7 @@ class TokenizeGate:
         work = functools.partial(_encode, self.tokenizer, text, add_bos, literal, build)
         if n <= self.inline_chars:
             self.encoded_chars += n
+            self._meter()
             return work()
         if n > self.max_pending_chars:  # could never pass: not a reason to retry
             raise InvalidRequestError(
@@ -80,12 +89,18 @@ class TokenizeGate:
         loop = asyncio.get_running_loop()
         self.pending_chars += n
         self.encoded_chars += n
+        self._meter()
         future = self._pool.submit(work)
         future.add_done_callback(lambda _: _call_soon(loop, self._release, loop, n))
         return await asyncio.wrap_future(future)
 
+    def _meter(self) -> None:
+        if self._on_meter is not None:
+            self._on_meter(self.pending_chars, self.encoded_chars)
+
     def _release(self, loop: asyncio.AbstractEventLoop, n: int) -> None:
         self.pending_chars -= n
+        self._meter()
         if self.pending_chars == 0:
             loop.call_later(TRIM_DELAY_S, self._trim)
 

@@ -102,3 +102,27 @@ def test_tokenize_rpc_builds_its_response_through_the_gate(client, server) -> No
     assert list(r.token_ids) == engine.engine.tokenizer.encode(text)
     assert len(r.tokens) == len(r.token_ids) and all(r.tokens)
     assert engine._tokenizer_gate.encoded_chars == before + len(text)
+
+
+def test_tokenizer_work_is_metered_in_prometheus(client, server) -> None:
+    metrics = server.server.metrics
+
+    def total() -> float:
+        line = next(
+            ln for ln in metrics.render().decode().splitlines() if ln.startswith("tandem_tokenized_chars_total")
+        )
+        return float(line.split()[-1])
+
+    before = total()
+    client.tokenize("def f():\n    return 1\n" * 10)
+    assert total() == before + len("def f():\n    return 1\n" * 10)
+    assert "tandem_tokenizer_pending_chars 0.0" in metrics.render().decode()
+
+
+def test_serve_flag_sets_the_tokenizer_budget(bundle_dir) -> None:
+    from inference_svc.cli import build_serve_config
+
+    settings, _, _ = build_serve_config(["--model", str(bundle_dir), "--max-tokenizing-chars", "12345"])
+    assert settings.admission.max_tokenizing_chars == 12345
+    with pytest.raises(SystemExit):
+        build_serve_config(["--model", str(bundle_dir), "--max-tokenizing-chars", "0"])
