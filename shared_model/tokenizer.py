@@ -50,8 +50,7 @@ class Tokenizer:
         model_max_length: int | None = None,
     ) -> None:
         self._tk = tokenizer
-        self._literal = HFTokenizer.from_str(tokenizer.to_str())
-        self._literal.encode_special_tokens = True  # a separate instance: the flag is per tokenizer, not per call
+        self._literal_tk: HFTokenizer | None = None  # built on first use of `literal=True`
         self._max_chars_per_token: int | None = None
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
         self.model_max_length = model_max_length
@@ -141,7 +140,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool = False, literal: bool = False) -> list[int]:
         """Token ids of `text`; `literal=True`: special-token text in it stays text (see the module docstring)."""
-        tk = self._literal if literal else self._tk
+        tk = self._literal() if literal else self._tk
         if len(text) > _GIL_FREE_CHARS:
             ids = tk.encode_batch([text], add_special_tokens=False)[0].ids
         else:
@@ -149,6 +148,15 @@ class Tokenizer:
         if add_bos and self.bos_id is not None:
             return [self.bos_id, *ids]
         return ids
+
+    def _literal(self) -> HFTokenizer:
+        """A copy of the tokenizer that splits special-token text like any text (the flag is per instance, not per
+        call, so it lives on a copy; two threads racing here build two equal copies, and one is kept)."""
+        if self._literal_tk is None:
+            literal = HFTokenizer.from_str(self._tk.to_str())
+            literal.encode_special_tokens = True
+            self._literal_tk = literal
+        return self._literal_tk
 
     @property
     def max_chars_per_token(self) -> int:
