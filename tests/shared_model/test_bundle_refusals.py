@@ -137,3 +137,16 @@ def test_refused_loads_leave_every_file_in_place(bundle: Path) -> None:
     before["config.json"] = (bundle / "config.json").read_bytes()
     _refusal(bundle, verify_checksums=True)  # the edited config.json no longer matches the manifest
     assert {p.name: p.read_bytes() for p in bundle.iterdir()} == before
+
+
+def test_a_bundle_from_before_manifests_can_still_be_overwritten(bundle: Path, small_tokenizer: Tokenizer) -> None:
+    (bundle / MANIFEST_FILE).unlink()  # what every bundle written before this format looks like
+    cfg = tiny_config()
+    save_bundle(bundle, cfg, build_model(cfg, seed=1), small_tokenizer, overwrite=True)
+    assert (bundle / MANIFEST_FILE).is_file()
+    load_bundle(bundle, verify_checksums=True)
+    (bundle / MANIFEST_FILE).unlink()
+    (bundle / "notes.txt").write_text("mine")  # anything outside a bundle's layout is still protected
+    with pytest.raises(BundleError, match="not a Tandem bundle"):
+        save_bundle(bundle, cfg, build_model(cfg, seed=2), small_tokenizer, overwrite=True)
+    assert (bundle / "notes.txt").read_text() == "mine"
