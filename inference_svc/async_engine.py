@@ -411,7 +411,7 @@ class AsyncEngine:
             if out.finished:
                 self._live.pop(rid, None)
                 if out.finish_reason is FinishReason.ERROR:  # the engine logged it; the reader gets INTERNAL
-                    return RequestFailedError(out.error or "the engine failed this request")
+                    return RequestFailedError(out.error or "the engine failed this request", logged=True)
                 if self.metrics is not None and out.finish_reason is not None:
                     self.metrics.observe_finished(out.finish_reason.value, out.timing)
                 return out if live.cause is None else live.cause

@@ -52,3 +52,8 @@ class DeadlineExceededError(InferenceError):
 
 class RequestFailedError(InferenceError):
     """An unexpected failure while serving one request; only that request fails (maps to INTERNAL)."""
+
+    def __init__(self, message: str = "", *, logged: bool = False) -> None:
+        super().__init__(message)
+        self.logged = logged
+        """True when whoever raised it has already written its one log line (the gRPC layer writes none)."""

@@ -181,7 +181,7 @@ def model_info_to_proto(info: dict[str, Any], max_request_bytes: int) -> pb.Mode
 
 def _folder_name(path: str) -> str:
     """The model folder's own name ('/srv/models/qwen3-0.6b/' → 'qwen3-0.6b'): never the server's layout."""
-    return os.path.basename(os.path.normpath(path)) if path else ""
+    return os.path.basename(os.path.abspath(path)) if path else ""  # abspath: `--model .` names the folder
 
 
 def _ledger_figures(info: dict[str, Any]) -> dict[str, float]:
@@ -232,7 +232,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: BaseException, rid: str = "") -> None:
         code, message = status_for(exc)
-        if code == grpc.StatusCode.INTERNAL:
+        if code == grpc.StatusCode.INTERNAL and not getattr(exc, "logged", False):
             log.error("request %s failed: %r", rid or "-", exc, exc_info=exc)
         self._owner.metrics.observe_error(code.name)
         await context.abort(code, message)
@@ -604,9 +604,9 @@ class TandemServer:
             self.metrics_port = await http.start(bare_host(s.metrics_host), s.metrics_port)
             self._metrics_http = http
         log.info(
-            "listening on %s (tls=%s, api keys=%s), metrics on %s",
+            "listening on %s (tls=%s, api keys=%s), metrics %s",
             host_port(s.host, self.port), s.tls, s.api_key_file is not None,
-            "off" if self.metrics_port is None else host_port(s.metrics_host, self.metrics_port),
+            "off" if self.metrics_port is None else "on " + host_port(s.metrics_host, self.metrics_port),
         )  # fmt: skip
 
         engine = self._prebuilt_engine

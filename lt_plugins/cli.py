@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from lt_plugins.config import TrainConfig, load_config, to_yaml
-from lt_plugins.errors import TrainingError
+from lt_plugins.errors import TrainingError, one_line
 from lt_plugins.precision import check_precision
 from shared_model.errors import SharedModelError
 
@@ -175,11 +175,6 @@ def run_training(cfg: TrainConfig) -> Path | None:
         return None
     export = next((c for c in trainer.callbacks if isinstance(c, ExportBundle)), None)
     return export.bundle_path if export is not None else None
-
-
-def one_line(exc: BaseException) -> str:
-    """An error message on one line (multi-line messages from libraries are joined)."""
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def train_main(argv: Sequence[str]) -> int:

@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lt_plugins.config import DataSection
-from lt_plugins.errors import TrainingConfigError
+from lt_plugins.errors import TrainingConfigError, one_line
 from shared_model.corpus import Corpus, CorpusConfig, load_corpus
 from shared_model.errors import SharedModelError
 from shared_model.tokenizer import Tokenizer
@@ -99,10 +99,6 @@ def prepare_blocks(cfg: DataSection, cache_dir: str | Path, vocab_size: int) -> 
     return Blocks(train, val, tokenizer)
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
-
-
 def _check_extra(patterns: list[str]) -> None:
     """Every `data.extra` entry names at least one file (a path or a glob pattern)."""
     for pattern in patterns:
@@ -128,7 +124,7 @@ def _load_corpus(cfg: DataSection) -> Corpus:
             )
         )
     except SharedModelError as exc:
-        raise TrainingConfigError(f"data: {_one_line(exc)}") from None
+        raise TrainingConfigError(f"data: {one_line(exc)}") from None
     if not corpus.train:
         raise TrainingConfigError(
             f"data: the corpus has no training document ({len(corpus.val)} held out by data.val_fraction, "
@@ -143,13 +139,13 @@ def _tokenizer(cfg: DataSection, corpus: Corpus, vocab_size: int) -> Tokenizer:
         try:
             return Tokenizer.train(corpus.texts("train"), cfg.vocab_size or vocab_size)
         except SharedModelError as exc:
-            raise TrainingConfigError(f"data.vocab_size: {_one_line(exc)}") from None
+            raise TrainingConfigError(f"data.vocab_size: {one_line(exc)}") from None
     if not Path(cfg.tokenizer).exists():
         raise TrainingConfigError(f"data.tokenizer: path not found: {cfg.tokenizer}")
     try:
         return Tokenizer.load(cfg.tokenizer)
     except SharedModelError as exc:
-        raise TrainingConfigError(f"data.tokenizer: {_one_line(exc)}") from None
+        raise TrainingConfigError(f"data.tokenizer: {one_line(exc)}") from None
 
 
 class StepLoader:

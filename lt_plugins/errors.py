@@ -7,6 +7,11 @@ prints its message. Messages name the offending config key, Trainer argument, fi
 from __future__ import annotations
 
 
+def one_line(exc: BaseException) -> str:
+    """An error message on one line (multi-line messages from libraries are joined)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 class TrainingError(Exception):
     """Base class of every deliberate lt_plugins error."""
 

@@ -31,8 +31,9 @@ from shared_model.config import ModelConfig
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last axis in fp32, times `weight` in x's dtype (weight broadcasts: [D] or [H, D]).
 
-    Without autograd (serving) the same arithmetic runs with fewer temporaries: a sum divided by the width is
-    the mean, bit for bit, and the in-place steps touch only tensors made here."""
+    Without autograd (serving) the same arithmetic runs with fewer temporaries, and the in-place steps touch only
+    tensors made here. On CPU a sum divided by the width is torch's mean bit for bit; on CUDA, whose mean
+    multiplies by 1/width, the two can differ in the last bit for widths that are not powers of two."""
     dtype = x.dtype
     h = x.float()
     if torch.is_grad_enabled():

@@ -3,7 +3,7 @@ many or however long the stop strings are.
 
 Contract:
 - `StopAutomaton.for_strings(stops)` compiles the stop strings once; the automaton is immutable and shared (an LRU
-  cache keyed by the tuple of strings), so requests with the same stops pay for it once.
+  cache of 16 keyed by the tuple of strings), so requests with the same stops pay for it once.
 - `StopMatcher(automaton)` is one request's cursor over the text committed so far. `feed(text)` consumes the newly
   committed characters and returns a `StopMatch` for the first stop string completed, or None. "First" means the
   one that ends earliest in the text; among those ending on the same character, the longest. So the result does
@@ -66,7 +66,7 @@ class StopAutomaton:
                 order.append(child)
 
     @staticmethod
-    @functools.lru_cache(maxsize=64)
+    @functools.lru_cache(maxsize=16)
     def for_strings(stops: tuple[str, ...]) -> StopAutomaton:
         return StopAutomaton(stops)
 

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lt_plugins.cli import build_trainer, one_line
+from lt_plugins.cli import build_trainer
 from lt_plugins.config import load_config
-from lt_plugins.errors import TrainingError
+from lt_plugins.errors import TrainingError, one_line
 
 REPO = Path(__file__).resolve().parents[2]
 NAN_FROM_STEP = 3

@@ -5,6 +5,7 @@ before any work). Mechanisms are tested here; the latency and memory figures are
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -57,17 +58,37 @@ def test_gate_refuses_beyond_its_budget_before_any_work(small_tokenizer: Tokeniz
     gate.close()
 
 
+class _HeldTokenizer:
+    """The real tokenizer, whose long encodes wait for `release` once they have started (so a test can act while
+    one is provably running). Short texts pass straight through."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def encode(self, text: str, add_bos: bool = False, literal: bool = False) -> list[int]:
+        self.started.set()
+        assert self.release.wait(30), "the test never released the encode"
+        return self._tok.encode(text, add_bos, literal)
+
+
 def test_cancelled_caller_keeps_its_work_metered_until_it_ends(small_tokenizer: Tokenizer) -> None:
     text = "x = [i * i for i in range(10)]\n" * 400
-    gate = TokenizeGate(small_tokenizer, max_pending_chars=10 * len(text))
+    held = _HeldTokenizer(small_tokenizer)
+    gate = TokenizeGate(held, max_pending_chars=len(text) + 10)  # type: ignore[arg-type]
 
     async def cancel_one() -> None:
         task = asyncio.create_task(gate.encode(text))
-        await asyncio.sleep(0)
+        assert await asyncio.to_thread(held.started.wait, 30)  # the encode is running on the worker
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(500):  # bounded wait for the worker to finish (or drop) the cancelled work
+        assert gate.pending_chars == len(text)  # still running: still counted, and the budget still taken
+        with pytest.raises(CapacityError):
+            await gate.encode(text)
+        held.release.set()
+        for _ in range(500):  # bounded wait for the worker to finish the cancelled caller's encode
             if gate.pending_chars == 0:
                 break
             await asyncio.sleep(0.01)
