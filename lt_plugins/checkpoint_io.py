@@ -26,6 +26,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lt_plugins.errors import CheckpointError
 from lt_plugins.finite import check_finite_before_save, loss_from_outputs
+from shared_model.bundle import manifest_mismatch
 from shared_model.bundle import sha256_file as _sha256
 
 MANIFEST = "tandem_manifest.json"
@@ -58,15 +59,17 @@ def verify_checkpoint(ckpt_dir: str | Path, check_hashes: bool = True) -> Path:
         entries = json.loads(manifest.read_text())["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{manifest} is corrupt: {exc}") from exc
-    for rel, meta in sorted(entries.items()):
-        path = ckpt_dir / rel
-        if not path.is_file():
+    bad = manifest_mismatch(ckpt_dir, entries, check_hashes)
+    if bad is not None:
+        path, how = bad
+        if how == "missing":
             raise CheckpointError(f"partial checkpoint: {path} is listed in {MANIFEST} but missing")
-        size = path.stat().st_size
-        if size != meta["bytes"]:
-            raise CheckpointError(f"corrupt checkpoint: {path} has {size} bytes, the manifest says {meta['bytes']}")
-        if check_hashes and _sha256(path) != meta["sha256"]:
-            raise CheckpointError(f"corrupt checkpoint: {path} does not match its SHA-256 in {MANIFEST}")
+        if how == "size":
+            listed = entries[str(path.relative_to(ckpt_dir))]["bytes"]
+            raise CheckpointError(
+                f"corrupt checkpoint: {path} has {path.stat().st_size} bytes, the manifest says {listed}"
+            )
+        raise CheckpointError(f"corrupt checkpoint: {path} does not match its SHA-256 in {MANIFEST}")
     latest = ckpt_dir / "latest"
     if not latest.is_file():
         raise CheckpointError(f"{ckpt_dir} has no DeepSpeed 'latest' file naming the checkpoint tag")

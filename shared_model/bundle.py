@@ -236,6 +236,23 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def manifest_mismatch(
+    root: Path, entries: Mapping[str, Mapping[str, object]], check_hashes: bool = True
+) -> tuple[Path, str] | None:
+    """The first file (in name order) that differs from its manifest entry `{"bytes", "sha256"}`, with how it
+    differs: "missing", "size" or "sha256". None when every listed file matches. Shared by the bundle manifest
+    and the checkpoint manifest (each names the problem in its own words)."""
+    for name, meta in sorted(entries.items()):
+        path = root / name
+        if not path.is_file():
+            return path, "missing"
+        if path.stat().st_size != meta["bytes"]:
+            return path, "size"
+        if check_hashes and sha256_file(path) != meta["sha256"]:
+            return path, "sha256"
+    return None
+
+
 def _write_manifest(folder: Path) -> None:
     """Record every file of a freshly written bundle folder (written last, before the folder is renamed)."""
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
@@ -275,15 +292,17 @@ def verify_bundle(folder: str | Path) -> None:
             f"{folder / MANIFEST_FILE}: missing, so there is no manifest to verify checksums against "
             "(bundles written by Tandem's save_bundle have one; load without checksum verification otherwise)"
         )
-    for name, meta in sorted(files.items()):
-        path = folder / name
-        if not path.is_file():
+    bad = manifest_mismatch(folder, files)
+    if bad is not None:
+        path, how = bad
+        if how == "missing":
             raise BundleError(f"{path}: listed in {MANIFEST_FILE} but missing")
-        size = path.stat().st_size
-        if size != meta["bytes"]:
-            raise BundleError(f"{path}: {size} bytes, {MANIFEST_FILE} says {meta['bytes']} (corrupt or replaced)")
-        if sha256_file(path) != meta["sha256"]:
-            raise BundleError(f"{path}: SHA-256 does not match {MANIFEST_FILE} (corrupt or altered file)")
+        if how == "size":
+            raise BundleError(
+                f"{path}: {path.stat().st_size} bytes, {MANIFEST_FILE} says {files[path.name]['bytes']} "
+                "(corrupt or replaced)"
+            )
+        raise BundleError(f"{path}: SHA-256 does not match {MANIFEST_FILE} (corrupt or altered file)")
     read = [folder / CONFIG_FILE, folder / INDEX_FILE, folder / TOKENIZER_FILE, folder / TOKENIZER_CONFIG_FILE]
     read += weight_files(folder)
     unlisted = [p for p in read if p.is_file() and p.name not in files]
