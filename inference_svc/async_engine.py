@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference_svc.engine.types import FinishReason, RequestOutput, SamplingParams
+from inference_svc.engine.types import EngineInfo, FinishReason, RequestOutput, SamplingParams
 from inference_svc.errors import (
     CapacityError,
     DeadlineExceededError,
@@ -123,7 +123,6 @@ class AsyncEngine:
         self.limits = limits or AdmissionLimits()
         self.metrics = metrics
         self.fault_hook = fault_hook
-        self.info: dict[str, Any] = engine.info()
         self._tokenizer_gate = TokenizeGate(
             engine.tokenizer,
             self.limits.max_tokenizing_chars,
@@ -181,6 +180,12 @@ class AsyncEngine:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), timeout=10.0)
         return len(cut)
+
+    @property
+    def info(self) -> EngineInfo:
+        """The engine's `EngineInfo`, read now: every field is fixed at load except `peak_workspace_bytes`, a plain
+        int the engine thread only raises (reading it from the event loop is safe)."""
+        return self.engine.info()
 
     @property
     def draining(self) -> bool:

@@ -159,11 +159,11 @@ async def _serve(settings: ServerSettings, engine_config: Any, fault_hook: Any =
         return 1
     if not shutdown_task:
         info = server.engine_info()
+        assert info is not None  # started and not shutting down: the engine exists
         print(f"tandem serve: listening on {host_port(settings.host, server.port)}", flush=True)
         print(
-            f"tandem serve: SERVING {settings.model} (dtype {info.get('dtype')}, attention "
-            f"{info.get('attention_backend')}, KV capacity {info.get('kv_capacity_tokens')} tokens, "
-            f"metrics port {server.metrics_port})",
+            f"tandem serve: SERVING {settings.model} (dtype {info.dtype}, attention {info.attention_backend}, "
+            f"KV capacity {info.kv_capacity_tokens} tokens, metrics port {server.metrics_port})",
             flush=True,
         )
     await server.wait_for_termination()

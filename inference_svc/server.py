@@ -58,7 +58,7 @@ from grpc_reflection.v1alpha import reflection
 
 from inference_svc.async_engine import AsyncEngine, FaultHook
 from inference_svc.engine.config import EngineConfig
-from inference_svc.engine.types import FinishReason, RequestOutput, SamplingParams, Timing, Usage
+from inference_svc.engine.types import EngineInfo, FinishReason, RequestOutput, SamplingParams, Timing, Usage
 from inference_svc.errors import (
     CapacityError,
     DeadlineExceededError,
@@ -149,32 +149,30 @@ def stream_message(out: RequestOutput) -> pb.GenerateStreamResponse:
     return msg
 
 
-def model_info_to_proto(info: dict[str, Any], max_request_bytes: int) -> pb.ModelInfo:
-    mc = info["model_config"]
+def model_info_to_proto(info: EngineInfo, max_request_bytes: int) -> pb.ModelInfo:
+    mc = asdict(info.model_config)
     typed = {k: mc[k] for k in pb.ModelConfig.DESCRIPTOR.fields_by_name if k in mc and k != "config_json"}
-    config = pb.ModelConfig(
-        **typed, num_parameters=info.get("num_parameters", 0), config_json=json.dumps(mc, sort_keys=True)
-    )
-    typed_ledger = ("weight_bytes", "kv_bytes_per_token", "kv_cache_bytes", "kv_capacity_tokens", "kv_blocks_total")
-    extra = {
-        k: float(v)
-        for k, v in info.items()
-        if k.endswith("_bytes") and isinstance(v, (int, float)) and k not in typed_ledger
-    }
-    extra.update(_ledger_figures(info))
+    config = pb.ModelConfig(**typed, num_parameters=info.num_parameters, config_json=json.dumps(mc, sort_keys=True))
+    extra = {"peak_workspace_bytes": float(info.peak_workspace_bytes), **_ledger_figures(info)}
     ledger = pb.MemoryLedger(
-        **{k: int(info.get(k, 0)) for k in typed_ledger}, kv_block_size=int(info.get("block_size", 0)), extra=extra
+        weight_bytes=info.weight_bytes,
+        kv_bytes_per_token=info.kv_bytes_per_token,
+        kv_cache_bytes=info.kv_cache_bytes,
+        kv_capacity_tokens=info.kv_capacity_tokens,
+        kv_blocks_total=info.kv_blocks_total,
+        kv_block_size=info.config.block_size,
+        extra=extra,
     )
     return pb.ModelInfo(
-        model_name=_folder_name(str(info.get("model_path", ""))),
+        model_name=_folder_name(str(info.model_path)),
         config=config,
-        max_context=int(info.get("max_model_len", 0)),
-        dtype=str(info.get("dtype", "")),
-        attention_backend=str(info.get("attention_backend", "")),
-        device=str(info.get("device", "")),
-        kv_capacity_tokens=int(info.get("kv_capacity_tokens", 0)),
+        max_context=info.max_model_len,
+        dtype=info.dtype,
+        attention_backend=info.attention_backend,
+        device=info.device,
+        kv_capacity_tokens=info.kv_capacity_tokens,
         ledger=ledger,
-        max_new_tokens_limit=int(info.get("max_new_tokens_limit", 0)),
+        max_new_tokens_limit=info.config.max_new_tokens_limit,
         max_request_bytes=max_request_bytes,
     )
 
@@ -184,24 +182,14 @@ def _folder_name(path: str) -> str:
     return os.path.basename(os.path.abspath(path)) if path else ""  # abspath: `--model .` names the folder
 
 
-def _ledger_figures(info: dict[str, Any]) -> dict[str, float]:
+def _ledger_figures(info: EngineInfo) -> dict[str, float]:
     """The shared memory ledger's formulas for the served model at its max context (one sequence)."""
-    from shared_model.config import ModelConfig
     from shared_model.ledger import ledger_report
 
-    try:
-        mc = dict(info["model_config"])
-        if mc.get("rope_scaling") is not None:
-            return {}
-        config = ModelConfig(**{**mc, "eos_token_ids": tuple(mc.get("eos_token_ids") or ())})
-        dtype = str(info.get("dtype", "float32"))
-        rep = ledger_report(
-            config, str(info.get("model_path", "")), context=max(1, int(info.get("max_model_len", 1))),
-            kv_dtype=dtype, weight_dtype=dtype,
-        )  # fmt: skip
-    except Exception:  # the ledger is informative: never fail GetModelInfo because of it
-        log.debug("ledger figures unavailable", exc_info=True)
-        return {}
+    rep = ledger_report(
+        info.model_config, _folder_name(str(info.model_path)), context=info.max_model_len,
+        kv_dtype=info.dtype, weight_dtype=info.dtype,
+    )  # fmt: skip
     return {
         "ledger.weight_bytes": float(rep.inference["weight_bytes"]),
         "ledger.kv_bytes_per_sequence_at_max_context": float(rep.kv_cache["bytes"]),
@@ -668,8 +656,8 @@ class TandemServer:
     async def wait_for_termination(self) -> None:
         await self._stopped.wait()
 
-    def engine_info(self) -> dict[str, Any]:
-        return dict(self.engine.info) if self.engine is not None else {}
+    def engine_info(self) -> EngineInfo | None:
+        return self.engine.info if self.engine is not None else None
 
 
 def check_bindable(host: str, port: int, what: str) -> None:

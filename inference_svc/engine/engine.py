@@ -19,9 +19,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -32,7 +31,7 @@ from inference_svc.engine.model_runner import BackendFactory, ModelRunner
 from inference_svc.engine.sampler import Sampler, SampleRequest, Samples
 from inference_svc.engine.scheduler import Scheduler, StepEvent
 from inference_svc.engine.sequence import Sequence
-from inference_svc.engine.types import FinishReason, RequestOutput, SamplingParams, Timing, Usage
+from inference_svc.engine.types import EngineInfo, FinishReason, RequestOutput, SamplingParams, Timing, Usage
 from inference_svc.errors import InvalidRequestError, ModelLoadError, RequestFailedError
 from shared_model import ledger
 from shared_model.bundle import Bundle, load_bundle, parse_dtype
@@ -267,30 +266,22 @@ class Engine:
             cached_prompt_tokens_total=c.cached_prompt_tokens_total,
         )
 
-    def info(self) -> dict[str, Any]:
-        mc = self.model_config
-        return {
-            "model_path": str(self.model_path),
-            "model_config": asdict(mc),
-            "num_parameters": mc.num_parameters(),
-            "max_model_len": self.max_model_len,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "device": str(self.device),
-            "attention_backend": self.attention_backend,
-            "block_size": self.config.block_size,
-            "kv_blocks_total": self.block_manager.num_blocks,
-            "kv_capacity_tokens": self.block_manager.num_blocks * self.config.block_size,
-            "kv_bytes_per_token": self.bytes_per_token,
-            "kv_cache_bytes": self.runner.cache.nbytes,
-            "weight_bytes": self.weight_bytes,
-            "peak_workspace_bytes": self.runner.peak_workspace_bytes,
-            "max_num_seqs": self.config.max_num_seqs,
-            "max_num_batched_tokens": self.config.max_num_batched_tokens,
-            "enable_chunked_prefill": self.config.enable_chunked_prefill,
-            "prefill_chunk_size": self.config.prefill_chunk_size,
-            "enable_prefix_caching": self.config.enable_prefix_caching,
-            "max_new_tokens_limit": self.config.max_new_tokens_limit,
-        }
+    def info(self) -> EngineInfo:
+        """What this engine serves and how it chose to (a snapshot: `peak_workspace_bytes` grows with use)."""
+        return EngineInfo(
+            model_path=self.model_path,
+            model_config=self.model_config,
+            max_model_len=self.max_model_len,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            attention_backend=self.attention_backend,
+            kv_blocks_total=self.block_manager.num_blocks,
+            kv_bytes_per_token=self.bytes_per_token,
+            kv_cache_bytes=self.runner.cache.nbytes,
+            weight_bytes=self.weight_bytes,
+            peak_workspace_bytes=self.runner.peak_workspace_bytes,
+            config=self.config,
+        )
 
     # ------------------------------------------------------------------ offline use
     def generate(

@@ -6,6 +6,7 @@ Contract:
   context length, vocabulary) are checked by the engine when the request is added.
 - `RequestOutput` is one increment for one request: the tokens and text produced by one engine step. The last
   increment of a request has `finished=True`, a `finish_reason`, and final `usage`/`timing`.
+- `EngineInfo` is what an engine reports about itself (model, sizes, settings): typed, never a dict read by key.
 - These are plain data: no engine state lives here.
 """
 
@@ -14,8 +15,15 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from inference_svc.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # annotations only: this module stays free of the engine's imports
+    from pathlib import Path
+
+    from inference_svc.engine.config import EngineConfig
+    from shared_model.config import ModelConfig
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -134,3 +142,31 @@ class RequestOutput:
     """Set on the final increment."""
     error: str | None = None
     """With finish_reason ERROR: why the engine failed this request (one line, no internals)."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine serves and the sizes it chose, typed (the server's GetModelInfo and logs read this)."""
+
+    model_path: Path
+    model_config: ModelConfig
+    max_model_len: int
+    """Longest prompt + completion: the smallest of --max-model-len, the model's positions and the KV pool."""
+    dtype: str
+    device: str
+    attention_backend: str
+    kv_blocks_total: int
+    kv_bytes_per_token: int
+    kv_cache_bytes: int
+    weight_bytes: int
+    peak_workspace_bytes: int
+    config: EngineConfig
+    """The engine's settings as given (block size, batching limits, prefix caching, ...)."""
+
+    @property
+    def num_parameters(self) -> int:
+        return self.model_config.num_parameters()
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv_blocks_total * self.config.block_size

@@ -114,18 +114,18 @@ def test_stop_string_is_stripped_and_found_across_tokens(engine):
 def test_stats_and_info_accounting(engine):
     info = engine.info()
     c = engine.model_config
-    assert info["kv_bytes_per_token"] == kv_cache_bytes(c.num_layers, 1, 1, c.kv_size, 4) == 512
-    assert info["kv_capacity_tokens"] == info["kv_blocks_total"] * info["block_size"]
-    assert info["kv_cache_bytes"] == info["kv_capacity_tokens"] * info["kv_bytes_per_token"]
-    assert info["attention_backend"] == "torch"
-    assert info["weight_bytes"] == sum(p.numel() * 4 for p in engine.runner.model.parameters())
+    assert info.kv_bytes_per_token == kv_cache_bytes(c.num_layers, 1, 1, c.kv_size, 4) == 512
+    assert info.kv_capacity_tokens == info.kv_blocks_total * info.config.block_size
+    assert info.kv_cache_bytes == info.kv_capacity_tokens * info.kv_bytes_per_token
+    assert info.attention_backend == "torch" and info.model_config is engine.model_config
+    assert info.weight_bytes == sum(p.numel() * 4 for p in engine.runner.model.parameters())
     engine.generate([[1, 2, 3] * 12], SamplingParams(max_new_tokens=2))
     engine.generate([[1, 2, 3] * 12 + [4]], SamplingParams(max_new_tokens=2))  # after the first: a cache hit
     s = engine.stats()
     assert s.prompt_tokens_total == 73 and s.generation_tokens_total == 4
     assert s.kv_blocks_used + s.kv_blocks_free == s.kv_blocks_total
     assert s.cached_prompt_tokens_total == 32 and s.kv_blocks_cached >= 2
-    assert engine.info()["peak_workspace_bytes"] > 0
+    assert engine.info().peak_workspace_bytes > 0
 
 
 def test_prefix_caching_can_be_switched_off(qwen3_dir, make_engine):

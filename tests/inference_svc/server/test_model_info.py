@@ -1,0 +1,42 @@
+"""GetModelInfo from the engine's typed `EngineInfo`: every figure present, the shared ledger's figures included
+for a Llama 3 bundle with RoPE scaling (they used to be dropped when the config was rebuilt from a dict)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared_model.bundle import save_bundle
+from shared_model.config import RopeScaling
+from shared_model.model import build_model
+from shared_model.tokenizer import Tokenizer
+from tests.conftest import tiny_config
+from tests.inference_svc.server.conftest import make_server
+
+
+@pytest.fixture(scope="module")
+def llama3_bundle(tmp_path_factory: pytest.TempPathFactory, small_tokenizer: Tokenizer) -> Path:
+    config = tiny_config(model_type="llama", qk_norm=False, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64))
+    return save_bundle(tmp_path_factory.mktemp("llama3") / "llama3-tiny", config, build_model(config), small_tokenizer)
+
+
+def test_model_info_of_a_rope_scaled_llama3_bundle(llama3_bundle: Path) -> None:
+    srv = make_server(llama3_bundle)
+    try:
+        with srv.client(timeout=30) as c:
+            info = c.model_info()
+        engine_info = srv.server.engine_info()
+        assert engine_info is not None
+        assert info.model_name == "llama3-tiny"
+        assert info.config.model_type == "llama" and info.config.num_parameters == engine_info.num_parameters
+        assert info.max_context == engine_info.max_model_len
+        assert info.kv_capacity_tokens == engine_info.kv_capacity_tokens == info.ledger.kv_capacity_tokens
+        assert info.ledger.kv_block_size == engine_info.config.block_size
+        assert info.ledger.weight_bytes == engine_info.weight_bytes
+        assert info.ledger.extra["ledger.weight_bytes"] > 0  # computed, not skipped, with rope scaling set
+        kv_seq = info.ledger.extra["ledger.kv_bytes_per_sequence_at_max_context"]
+        assert kv_seq == info.ledger.kv_bytes_per_token * info.max_context
+        assert info.ledger.extra["peak_workspace_bytes"] > 0  # the warm-up ran a step
+    finally:
+        srv.close()
