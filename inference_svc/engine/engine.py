@@ -359,19 +359,19 @@ def _kv_budget(config: EngineConfig, device: torch.device, weight_bytes: int) ->
 
 def _resolve_backend(name: str, device: torch.device) -> tuple[str, BackendFactory]:
     """'auto' → triton on CUDA when its kernels load, else torch. Explicit 'triton' fails loudly when unusable."""
-    from inference_svc.engine.attention import TorchPagedAttention
+    from inference_svc.engine.attention import paged_attention_factory, torch_ops
 
     if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return "torch", TorchPagedAttention
+        return "torch", paged_attention_factory(torch_ops())
     try:
         from inference_svc.engine.triton_attention import triton_backend_factory
     except ImportError as exc:
         if name == "triton":
             raise ModelLoadError(f"attention_backend: triton is not available ({exc})") from exc
-        return "torch", TorchPagedAttention
+        return "torch", paged_attention_factory(torch_ops())
     factory, reason = triton_backend_factory(device)
     if factory is None:
         if name == "triton":
             raise ModelLoadError(f"attention_backend: triton is not available ({reason})")
-        return "torch", TorchPagedAttention
+        return "torch", paged_attention_factory(torch_ops())
     return "triton", factory

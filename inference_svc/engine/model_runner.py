@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_svc.engine.attention import AttentionMetadata, KVCache, TorchPagedAttention
+from inference_svc.engine.attention import AttentionMetadata, KVCache, paged_attention_factory, torch_ops
 from inference_svc.engine.sequence import Sequence
 from shared_model.config import ModelConfig
 from shared_model.fuse import fuse_projections
@@ -57,14 +57,14 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
-        backend_factory: BackendFactory = TorchPagedAttention,
+        backend_factory: BackendFactory | None = None,
     ) -> None:
         self.model = model
         self.config = model_config
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        self.backend_factory = backend_factory
+        self.backend_factory = backend_factory or paged_attention_factory(torch_ops())
         self.cache = KVCache.allocate(
             model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim,
             dtype, device,
@@ -128,11 +128,6 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             prefill_context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
             prefill_block_tables=_pad_tables(prefill_tables, dev),
-            decode_lens_list=decode_lens,
-            prefill_q_lens_list=q_lens,
-            prefill_context_lens_list=ctx_lens,
-            prefill_block_lists=prefill_tables,
-            decode_block_lists=decode_tables,
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
@@ -170,11 +165,6 @@ class ModelRunner:
             cu_seqlens_q=self._no_prefill_cu,
             prefill_context_lens=self._no_prefill_lens,
             prefill_block_tables=self._no_prefill_tables,
-            decode_lens_list=lens,
-            prefill_q_lens_list=[],
-            prefill_context_lens_list=[],
-            prefill_block_lists=[],
-            decode_block_lists=tables,
         )
         return input_ids, positions, meta, list(range(len(batch)))
 

@@ -4,9 +4,11 @@ Contract:
 - `triton_available()` returns (True, how) when the Triton kernels can run here: on a CUDA device, or in Triton's
   CPU interpreter when ``TRITON_INTERPRET=1`` is set (slow; for tests). Otherwise (False, reason), a sentence the
   engine can print when `--attention-backend triton` was asked for and cannot be honoured.
-- `triton_ops()` returns an `AttentionOps` with `store_kv`, `prefill_attention` and `decode_attention`, the
-  signatures documented in `inference_svc.kernels`; `reference_ops()` returns the same interface backed by the
-  plain-torch reference, so the engine can hold either without branching on the backend.
+- `AttentionOps` is the one attention-ops interface: `store_kv`, `prefill_attention` and `decode_attention`, the
+  signatures documented in `inference_svc.kernels`, over tensors only. `triton_ops()` returns the Triton kernels
+  (inputs made contiguous for them), `reference_ops()` the plain-torch reference, and
+  `inference_svc.engine.attention.torch_ops()` the engine's CPU path; the engine runs any of them under the same
+  per-step backend (`attention.PagedAttention`) without branching on which.
 - Nothing here allocates, launches or reads device memory.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,7 +29,7 @@ class AttentionOps:
     """The three paged-KV attention ops of one backend (see `inference_svc.kernels` for the shapes)."""
 
     name: str
-    """"triton" or "torch"."""
+    """"triton", "torch" (`inference_svc.engine.attention.torch_ops`, the CPU path) or "reference"."""
     store_kv: Callable[..., None]
     prefill_attention: Callable[..., torch.Tensor]
     decode_attention: Callable[..., torch.Tensor]
@@ -58,18 +61,24 @@ def triton_ops() -> AttentionOps:
         raise RuntimeError(f"Triton attention backend unavailable: {why}")
     from inference_svc import kernels
 
+    def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
+        kernels.store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, slots)  # the kernels index densely
+
+    def prefill_attention(q: torch.Tensor, *args: Any) -> torch.Tensor:
+        return kernels.prefill_attention(q.contiguous(), *args)
+
+    def decode_attention(q: torch.Tensor, *args: Any) -> torch.Tensor:
+        return kernels.decode_attention(q.contiguous(), *args)
+
     return AttentionOps(
-        name="triton",
-        store_kv=kernels.store_kv,
-        prefill_attention=kernels.prefill_attention,
-        decode_attention=kernels.decode_attention,
+        name="triton", store_kv=store_kv, prefill_attention=prefill_attention, decode_attention=decode_attention
     )
 
 
 def reference_ops() -> AttentionOps:
     """The plain-torch reference as an `AttentionOps` (runs anywhere; computes in the inputs' dtype)."""
     return AttentionOps(
-        name="torch",
+        name="reference",
         store_kv=reference.store_kv,
         prefill_attention=reference.prefill_attention,
         decode_attention=reference.decode_attention,

@@ -18,7 +18,7 @@ def test_triton_available_reports_a_reason() -> None:
 
 def test_ops_expose_the_contract() -> None:
     ref = reference_ops()
-    assert ref.name == "torch" and ref.prefill_attention is reference.prefill_attention
+    assert ref.name == "reference" and ref.prefill_attention is reference.prefill_attention
     if triton_available()[0]:
         ops = triton_ops()
         assert ops.name == "triton"
