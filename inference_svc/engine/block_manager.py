@@ -14,7 +14,8 @@ Contract:
 - `allocate(tokens)` reuses the longest registered prefix of whole blocks (never the whole prompt: at least one
   token is left to compute, so the request has logits to sample from) and takes fresh blocks for the rest:
   empty blocks first, then the least recently freed cached block (its hash is dropped: evicted).
-- `free(blocks)` releases in reverse so a sequence's tail is evicted before its head.
+- `free(blocks)` releases in reverse so a sequence's tail is evicted before its head. `discard(blocks)` releases
+  blocks whose K/V must not be reused (no prefix hash survives) and says which ones the caller must scrub.
 """
 
 from __future__ import annotations
@@ -138,6 +139,24 @@ class BlockManager:
                     self._evictable[bid] = None
                 else:
                     self._empty.append(bid)
+
+    def discard(self, blocks: Sequence[int]) -> list[int]:
+        """`free` for blocks whose contents must never be read again (a failed sequence's, which may hold NaN):
+        each block that no other sequence holds loses its prefix hash and becomes empty. Returns those blocks,
+        for the caller to scrub; blocks still shared stay as they are."""
+        scrub: list[int] = []
+        for bid in reversed(blocks):
+            block = self.blocks[bid]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of KV block {bid}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None:
+                    del self._by_hash[block.hash]
+                    block.hash, block.tokens = None, ()
+                self._empty.append(bid)
+                scrub.append(bid)
+        return scrub
 
     def register(self, block_id: int, parent_hash: int | None, tokens: Sequence[int]) -> int:
         """Record that a full, computed block holds `tokens` after the prefix hashed `parent_hash`; return its hash.

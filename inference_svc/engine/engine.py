@@ -227,6 +227,9 @@ class Engine:
             events += self.scheduler.postprocess(
                 batch, samples.tokens, samples.logprobs, time.monotonic(), frozenset(samples.failed)
             )
+            scrub = [b for e in events for b in e.scrub_blocks]
+            if scrub:
+                self.runner.zero_blocks(scrub)
         outputs = [self._to_output(e) for e in events]
         for e in events:
             if e.finished:

@@ -168,6 +168,12 @@ class ModelRunner:
         )
         return input_ids, positions, meta, list(range(len(batch)))
 
+    @torch.inference_mode()
+    def zero_blocks(self, blocks: Seq[int]) -> None:
+        """Zero the K and V of `blocks` in every layer (a failed sequence's, before anyone reuses them)."""
+        index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        self.cache.data.index_fill_(2, index, 0)  # data: [L, 2, num_blocks, block_size, Hkv, D]
+
     def _track_workspace(self, num_tokens: int, num_logit_rows: int) -> None:
         """Estimate of the step's largest live activations (bytes) plus its fp32 logits rows."""
         step = num_tokens * self._workspace_per_token + num_logit_rows * self.config.vocab_size * 4

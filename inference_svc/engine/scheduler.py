@@ -17,8 +17,9 @@ Contract:
   to `waiting` with `num_computed_tokens = 0`, and is prefilled again (prompt + tokens generated so far) later.
 - `postprocess()` advances computed counts, registers newly full blocks with the prefix cache, appends sampled
   tokens, detokenizes, checks stop conditions, and frees the blocks of finished sequences at once. A sequence whose
-  row the sampler could not sample (non-finite logits) finishes with `FinishReason.ERROR` and its blocks are freed;
-  the others in the step go on.
+  row the sampler could not sample (non-finite logits) finishes with `FinishReason.ERROR`: its blocks are
+  discarded, not cached, and listed for the engine to zero, because NaN left in a block would reach the next
+  owner through attention's masked positions (NaN times a zero weight is NaN); the others in the step go on.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class StepEvent:
     text_delta: str = ""
     finished: bool = False
     error: str | None = None
+    scrub_blocks: list[int] = field(default_factory=list)
+    """Blocks the engine must zero before they are reused (a failed sequence's)."""
 
 
 @dataclass
@@ -177,14 +180,12 @@ class Scheduler:
         for item in batch:
             seq = item.seq
             seq.num_computed_tokens += item.num_tokens
+            if item.samples and j in failed:
+                events.append(self._fail(seq, now))
+                j += 1
+                continue
             self._register_full_blocks(seq)
             if not item.samples:
-                continue
-            if j in failed:
-                event = self._finish(seq, FinishReason.ERROR, now)
-                event.error = "the model produced non-finite logits for this request"
-                events.append(event)
-                j += 1
                 continue
             token = tokens[j]
             lp = None if logprobs is None or not seq.sampling.logprobs else [logprobs[j]]
@@ -221,6 +222,16 @@ class Scheduler:
             event.text_delta += final.text_delta
             event.finished = True
         return event
+
+    def _fail(self, seq: Sequence, now: float) -> StepEvent:
+        """Finish with ERROR: its blocks are discarded (K/V that may be NaN is neither cached nor left behind)."""
+        scrub = self.bm.discard(seq.block_table) if seq.block_table else []
+        seq.block_table = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = FinishReason.ERROR
+        seq.finish_time = now
+        error = "the model produced non-finite logits for this request"
+        return StepEvent(seq, finished=True, error=error, scrub_blocks=scrub)
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> StepEvent:
         if seq.block_table:

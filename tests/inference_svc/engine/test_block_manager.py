@@ -41,7 +41,7 @@ def test_random_operations_keep_invariants(seed, caching):
     prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
     next_id = 0
     for _ in range(400):
-        op = rng.choice(["admit", "admit", "grow", "grow", "grow", "finish", "preempt"])
+        op = rng.choice(["admit", "admit", "grow", "grow", "grow", "finish", "preempt", "fail"])
         if op == "admit":
             tokens = rng.choice(prefixes)[: rng.randrange(1, 13)] + [rng.randrange(50) for _ in range(rng.randrange(3))]
             if not tokens:
@@ -78,6 +78,12 @@ def test_random_operations_keep_invariants(seed, caching):
         elif op in ("finish", "preempt") and m.seqs:
             sid = rng.choice(list(m.seqs)) if op == "finish" else max(m.seqs)  # preempt the newest
             bm.free(m.seqs.pop(sid)["blocks"])
+        elif op == "fail" and m.seqs:  # a failed sequence: its unshared blocks lose their prefix and come back empty
+            blocks = m.seqs.pop(rng.choice(list(m.seqs)))["blocks"]
+            shared = {b for other in m.seqs.values() for b in other["blocks"]}
+            scrubbed = bm.discard(blocks)
+            assert set(scrubbed) == set(blocks) - shared
+            assert all(bm.blocks[b].hash is None and bm.blocks[b].ref_count == 0 for b in scrubbed)
         m.check()
     for sid in list(m.seqs):
         bm.free(m.seqs.pop(sid)["blocks"])

@@ -102,3 +102,27 @@ def test_nan_logits_fail_that_request_alone(make_engine, llama_dir, caplog) -> N
     ]
     with pytest.raises(RequestFailedError, match="non-finite"):
         engine.generate([[poison, 5]], params)
+
+
+def test_a_failed_request_leaves_no_nan_behind(make_engine, llama_dir) -> None:
+    # NaN left in a freed block would reach its next owner through attention's masked positions (NaN * 0 = NaN)
+    engine = make_engine(llama_dir, max_num_seqs=4, kv_cache_memory="256KiB", block_size=16)
+    prompts = [[5, 6, 7], list(range(20, 60)), [9] * 21]  # uneven lengths: padded decode rows
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    alone = [engine.generate([p], params)[0].token_ids for p in prompts]
+    embed = engine.runner.model.model.embed_tokens.weight
+    saved = embed[300].clone()
+    with torch.no_grad():
+        embed[300] = math.nan
+    long_poisoned = [300, *range(61, 100)]  # 40 tokens: its full blocks would be registered in the prefix cache
+    with pytest.raises(RequestFailedError):
+        engine.generate([long_poisoned], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    with torch.no_grad():
+        embed[300] = saved
+    assert bool(torch.isfinite(engine.runner.cache.data).all())  # its blocks were zeroed
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.num_used == 0
+    again = [r.token_ids for r in engine.generate(prompts, params)]  # reusing the pool, batched with padding
+    assert again == alone
+    (fresh,) = engine.generate([long_poisoned], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert fresh.usage.cached_prompt_tokens == 0  # none of the failed request's blocks was kept as a prefix
