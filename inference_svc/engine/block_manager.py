@@ -129,34 +129,33 @@ class BlockManager:
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block; unreferenced cached blocks become evictable (most recent last)."""
-        for bid in reversed(blocks):
-            block = self.blocks[bid]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"double free of KV block {bid}")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None:
-                    self._evictable[bid] = None
-                else:
-                    self._empty.append(bid)
+        self._release(blocks, keep_prefix=True)
 
     def discard(self, blocks: Sequence[int]) -> list[int]:
         """`free` for blocks whose contents must never be read again (a failed sequence's, which may hold NaN):
         each block that no other sequence holds loses its prefix hash and becomes empty. Returns those blocks,
         for the caller to scrub; blocks still shared stay as they are."""
-        scrub: list[int] = []
+        return self._release(blocks, keep_prefix=False)
+
+    def _release(self, blocks: Sequence[int], keep_prefix: bool) -> list[int]:
+        """Drop one reference to each block, tail first; return the blocks no sequence holds any more."""
+        released: list[int] = []
         for bid in reversed(blocks):
             block = self.blocks[bid]
             if block.ref_count <= 0:
                 raise RuntimeError(f"double free of KV block {bid}")
             block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None:
-                    del self._by_hash[block.hash]
-                    block.hash, block.tokens = None, ()
-                self._empty.append(bid)
-                scrub.append(bid)
-        return scrub
+            if block.ref_count:
+                continue
+            released.append(bid)
+            if block.hash is not None and keep_prefix:
+                self._evictable[bid] = None
+                continue
+            if block.hash is not None:
+                del self._by_hash[block.hash]
+                block.hash, block.tokens = None, ()
+            self._empty.append(bid)
+        return released
 
     def register(self, block_id: int, parent_hash: int | None, tokens: Sequence[int]) -> int:
         """Record that a full, computed block holds `tokens` after the prefix hashed `parent_hash`; return its hash.
