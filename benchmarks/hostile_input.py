@@ -12,7 +12,10 @@ checkout, e.g. a `git worktree` of an earlier commit, to measure "before"), on a
   256 characters each, against the same with plain neighbours (goal: at most 1.2x).
 Random weights: only speed and memory mean anything here. Writes JSON (`--out`) and prints a summary.
 
-    python benchmarks/hostile_input.py [--repo DIR] [--out FILE] [--flood 32] [--prompt-mb 1.0]
+    python benchmarks/hostile_input.py [--repo DIR] [--out FILE] [--flood 32] [--prompt-mb 1.0] [--floods 1]
+
+With `--floods N` the same server takes N floods in a row; `rss_after_each_flood_mib` shows whether memory keeps
+growing (a leak) or levels off (allocations made once). The gap figures are the first flood's.
 """
 
 from __future__ import annotations
@@ -34,15 +37,14 @@ from typing import Any
 
 import grpc
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from inference_svc.client import NO_RETRY, TandemClient, build_request
+from shared_model.bundle import save_bundle
+from shared_model.config import ModelConfig
+from shared_model.corpus import CorpusConfig, load_corpus
+from shared_model.model import build_model
+from shared_model.tokenizer import Tokenizer
 
-from inference_svc.client import NO_RETRY, TandemClient, build_request  # noqa: E402
-from shared_model.bundle import save_bundle  # noqa: E402
-from shared_model.config import ModelConfig  # noqa: E402
-from shared_model.corpus import CorpusConfig, load_corpus  # noqa: E402
-from shared_model.model import build_model  # noqa: E402
-from shared_model.tokenizer import Tokenizer  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 STOPS = [("ab" * 128)[:255] + chr(0x41 + i) for i in range(16)]  # 16 x 256 characters, the allowed maximum
 
@@ -190,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenize", type=int, default=8, help="concurrent large Tokenize calls")
     p.add_argument("--prompt-mb", type=float, default=1.0, help="size of each flood prompt in MB (ASCII text)")
     p.add_argument("--neighbours", type=int, default=8, help="streams beside the bystander in the stop case")
+    p.add_argument("--floods", type=int, default=1, help="floods in a row against the same server (RSS after each)")
     args = p.parse_args(argv)
     corpus = load_corpus(CorpusConfig(max_documents=80))
     text = "".join(corpus.texts())
@@ -201,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, (positions, kv) in cases.items():
             server = Server(args.repo, make_bundle(Path(tmp) / name, tokenizer, positions), kv)
             try:
-                results[f"flood_{name}"] = flood_case(server, args.flood, args.tokenize, prompt)
+                first = flood_case(server, args.flood, args.tokenize, prompt)
+                later = [flood_case(server, args.flood, args.tokenize, prompt) for _ in range(args.floods - 1)]
+                first["rss_after_each_flood_mib"] = [r["rss_after_mib"] for r in (first, *later)]
+                results[f"flood_{name}"] = first
                 if name == "context_4k":
                     results["stops"] = stops_case(server, args.neighbours)
             finally:

@@ -260,6 +260,7 @@ class AsyncEngine:
         if not prompt:
             raise InvalidRequestError("prompt", "the prompt is empty")
         if len(prompt) > self.max_prompt_chars:
+            self._tokenizer_gate.trim_soon()  # the refused request's buffers are freed when its RPC ends
             raise InvalidRequestError(
                 "prompt",
                 f"{len(prompt)} characters cannot fit this engine's context of {self.engine.max_model_len} tokens "

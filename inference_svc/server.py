@@ -289,10 +289,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             engine = self._engine()
             self._check_size(request)
-            tok = engine.engine.tokenizer
+            strings = engine.engine.tokenizer.token_strings()
 
             def response(ids: list[int]) -> pb.TokenizeResponse:  # built on the tokenizer's thread, not the loop
-                return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
+                return pb.TokenizeResponse(token_ids=ids, tokens=[strings[i] for i in ids])
 
             return await engine.tokenize(request.text, add_bos=request.add_bos, build=response)
         except Exception as exc:

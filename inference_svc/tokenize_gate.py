@@ -1,7 +1,7 @@
 """The bounded front of tokenization: text is tokenized on one dedicated thread, metered in characters.
 
 Contract:
-- `TokenizeGate.encode(text, add_bos, literal, build)` returns the token ids of `text`, or `build(ids)` when a
+- `TokenizeGate.encode(text, add_bos, build)` returns the token ids of `text`, or `build(ids)` when a
   `build` is given (e.g. the Tokenize RPC's response with every token's string), computed on the same thread.
   Short texts (at most `inline_chars`) run inline on the caller's thread: that costs less than a thread hop.
   Longer ones run on the gate's own single worker thread, with the GIL released by the tokenizer while it works
@@ -12,9 +12,10 @@ Contract:
   never pass and gets `InvalidRequestError` naming `field` instead. So a flood of large texts costs at most
   `max_pending_chars` of queued work and one encoding's memory at a time, not one thread and one copy each.
   A caller that is cancelled does not stop an encoding already running: its characters stay counted until it ends.
-- When the last long text finishes, the gate asks the C allocator to hand freed memory back to the system
-  (glibc's `malloc_trim`, a second later, on the worker thread; nothing elsewhere): a burst of large texts
-  leaves many freed pages behind that the allocator would otherwise keep.
+- After long texts finish or are refused (`trim_soon`, also called by the async engine when it refuses a text
+  unread), the gate asks the C allocator to hand freed memory back to the system (glibc's `malloc_trim`, a second
+  later, on the worker thread, once none is in flight; nothing elsewhere): a burst of large requests leaves many
+  freed pages behind that the allocator would otherwise keep.
 - Meters, owned by the event loop (the only caller), read by tests and reported to `on_meter` (the Prometheus
   metrics) on every change: `pending_chars` (long texts accepted and not finished), `encoded_chars` (all
   characters ever handed to the tokenizer), and `refused`.
@@ -60,28 +61,30 @@ class TokenizeGate:
         self.refused = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tokenize")
         self._closed = False
+        self._trim_timer: asyncio.TimerHandle | None = None
 
     async def encode(
         self,
         text: str,
         add_bos: bool = False,
-        literal: bool = False,
         build: Callable[[list[int]], Any] | None = None,
         field: str = "prompt",
     ) -> Any:
         """Ids of `text` (or `build(ids)`); `field` names the request field in an error (see the module docstring)."""
         n = len(text)
-        work = functools.partial(_encode, self.tokenizer, text, add_bos, literal, build)
+        work = functools.partial(_encode, self.tokenizer, text, add_bos, build)
         if n <= self.inline_chars:
             self.encoded_chars += n
             self._meter()
             return work()
         if n > self.max_pending_chars:  # could never pass: not a reason to retry
+            self.trim_soon()
             raise InvalidRequestError(
                 field, f"{n} characters are more than the server tokenizes at once ({self.max_pending_chars})"
             )
         if self.pending_chars + n > self.max_pending_chars:
             self.refused += 1
+            self.trim_soon()
             raise CapacityError(
                 f"the tokenizer is busy ({self.pending_chars} characters queued, limit {self.max_pending_chars}; "
                 f"this text has {n}); retry later"
@@ -91,33 +94,40 @@ class TokenizeGate:
         self.encoded_chars += n
         self._meter()
         future = self._pool.submit(work)
-        future.add_done_callback(lambda _: _call_soon(loop, self._release, loop, n))
+        future.add_done_callback(lambda _: _call_soon(loop, self._release, n))
         return await asyncio.wrap_future(future)
 
     def _meter(self) -> None:
         if self._on_meter is not None:
             self._on_meter(self.pending_chars, self.encoded_chars)
 
-    def _release(self, loop: asyncio.AbstractEventLoop, n: int) -> None:
+    def _release(self, n: int) -> None:
         self.pending_chars -= n
         self._meter()
-        if self.pending_chars == 0:
-            loop.call_later(TRIM_DELAY_S, self._trim)
+        self.trim_soon()
+
+    def trim_soon(self) -> None:
+        """Trim the C heap `TRIM_DELAY_S` from now, on the worker, once no long text is in flight (one timer at a
+        time). Called after long texts end or are refused, whoever refused them: their buffers die with the RPC."""
+        if self._trim_timer is None and not self._closed:
+            self._trim_timer = asyncio.get_running_loop().call_later(TRIM_DELAY_S, self._trim)
 
     def _trim(self) -> None:
-        if self.pending_chars == 0 and not self._closed:
-            with contextlib.suppress(RuntimeError):  # shut down in the meantime
-                self._pool.submit(release_free_memory)
+        self._trim_timer = None
+        if self.pending_chars:  # the last one to finish schedules it again
+            return
+        with contextlib.suppress(RuntimeError):  # shut down in the meantime
+            self._pool.submit(release_free_memory)
 
     def close(self) -> None:
         self._closed = True
+        if self._trim_timer is not None:
+            self._trim_timer.cancel()
         self._pool.shutdown(wait=True)
 
 
-def _encode(
-    tokenizer: Tokenizer, text: str, add_bos: bool, literal: bool, build: Callable[[list[int]], Any] | None
-) -> Any:
-    ids = tokenizer.encode(text, add_bos, literal)
+def _encode(tokenizer: Tokenizer, text: str, add_bos: bool, build: Callable[[list[int]], Any] | None) -> Any:
+    ids = tokenizer.encode(text, add_bos)
     return ids if build is None else build(ids)
 
 

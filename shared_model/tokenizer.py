@@ -14,7 +14,9 @@ Contract:
   so one big prompt does not stall the other threads of a server.
 - `max_chars_per_token`: an upper bound on the characters of text one token can stand for; a text longer than
   `n * max_chars_per_token` cannot encode to `n` tokens or fewer (used to refuse oversized prompts unread).
-- Stateless after construction; safe to share between threads.
+- Immutable after construction apart from caches built on first use (the literal copy, the character bound, the
+  id → string table),
+  which a race can only build twice; safe to share between threads.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Tokenizer:
         self._tk = tokenizer
         self._literal_tk: HFTokenizer | None = None  # built on first use of `literal=True`
         self._max_chars_per_token: int | None = None
+        self._token_strings: tuple[str, ...] | None = None
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
         self.model_max_length = model_max_length
         self.bos_id = self._id_of(bos_token)
@@ -176,6 +179,17 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tk.id_to_token(token_id)
+
+    def token_strings(self) -> tuple[str, ...]:
+        """Every id's vocabulary string ("" for an unused id), built once: a long text's tokens then share these
+        objects instead of allocating one string per token."""
+        if self._token_strings is None:
+            by_id = [""] * self.vocab_size
+            for token, i in self._tk.get_vocab(with_added_tokens=True).items():
+                if 0 <= i < len(by_id):
+                    by_id[i] = token
+            self._token_strings = tuple(by_id)
+        return self._token_strings
 
     @property
     def special_ids(self) -> frozenset[int]:

@@ -67,10 +67,10 @@ class _HeldTokenizer:
         self.started = threading.Event()
         self.release = threading.Event()
 
-    def encode(self, text: str, add_bos: bool = False, literal: bool = False) -> list[int]:
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
         self.started.set()
         assert self.release.wait(30), "the test never released the encode"
-        return self._tok.encode(text, add_bos, literal)
+        return self._tok.encode(text, add_bos)
 
 
 def test_cancelled_caller_keeps_its_work_metered_until_it_ends(small_tokenizer: Tokenizer) -> None:
