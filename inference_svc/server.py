@@ -27,8 +27,12 @@ Contract:
 - `GetModelInfo.model_name` is the model folder's name, never its path on the server.
 - Start-up: a gRPC or metrics address that cannot be bound raises `ServerStartError` naming
   `HOST:PORT` (IPv6 written `[::1]:PORT`). /metrics listens on `metrics_host`, not on `host`.
-- Message size: requests whose serialized size is above `max_request_bytes` get INVALID_ARGUMENT naming `request`;
-  the transport refuses (RESOURCE_EXHAUSTED, without reading them) messages above 4× that.
+- Message size: Inference requests of more than `max_request_bytes` get INVALID_ARGUMENT naming `request`, from
+  the byte count alone (they are never parsed); the transport refuses (RESOURCE_EXHAUSTED, without reading them)
+  messages above 4× that.
+- Large responses hold the GIL in short pieces: a Tokenize response is built and serialized on the tokenizer's
+  thread in chunks of `RESPONSE_CHUNK_TOKENS` tokens (concatenated protobuf encodings of one message merge into
+  it), so a 300k-token answer does not stall the engine thread's steps for tens of milliseconds at a time.
 - Shutdown (`TandemServer.shutdown`, wired to SIGTERM/SIGINT by the CLI): health NOT_SERVING, new requests
   UNAVAILABLE, in-flight ones get `shutdown_grace` seconds, the rest end with UNAVAILABLE, then the port closes.
 """
@@ -203,6 +207,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, owner: TandemServer) -> None:
         self._owner = owner
 
+    @property
+    def max_request_bytes(self) -> int:
+        return self._owner.settings.max_request_bytes
+
     # -- helpers
     def _engine(self) -> AsyncEngine:
         engine = self._owner.engine
@@ -211,12 +219,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 "the server is shutting down" if self._owner.draining else "the model is still loading"
             )
         return engine
-
-    def _check_size(self, request: Any) -> None:
-        limit = self._owner.settings.max_request_bytes
-        size = request.ByteSize()
-        if size > limit:
-            raise InvalidRequestError("request", f"the request is {size} bytes; the limit is {limit}")
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: BaseException, rid: str = "") -> None:
         code, message = status_for(exc)
@@ -237,14 +239,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         expired = remaining is not None and remaining <= 0
         self._owner.metrics.observe_error("DEADLINE_EXCEEDED" if expired else "CANCELLED")
 
-    async def reject_malformed(self, request: _Malformed, context: grpc.aio.ServicerContext) -> None:
-        """INVALID_ARGUMENT for a request whose bytes did not parse; counted; one rate-limited log line."""
-        self._owner.malformed_log.note(context.peer(), request.error)
+    async def reject_unread(self, request: _Unread, context: grpc.aio.ServicerContext) -> None:
+        """INVALID_ARGUMENT for a request the deserializer did not hand over; counted; bytes that did not parse
+        also get one rate-limited log line."""
+        if isinstance(request.error, MalformedRequestError):
+            self._owner.malformed_log.note(context.peer(), request.error)
         await self._fail(context, request.error)
 
     def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[RequestOutput]:
         engine = self._engine()
-        self._check_size(request)
         prompt = prompt_from_proto(request)
         sampling = sampling_from_proto(request.sampling)
         remaining = context.time_remaining()
@@ -288,11 +291,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
             engine = self._engine()
-            self._check_size(request)
             strings = engine.engine.tokenizer.token_strings()
 
-            def response(ids: list[int]) -> pb.TokenizeResponse:  # built on the tokenizer's thread, not the loop
-                return pb.TokenizeResponse(token_ids=ids, tokens=[strings[i] for i in ids])
+            def response(ids: list[int]) -> bytes:  # on the tokenizer's thread; the serializer passes bytes on
+                step = RESPONSE_CHUNK_TOKENS
+                chunks = (ids[i : i + step] for i in range(0, len(ids), step))
+                return b"".join(
+                    pb.TokenizeResponse(token_ids=c, tokens=[strings[i] for i in c]).SerializeToString() for c in chunks
+                )
 
             return await engine.tokenize(request.text, add_bos=request.add_bos, build=response)
         except Exception as exc:
@@ -309,28 +315,43 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
 
 # ---------------------------------------------------------------------------------------- registration
-class _Malformed:
-    """What the request deserializer returns for bytes that are not a valid message of the RPC's type."""
+RESPONSE_CHUNK_TOKENS = 8192
+"""Tokens per piece of a Tokenize response: each piece is built and serialized in about a millisecond."""
+
+
+class _Unread:
+    """What the request deserializer returns instead of a message: bytes that are not a valid message of the RPC's
+    type (`MalformedRequestError`), or more of them than the server reads (`InvalidRequestError`)."""
 
     __slots__ = ("error",)
 
-    def __init__(self, error: MalformedRequestError) -> None:
+    def __init__(self, error: MalformedRequestError | InvalidRequestError) -> None:
         self.error = error
 
 
-def _safe_deserializer(message_class: type[Message]) -> Callable[[bytes], Message | _Malformed]:
-    """`message_class.FromString` that never raises: bad bytes become a `_Malformed` the handler answers."""
+def _serialize(message: Message | bytes) -> bytes:
+    """A response serializer that passes on what a handler serialized itself (`Tokenize`, in pieces)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def _safe_deserializer(
+    message_class: type[Message], max_bytes: int | None = None
+) -> Callable[[bytes], Message | _Unread]:
+    """`message_class.FromString` that never raises: bad bytes, or more than `max_bytes` of them (refused from
+    their count, unparsed), become an `_Unread` the handler answers."""
     type_name = message_class.DESCRIPTOR.name
 
-    def deserialize(raw: bytes) -> Message | _Malformed:
+    def deserialize(raw: bytes) -> Message | _Unread:
+        if max_bytes is not None and len(raw) > max_bytes:
+            return _Unread(InvalidRequestError("request", f"the request is {len(raw)} bytes; the limit is {max_bytes}"))
         try:
             return message_class.FromString(raw)
         except (DecodeError, UnicodeError) as exc:
             bad_utf8 = isinstance(exc, UnicodeError) or "UTF-8" in str(exc)
             reason = "invalid UTF-8 in a string field" if bad_utf8 else "the bytes do not parse as protobuf"
-            return _Malformed(MalformedRequestError(type_name, reason))
+            return _Unread(MalformedRequestError(type_name, reason))
         except Exception:  # whatever else the parser raises must not reach gRPC's UNKNOWN + traceback path
-            return _Malformed(MalformedRequestError(type_name, "the bytes do not parse as protobuf"))
+            return _Unread(MalformedRequestError(type_name, "the bytes do not parse as protobuf"))
 
     return deserialize
 
@@ -341,8 +362,8 @@ def _guarded(servicer: InferenceServicer, method: Callable, streaming: bool) -> 
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             context.add_done_callback(servicer.on_rpc_done)
-            if isinstance(request, _Malformed):
-                await servicer.reject_malformed(request, context)
+            if isinstance(request, _Unread):
+                await servicer.reject_unread(request, context)
                 return
             inner = method(request, context)
             try:
@@ -355,8 +376,8 @@ def _guarded(servicer: InferenceServicer, method: Callable, streaming: bool) -> 
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         context.add_done_callback(servicer.on_rpc_done)
-        if isinstance(request, _Malformed):
-            await servicer.reject_malformed(request, context)
+        if isinstance(request, _Unread):
+            await servicer.reject_unread(request, context)
         return await method(request, context)
 
     return unary
@@ -364,17 +385,19 @@ def _guarded(servicer: InferenceServicer, method: Callable, streaming: bool) -> 
 
 def add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
     """Register the Inference service like the generated `add_InferenceServicer_to_server`, but with
-    `_safe_deserializer` and `_guarded` handlers (same method names, types and streaming kinds)."""
+    `_safe_deserializer` (bounded by `max_request_bytes`), `_serialize` and `_guarded` handlers (same method names,
+    types and streaming kinds)."""
+    max_bytes = servicer.max_request_bytes
     service = pb.DESCRIPTOR.services_by_name["Inference"]
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for m in service.methods:
-        request_class, response_class = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
+        request_class = getattr(pb, m.input_type.name)
         assert not m.client_streaming, "no Inference RPC streams requests"
         factory = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[m.name] = factory(
             _guarded(servicer, getattr(servicer, m.name), m.server_streaming),
-            request_deserializer=_safe_deserializer(request_class),
-            response_serializer=response_class.SerializeToString,
+            request_deserializer=_safe_deserializer(request_class, max_bytes),
+            response_serializer=_serialize,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
@@ -386,7 +409,7 @@ class MalformedRequestGuard(grpc.aio.ServerInterceptor):
     `reject`, never gRPC's UNKNOWN with a logged traceback. Inference handlers are built safe already
     (`add_inference_service`); request-streaming handlers (reflection) parse inside the servicer and are left."""
 
-    def __init__(self, reject: Callable[[_Malformed, grpc.aio.ServicerContext], Any]) -> None:
+    def __init__(self, reject: Callable[[_Unread, grpc.aio.ServicerContext], Any]) -> None:
         self._reject = reject
 
     async def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
@@ -403,7 +426,7 @@ class MalformedRequestGuard(grpc.aio.ServerInterceptor):
         if inspect.isasyncgenfunction(behavior):
 
             async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                if isinstance(request, _Malformed):
+                if isinstance(request, _Unread):
                     await reject(request, context)
                 async for message in behavior(request, context):
                     yield message
@@ -411,7 +434,7 @@ class MalformedRequestGuard(grpc.aio.ServerInterceptor):
         else:
 
             async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
-                if isinstance(request, _Malformed):
+                if isinstance(request, _Unread):
                     await reject(request, context)
                 return await behavior(request, context)
 
@@ -563,7 +586,7 @@ class TandemServer:
             denied = lambda: self.metrics.observe_error("UNAUTHENTICATED")  # noqa: E731
             interceptors.append(ApiKeyInterceptor(keys, on_denied=denied))  # first: the key before the bytes
         servicer = InferenceServicer(self)
-        interceptors.append(MalformedRequestGuard(servicer.reject_malformed))
+        interceptors.append(MalformedRequestGuard(servicer.reject_unread))
         server = grpc.aio.server(interceptors=interceptors, options=self._grpc_options())
         add_inference_service(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

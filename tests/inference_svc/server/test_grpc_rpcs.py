@@ -8,6 +8,7 @@ import contextlib
 import io
 import urllib.request
 
+from inference_svc import server as server_module
 from inference_svc.cli import generate_main, stream_completion
 from inference_svc.client import AsyncTandemClient
 from inference_svc.proto_gen import inference_pb2 as pb
@@ -63,6 +64,17 @@ def test_seeded_sampling_is_reproducible(client) -> None:
     a = client.generate(PROMPT, max_new_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=7)
     b = client.generate(PROMPT, max_new_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=7)
     assert list(a.token_ids) == list(b.token_ids)
+
+
+def test_tokenize_response_in_pieces_is_one_message(client, small_tokenizer: Tokenizer, monkeypatch) -> None:
+    """A Tokenize response is serialized in pieces (bounded GIL holds); the pieces parse as one whole message."""
+    monkeypatch.setattr(server_module, "RESPONSE_CHUNK_TOKENS", 3)
+    text = "hello world, tokenized in pieces of three tokens each"
+    ids = small_tokenizer.encode(text)
+    assert len(ids) > 7 and len(ids) % 3  # several pieces and a short last one
+    r = client.tokenize(text)
+    assert list(r.token_ids) == ids
+    assert list(r.tokens) == [small_tokenizer.id_to_token(i) for i in ids]
 
 
 def test_tokenize(client, small_tokenizer: Tokenizer) -> None:

@@ -107,6 +107,18 @@ def test_malformed_request_is_invalid_argument(server: ServerThread, method, str
     assert all(r.exc_info is None and r.levelno < logging.ERROR for r in noisy)
 
 
+def test_oversized_request_is_refused_by_its_byte_count_unparsed(server: ServerThread, caplog) -> None:
+    """More bytes than max_request_bytes (4096 here) are refused as `request:` before parsing: garbage that would
+    be "malformed" if parsed gets the size answer, and no malformed-request log line."""
+    caplog.set_level(logging.DEBUG)
+    oversized_garbage = GARBAGE * 500  # 5,500 bytes
+    for method, streaming in (("Generate", False), ("GenerateStream", True), ("Tokenize", False)):
+        err = _raw_call(server.target, method, oversized_garbage, streaming=streaming)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+        assert (err.details() or "").startswith("request: the request is 5500 bytes; the limit is 4096"), err
+    assert not [r for r in caplog.records if "malformed" in r.getMessage()]
+
+
 def test_bad_utf8_is_named_as_such(server: ServerThread) -> None:
     err = _raw_call(server.target, "Generate", BAD_UTF8_PROMPT, streaming=False)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
