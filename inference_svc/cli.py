@@ -31,6 +31,7 @@ from typing import Any, TextIO
 
 from inference_svc.errors import InferenceError
 from inference_svc.settings import AdmissionLimits, ServerSettings, host_port
+from shared_model.ledger import QUANTIZATIONS
 
 log = logging.getLogger("tandem.serve")
 
@@ -58,6 +59,11 @@ def _serve_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--verify-checksums", action="store_true", help="check every bundle file against tandem_bundle.json at load"
     )
+    g.add_argument(
+        "--quantization", default="none", choices=QUANTIZATIONS, help="weight-only quantization at load (LM head int8)"
+    )
+    g.add_argument("--quantization-group-size", type=int, default=64, help="inputs per int4 scale: 32, 64, 128, 256")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for the model (default: one per core)")
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-running", type=int, default=64, help="most requests decoding at once")
     lim.add_argument("--max-queue", type=int, default=256, help="most requests waiting for their first token")
@@ -130,6 +136,9 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
             device=args.device,
             max_model_len=args.max_model_len,
             max_new_tokens_limit=args.max_new_tokens,
+            quantization=args.quantization,
+            quantization_group_size=args.quantization_group_size,
+            threads=args.threads,
         )
     except (InferenceError, ValueError) as exc:
         parser.error(str(exc))

@@ -178,6 +178,7 @@ def model_info_to_proto(info: EngineInfo, max_request_bytes: int) -> pb.ModelInf
         ledger=ledger,
         max_new_tokens_limit=info.config.max_new_tokens_limit,
         max_request_bytes=max_request_bytes,
+        quantization=info.quantization,
     )
 
 
@@ -192,10 +193,10 @@ def _ledger_figures(info: EngineInfo) -> dict[str, float]:
 
     rep = ledger_report(
         info.model_config, _folder_name(str(info.model_path)), context=info.max_model_len,
-        kv_dtype=info.dtype, weight_dtype=info.dtype,
+        kv_dtype=info.dtype, weight_dtype=info.dtype, quantization=info.quantization,
     )  # fmt: skip
-    return {
-        "ledger.weight_bytes": float(rep.inference["weight_bytes"]),
+    return {  # the formula for what the engine measured (ledger.weight_bytes): the two agree
+        "ledger.weight_bytes": float(rep.inference["served_weight_bytes"]),
         "ledger.kv_bytes_per_sequence_at_max_context": float(rep.kv_cache["bytes"]),
     }
 

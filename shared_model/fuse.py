@@ -2,11 +2,12 @@
 
 Contract:
 - `fuse_projections(model)` merges, in every layer, the q/k/v weights (and biases) into one `[q + 2 kv, hidden]`
-  matrix and gate/up into one `[2 * intermediate, hidden]` matrix, and re-points the model's own parameters at row
-  slices of them (views: no second copy of the weights, the Hugging Face names and the state dict unchanged, so
-  export and parity read the same tensors). The decoder's forward (`shared_model.model`) then runs one matmul
-  where it ran three (two), and normalizes and rotates the q and k heads in one pass: the same dot products and
-  elementwise ops, so its output is bit-equal to the unmerged model's.
+  matrix and gate/up into one `[2 * intermediate, hidden]` matrix, each held by an `nn.Linear` outside the module
+  tree (`MergedQKV.proj`, `MergedGateUp.proj`), and re-points the model's own parameters at row slices of them
+  (views: no second copy of the weights, the Hugging Face names and the state dict unchanged, so export and parity
+  read the same tensors). The decoder's forward (`shared_model.model`) then runs one matmul where it ran three
+  (two), and normalizes and rotates the q and k heads in one pass: the same dot products and elementwise ops, so
+  its output is bit-equal to the unmerged model's.
 - Inference only: the merged parameters stop requiring grad, and the merged matrices are plain tensors that ZeRO never
   sees. Training keeps the plain parameters. Apply it after the model has its final device and dtype
   (`Module.to` would copy the parameters out of the merged matrices). Applying it twice does nothing more.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared_model.model import Attention, CausalLM, MergedQKV
+from shared_model.model import Attention, CausalLM, MergedGateUp, MergedQKV
 
 
 def fuse_projections(model: CausalLM) -> CausalLM:
@@ -27,15 +28,15 @@ def fuse_projections(model: CausalLM) -> CausalLM:
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if attn.merged is None:
-                weight, bias = _merge([attn.q_proj, attn.k_proj, attn.v_proj])
-                attn.merged = MergedQKV(weight, bias, _qk_norm_weight(attn), c.q_size + c.kv_size)
+                proj = _merge([attn.q_proj, attn.k_proj, attn.v_proj])
+                attn.merged = MergedQKV(proj, _qk_norm_weight(attn), c.q_size + c.kv_size)
             if mlp.merged_gate_up is None:
-                mlp.merged_gate_up, _ = _merge([mlp.gate_proj, mlp.up_proj])
+                mlp.merged_gate_up = MergedGateUp(_merge([mlp.gate_proj, mlp.up_proj]))
     return model
 
 
-def _merge(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for several Linears sharing an input; each Linear's parameters become views of it."""
+def _merge(linears: list[nn.Linear]) -> nn.Linear:
+    """One Linear over the stacked weights (and biases) of several sharing an input; theirs become views of it."""
     weight = torch.cat([m.weight.detach() for m in linears])
     has_bias = [m.bias is not None for m in linears]
     if any(has_bias) and not all(has_bias):
@@ -48,7 +49,10 @@ def _merge(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]
         if bias is not None:
             m.bias = nn.Parameter(bias[start : start + n], requires_grad=False)
         start += n
-    return weight, bias
+    merged = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    merged.weight = nn.Parameter(weight, requires_grad=False)
+    merged.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    return merged
 
 
 def _qk_norm_weight(attn: Attention) -> torch.Tensor | None:

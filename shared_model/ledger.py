@@ -2,8 +2,10 @@
 
 Contract:
 - Pure arithmetic on integers and configs; no torch tensors are allocated.
-- Inference: weight bytes by precision; K/V cache bytes = 2·N·B·L·d·b (N layers, B sequences, L tokens,
-  d = kv_heads·head_dim, b bytes per element); attention work as query–key pairs.
+- Inference: weight bytes by precision, and as served (`served_weight_bytes`: the engine's merged layout, int8 /
+  int4 weight-only quantization with its scales, the policy of `shared_model.quantize`); K/V cache bytes
+  = 2·N·B·L·d·b (N layers, B sequences, L tokens, d = kv_heads·head_dim, b bytes per element); attention work
+  as query–key pairs.
 - Training (mixed-precision AdamW, the lecture's accounting): per parameter 2 (16-bit weights) + 4 (fp32 master)
   + 4 (fp32 gradients) + 8 (two fp32 Adam moments) = 18 bytes, and how ZeRO stages 1/2/3 divide those terms over
   N GPUs (1: optimizer state = master + moments; 2: + gradients; 3: + 16-bit weights).
@@ -43,6 +45,41 @@ def element_bytes(dtype: str) -> int:
 # ------------------------------------------------------------------------------------------- inference
 def weight_bytes(num_params: int | float, dtype: str = "bf16") -> float:
     return num_params * element_bytes(dtype)
+
+
+QUANTIZATIONS = ("none", "int8", "int4")
+
+
+def quantized_matrix_bytes(rows: int, cols: int, kind: str, group_size: int = 64, scale_bytes: int = 2) -> int:
+    """One [rows, cols] weight stored as `kind`: int8 = a byte per weight + a scale per row; int4 = half a byte per
+    weight + a scale and a zero per row and group of `group_size` inputs."""
+    if kind == "int8":
+        return rows * cols + rows * scale_bytes
+    if kind == "int4":
+        return rows * cols // 2 + (cols // group_size) * rows * 2 * scale_bytes
+    raise ValueError(f"quantization must be int8 or int4 here, got {kind!r}")
+
+
+def served_weight_bytes(
+    config: ModelConfig, weight_dtype: str = "bf16", quantization: str = "none", group_size: int = 64
+) -> int:
+    """Bytes of the weights as the engine holds them: every parameter in `weight_dtype`, plus the merged q/k-norm
+    table ((Hq + Hkv)·D per layer) when the model has QK-norm; with a quantization, its projections and LM head in
+    the quantized formats (scales 16-bit) and an int8 LM head beside a tied embedding (`shared_model.quantize`)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    c, b = config, element_bytes(weight_dtype)
+    qk_table = (c.num_heads + c.num_kv_heads) * c.head_dim * b * c.num_layers if c.qk_norm else 0
+    total = c.num_parameters() * b + qk_table
+    if quantization == "none":
+        return total
+    h, inter = c.hidden_size, c.intermediate_size
+    matrices = [(c.q_size + 2 * c.kv_size, h), (h, c.q_size), (2 * inter, h), (h, inter)]
+    per_layer_dense = sum(r * k for r, k in matrices) * b
+    per_layer_quant = sum(quantized_matrix_bytes(r, k, quantization, group_size) for r, k in matrices)
+    total += c.num_layers * (per_layer_quant - per_layer_dense)
+    head = quantized_matrix_bytes(c.vocab_size, h, "int8")
+    return total + head - (0 if c.tie_word_embeddings else c.vocab_size * h * b)
 
 
 def kv_cache_bytes(num_layers: int, batch: int, context: int, kv_width: int, bytes_per_element: int) -> int:
@@ -110,6 +147,7 @@ class LedgerReport:
     attention_pairs: dict[str, int] = field(default_factory=dict)
     training_state: list[dict[str, float | str | None]] = field(default_factory=list)
     zero: dict[str, float | int] = field(default_factory=dict)
+    quantization: str = "none"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -125,6 +163,7 @@ def ledger_report(
     zero_stage: int = 0,
     kv_dtype: str = "bf16",
     weight_dtype: str = "bf16",
+    quantization: str = "none",
 ) -> LedgerReport:
     for label, value in (("context", context), ("batch", batch), ("gpus", gpus)):
         if value < 1:
@@ -135,7 +174,9 @@ def ledger_report(
     rep.inference = {
         "weight_dtype_bytes": element_bytes(weight_dtype),
         "weight_bytes": weight_bytes(n, weight_dtype),
+        "served_weight_bytes": served_weight_bytes(config, weight_dtype, quantization),
     }
+    rep.quantization = quantization
     per_token = kv_bytes_per_token(config, kv_dtype)
     rep.kv_cache = {
         "layers": config.num_layers,
@@ -199,6 +240,7 @@ def format_report(rep: LedgerReport, context: int, batch: int) -> str:
         "Inference",
         f"  {'weights (' + str(int(rep.inference['weight_dtype_bytes'])) + ' B/param)':<46}"
         f"{_gb(rep.inference['weight_bytes']):>12}",
+        f"  {'weights as served (' + rep.quantization + ')':<46}{_gb(rep.inference['served_weight_bytes']):>12}",
         f"  {'K/V per token (' + kv_formula + ')':<46}{_binary(kv['bytes_per_token']):>12}",
         f"  {'K/V cache (B=' + str(batch) + ', L=' + str(context) + ')':<46}{_binary(kv['bytes']):>12}",
         "",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shared_model.config import PRESETS, ModelConfig
 from shared_model.errors import SharedModelError
-from shared_model.ledger import BYTES_PER_ELEMENT, format_report, ledger_report
+from shared_model.ledger import BYTES_PER_ELEMENT, QUANTIZATIONS, format_report, ledger_report
 
 
 def resolve_model(spec: str) -> tuple[ModelConfig, str, float | None]:
@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
     p.add_argument("--kv-dtype", default="bf16", choices=sorted(BYTES_PER_ELEMENT))
     p.add_argument("--weight-dtype", default="bf16", choices=sorted(BYTES_PER_ELEMENT))
+    p.add_argument(
+        "--quantization", default="none", choices=QUANTIZATIONS, help="weight-only quantization, as `tandem serve`"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -56,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             zero_stage=args.zero_stage,
             kv_dtype=args.kv_dtype,
             weight_dtype=args.weight_dtype,
+            quantization=args.quantization,
         )
     except (SharedModelError, ValueError) as exc:
         print(f"tandem ledger: {exc}", file=sys.stderr)

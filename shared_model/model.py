@@ -10,9 +10,11 @@ Contract:
 - This file holds no parallelism, checkpointing or serving code: those are applied from outside. The core
   attention call is its own module (`CoreAttention`) so that checkpointing policies can target it by class.
 - Merged projections are a load-time transform (`shared_model.fuse`): it sets `Attention.merged` and
-  `MLP.merged_gate_up`, and the same forward then runs one matmul for q/k/v (and one for gate/up), normalizes and
-  rotates the q and k heads in one pass. Each output is the same dot product, so the result is bit-equal; with
-  nothing merged (training: the plain parameters ZeRO partitions) the forward is the textbook one.
+  `MLP.merged_gate_up`, and the same forward then runs one projection for q/k/v (and one for gate/up), normalizes
+  and rotates the q and k heads in one pass. Each output is the same dot product, so the result is bit-equal; with
+  nothing merged (training: the plain parameters ZeRO partitions) the forward is the textbook one. A projection is
+  any module mapping [..., in] to [..., out]: an `nn.Linear`, or the weight-only quantized linear that
+  `shared_model.quantize` swaps in for serving; this file does not know which.
 """
 
 from __future__ import annotations
@@ -123,12 +125,19 @@ class CoreAttention(nn.Module):
 
 @dataclass(frozen=True)
 class MergedQKV:
-    """q/k/v as one projection (set by `shared_model.fuse`; the q_proj/k_proj/v_proj parameters are views of it)."""
+    """q/k/v as one projection (set by `shared_model.fuse`; the q_proj/k_proj/v_proj parameters are views of its
+    weight). Held outside the module tree, so the state dict keeps only the Hugging Face names."""
 
-    weight: torch.Tensor  # [q + 2 kv, hidden]
-    bias: torch.Tensor | None  # [q + 2 kv]
+    proj: nn.Module  # [..., hidden] -> [..., q + 2 kv]
     qk_norm: torch.Tensor | None  # [Hq + Hkv, D]: q_norm's weight for each q head, then k_norm's for each kv head
     qk_size: int  # q + kv: the q and k heads, side by side in the merged output
+
+
+@dataclass(frozen=True)
+class MergedGateUp:
+    """gate/up as one projection (set by `shared_model.fuse`; gate_proj/up_proj are views of its weight)."""
+
+    proj: nn.Module  # [..., hidden] -> [..., 2 * intermediate]: gate, then up
 
 
 class Attention(nn.Module):
@@ -160,7 +169,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:  # the same arithmetic over one matmul, q and k heads normalized and rotated together
-            qkv = F.linear(x, m.weight, m.bias)  # [B, T, q + 2 kv]
+            qkv = m.proj(x)  # [B, T, q + 2 kv]
             qk = qkv[..., : m.qk_size].view(b, t, hq + hkv, dim)
             if m.qk_norm is not None:
                 qk = rms_norm(qk, m.qk_norm, self.eps)
@@ -179,13 +188,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.merged_gate_up: torch.Tensor | None = None
-        """[2 * intermediate, hidden], set by `shared_model.fuse` (gate_proj/up_proj are views of it)."""
+        self.merged_gate_up: MergedGateUp | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged_gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.merged_gate_up).chunk(2, dim=-1)  # [B, T, intermediate] each
+        gate, up = self.merged_gate_up.proj(x).chunk(2, dim=-1)  # [B, T, intermediate] each
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 
 from inference_svc.errors import InferenceError
+from shared_model.ledger import QUANTIZATIONS
+from shared_model.quantize import INT4_GROUP_SIZES
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
@@ -99,6 +101,13 @@ class EngineConfig:
     """Ceiling on a request's max_new_tokens; requests asking more are refused."""
     verify_checksums: bool = False
     """Check every bundle file against its tandem_bundle.json (size, SHA-256) before loading; refuse a mismatch."""
+    quantization: str = "none"
+    """Weight-only quantization at load: 'none', 'int8' (per output channel) or 'int4' (groups of
+    quantization_group_size inputs); the LM head is int8 under both (`shared_model.quantize`)."""
+    quantization_group_size: int = 64
+    """Inputs per int4 scale and zero: 32, 64, 128 or 256."""
+    threads: int | None = None
+    """CPU threads for the model's ops (torch intra-op threads); None: torch's default, one per core."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
@@ -106,6 +115,14 @@ class EngineConfig:
         _positive_int("max_new_tokens_limit", self.max_new_tokens_limit)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
+        if self.threads is not None:
+            _positive_int("threads", self.threads)
+        if self.quantization not in QUANTIZATIONS:
+            raise EngineConfigError("quantization", f"must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise EngineConfigError(
+                "quantization_group_size", f"must be one of {INT4_GROUP_SIZES}, got {self.quantization_group_size!r}"
+            )
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
         if not isinstance(self.gpu_memory_fraction, (int, float)) or not 0 < self.gpu_memory_fraction <= 1:

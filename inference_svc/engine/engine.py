@@ -12,6 +12,9 @@ Contract:
   `generate()` raises `RequestFailedError` for it.
 - Times come from `time.monotonic()`; `Timing` is in milliseconds from the request's arrival.
 - Bytes per KV token come from `shared_model.ledger` (2 · layers · kv_width · bytes per element).
+- Load-time transforms, in order: merged projections (`shared_model.fuse`), then `config.quantization`
+  (`shared_model.quantize`); a model that cannot take the quantization is refused (`ModelLoadError` naming the
+  weight). `config.threads`, when set, sizes torch's process-wide intra-op thread pool.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from inference_svc.errors import InvalidRequestError, ModelLoadError, RequestFai
 from shared_model import ledger
 from shared_model.bundle import Bundle, load_bundle, parse_dtype
 from shared_model.config import ModelConfig
+from shared_model.fuse import fuse_projections
+from shared_model.quantize import QuantizationError, quantize_weights, serving_weight_bytes
 from shared_model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -95,7 +100,11 @@ class Engine:
         self.attention_backend = backend_name
         self.model_path = bundle.path
         model = bundle.model
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+        try:  # the load-time transforms: merged projections, then the weight format asked for
+            quantize_weights(fuse_projections(model), config.quantization, config.quantization_group_size)
+        except QuantizationError as exc:
+            raise ModelLoadError(f"{bundle.path}: quantization {config.quantization}: {exc}") from exc
+        self.weight_bytes = serving_weight_bytes(model)
         self.bytes_per_token = kv_bytes_per_token(self.model_config, self.dtype)
         budget = _kv_budget(config, device, self.weight_bytes)
         bs = config.block_size
@@ -132,6 +141,8 @@ class Engine:
         except Exception as exc:
             raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
         backend_name, backend = _resolve_backend(config.attention_backend, device)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
         return cls(bundle, config, device, backend_name, backend)
 
     # ------------------------------------------------------------------ requests
@@ -282,6 +293,7 @@ class Engine:
             kv_bytes_per_token=self.bytes_per_token,
             kv_cache_bytes=self.runner.cache.nbytes,
             weight_bytes=self.weight_bytes,
+            quantization=self.config.quantization,
             peak_workspace_bytes=self.runner.peak_workspace_bytes,
             config=self.config,
         )

@@ -4,9 +4,10 @@ Contract:
 - Owns the model, the KV cache and the attention backend choice. Reads Sequences (never writes them).
 - `run(batch)` flattens the batch into one `[T]` token row (decodes first, then prefill chunks), builds the
   `AttentionMetadata` (slots, block tables, context lengths) once, runs shared_model's decoder with a per-step
-  backend (the same `CausalLM`, with its projections merged at load by `shared_model.fuse`: bit-equal to the
-  plain decoder), and returns fp32 logits `[S_sample, vocab]` only for sequences whose last scheduled token is
-  their last token (those sample a new token this step); the LM head runs on those rows only.
+  backend (the same `CausalLM`, prepared by the engine: projections merged by `shared_model.fuse`, bit-equal to
+  the plain decoder, and weights quantized by `shared_model.quantize` when asked), and returns fp32 logits
+  `[S_sample, vocab]` only for sequences whose last scheduled token is their last token (those sample a new
+  token this step); the LM head runs on those rows only.
 - Runs under `torch.inference_mode()`; no autograd state, no global state.
 """
 
@@ -21,7 +22,6 @@ import torch
 from inference_svc.engine.attention import AttentionMetadata, KVCache, paged_attention_factory, torch_ops
 from inference_svc.engine.sequence import Sequence
 from shared_model.config import ModelConfig
-from shared_model.fuse import fuse_projections
 from shared_model.model import CausalLM
 
 
@@ -69,7 +69,6 @@ class ModelRunner:
             model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim,
             dtype, device,
         )  # fmt: skip
-        fuse_projections(model)
         self.peak_workspace_bytes = 0
         # the prefill fields of a decode-only step (read-only constants, as `_prepare` would build them)
         self._no_prefill_cu = torch.zeros(1, dtype=torch.int32, device=device)

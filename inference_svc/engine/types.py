@@ -159,6 +159,9 @@ class EngineInfo:
     kv_bytes_per_token: int
     kv_cache_bytes: int
     weight_bytes: int
+    """The weights as held: merged projections, quantized formats and their scales (`serving_weight_bytes`)."""
+    quantization: str
+    """'none', 'int8' or 'int4' (`EngineConfig.quantization`)."""
     peak_workspace_bytes: int
     config: EngineConfig
     """The engine's settings as given (block size, batching limits, prefix caching, ...)."""

@@ -192,7 +192,7 @@ class MemoryLedger(_message.Message):
     def __init__(self, weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "config", "max_context", "dtype", "attention_backend", "device", "kv_capacity_tokens", "ledger", "max_new_tokens_limit", "max_request_bytes")
+    __slots__ = ("model_name", "config", "max_context", "dtype", "attention_backend", "device", "kv_capacity_tokens", "ledger", "max_new_tokens_limit", "max_request_bytes", "quantization")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,7 @@ class ModelInfo(_message.Message):
     LEDGER_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     config: ModelConfig
     max_context: int
@@ -213,4 +214,5 @@ class ModelInfo(_message.Message):
     ledger: MemoryLedger
     max_new_tokens_limit: int
     max_request_bytes: int
-    def __init__(self, model_name: _Optional[str] = ..., config: _Optional[_Union[ModelConfig, _Mapping]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., ledger: _Optional[_Union[MemoryLedger, _Mapping]] = ..., max_new_tokens_limit: _Optional[int] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
+    quantization: str
+    def __init__(self, model_name: _Optional[str] = ..., config: _Optional[_Union[ModelConfig, _Mapping]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., ledger: _Optional[_Union[MemoryLedger, _Mapping]] = ..., max_new_tokens_limit: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...

@@ -48,7 +48,7 @@ def test_state_dict_keeps_its_names_and_values_and_shares_the_merged_memory() ->
     assert all(torch.equal(after[k], before[k]) for k in before)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attn.merged is not None and mlp.merged_gate_up is not None
-    merged = attn.merged.weight
+    merged = attn.merged.proj.weight
     assert attn.k_proj.weight.data_ptr() == merged[cfg.q_size :].data_ptr()  # a view, not a copy
-    assert mlp.up_proj.weight.data_ptr() == mlp.merged_gate_up[cfg.intermediate_size :].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == mlp.merged_gate_up.proj.weight[cfg.intermediate_size :].data_ptr()
     assert not any(p.requires_grad for p in (attn.q_proj.weight, attn.v_proj.weight, mlp.gate_proj.weight))

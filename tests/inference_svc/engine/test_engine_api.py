@@ -118,7 +118,8 @@ def test_stats_and_info_accounting(engine):
     assert info.kv_capacity_tokens == info.kv_blocks_total * info.config.block_size
     assert info.kv_cache_bytes == info.kv_capacity_tokens * info.kv_bytes_per_token
     assert info.attention_backend == "torch" and info.model_config is engine.model_config
-    assert info.weight_bytes == sum(p.numel() * 4 for p in engine.runner.model.parameters())
+    qk_table = c.num_layers * (c.num_heads + c.num_kv_heads) * c.head_dim * 4 if c.qk_norm else 0  # merged norms
+    assert info.weight_bytes == sum(p.numel() * 4 for p in engine.runner.model.parameters()) + qk_table
     engine.generate([[1, 2, 3] * 12], SamplingParams(max_new_tokens=2))
     engine.generate([[1, 2, 3] * 12 + [4]], SamplingParams(max_new_tokens=2))  # after the first: a cache hit
     s = engine.stats()

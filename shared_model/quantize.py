@@ -1,0 +1,321 @@
+"""Weight-only quantization at load time, for serving: int8 per output channel, int4 in groups along the input.
+
+Contract:
+- `quantize_weights(model, kind, group_size)` (kind "int8" or "int4") merges the projections first
+  (`shared_model.fuse`), then swaps in a `QuantizedLinear` for every projection of every layer (merged q/k/v,
+  o_proj, merged gate/up, down_proj). Policy for the rest:
+  - the LM head is int8 per channel under both kinds: it is the one matrix every sampled token reads in full, and
+    the error of its logits is what sampling sees, so it gets the finer format (llama.cpp keeps it finer too);
+  - the token embedding stays in the model's dtype: a step gathers B of its rows, so quantizing it would save
+    memory and no time. With tied embeddings the LM head gets its own int8 copy beside it;
+  - norms and biases stay in the model's dtype.
+  The unmerged q/k/v and gate/up parameters (views of the merged full-precision matrices) are dropped (set to
+  None), so no full-precision copy of a quantized weight stays in memory. A quantized model serves; it does not
+  train or export (its state dict is not a bundle's).
+- Number formats, the same in the kernels, `dequantize` and `fake_quantized` (the reference the tests compare
+  against):
+  - int8: per output row, s = max|w| / 127, q = round(w / s) in [-127, 127], w ≈ q·s.
+  - int4: per row and group of `group_size` inputs, s = (max - min) / 15, q = round((w - min) / s) in [0, 15],
+    w ≈ (q - 8)·s + z with z = min + 8·s (torch's tinygemm convention). 4 bits plus a scale and a zero in the
+    model's dtype per group: 4.5 bits per weight at group 64 in bf16, as llama.cpp's Q4_0.
+  Scales and zeros are stored in the activation dtype (the kernels take them so); `dequantize` applies the same
+  rounding, so it is exactly the matrix the kernel multiplies by, up to the kernel's accumulation order.
+- `QuantizedLinear(x)` = x @ Wᵀ (+ bias) for x [..., in], computed in bf16 (or fp16 when the model is fp16) and
+  returned in x's dtype: torch's CPU kernels are vectorized for 16-bit activations only (fp32 activations take a
+  scalar path 10x slower), and the weight's rounding dominates the activation's anyway.
+  - Up to `PACKED_MAX_ROWS` rows (decode steps): torch's packed weight-only kernels, which read the quantized
+    bytes and nothing else: `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` on CPU, `_weight_int4pack_mm`
+    on CUDA. Their cost grows with every row, so
+  - more rows (prefill chunks): the matrix is dequantized into the compute dtype for this call and multiplied by
+    the dense GEMM. For int4 on CPU that unpacks torch's packed layout, which `QuantizedLinear` checks against the
+    codes when it is built; where the layout is not the one expected (another CPU capability), it runs the packed
+    kernel in slices of `PACKED_MAX_ROWS` rows instead: the same result, slower.
+  - Where a device has no packed int8 kernel (some CUDA builds), every call dequantizes: correct, slower.
+- `serving_weight_bytes(model)` is what the weights occupy as served: every distinct tensor storage reachable
+  from the model, the merged projections' included (shared storage counted once).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared_model.fuse import fuse_projections
+from shared_model.ledger import QUANTIZATIONS
+from shared_model.model import CausalLM
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+"""Group sizes torch's int4 kernels accept."""
+DEFAULT_GROUP_SIZE = 64
+PACKED_MAX_ROWS = 4
+"""Rows up to which the packed kernels beat dequantize-then-GEMM (measured: benchmarks/cpu_peer.py)."""
+_INT4_ROWS_MULTIPLE = 16  # the CPU packing tiles output rows by 16
+
+
+class QuantizationError(ValueError):
+    """A weight cannot be quantized as asked; the message names the weight and the rule it breaks."""
+
+
+# ------------------------------------------------------------------------------------ number formats
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] → (q int8 [N, K], scales fp32 [N]) with weight ≈ q · scales[:, None]."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [N]; all-zero rows stay 0
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] → (q uint8 [N, K] in 0..15, scales fp32 [N, K/g], zeros fp32 [N, K/g]),
+    with weight ≈ (q - 8) · scale + zero in each group of `group_size` inputs."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // group_size, group_size)  # [N, G, g]
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [N, G]
+    scales = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round((w - lo[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scales, lo + 8 * scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 [N, K] matrix the int8 kernel multiplies by, its scales rounded to `dtype` as stored."""
+    return q.float() * scales.to(dtype).float()[:, None]
+
+
+def dequantize_int4(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The fp32 [N, K] matrix the int4 kernel multiplies by, scales and zeros rounded to `dtype` as stored."""
+    n, k = q.shape
+    s, z = scales.to(dtype).float()[..., None], zeros.to(dtype).float()[..., None]  # [N, G, 1]
+    return ((q.float().reshape(n, k // group_size, group_size) - 8) * s + z).reshape(n, k)
+
+
+def check_quantizable(name: str, weight: torch.Tensor, kind: str, group_size: int) -> None:
+    """Raise `QuantizationError` naming `name` when `weight` [N, K] cannot take `kind` at `group_size`."""
+    if kind not in ("int8", "int4"):
+        raise QuantizationError(f"quantization must be one of {QUANTIZATIONS}, got {kind!r}")
+    if kind == "int4":
+        n, k = weight.shape
+        if group_size not in INT4_GROUP_SIZES:
+            raise QuantizationError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+        if k % group_size:
+            raise QuantizationError(f"{name}: {k} inputs are not a multiple of the int4 group size {group_size}")
+        if n % _INT4_ROWS_MULTIPLE:
+            raise QuantizationError(f"{name}: {n} outputs are not a multiple of {_INT4_ROWS_MULTIPLE} (int4 packing)")
+
+
+def compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """The activation dtype of quantized matmuls (and of their stored scales) for a model in `model_dtype`."""
+    return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _has_kernel(op: str, device: torch.device) -> bool:
+    key = "CUDA" if device.type == "cuda" else device.type.upper()
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)
+
+
+# ------------------------------------------------------------------------------------ the module
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight is stored int8 (per row) or int4 (per group); see the module docstring."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, group_size: int, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        check_quantizable("weight", weight, kind, group_size)
+        self.kind, self.group_size = kind, group_size
+        self.dtype = compute_dtype(dtype)
+        self.out_features, self.in_features = weight.shape
+        device = weight.device
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self._int4_block_rows = 0  # int4 on CPU: rows per block of torch's packed layout, 0 when not recognized
+        if kind == "int8":
+            q, scales = quantize_int8(weight)
+            self.register_buffer("qweight", q)  # [N, K] int8
+            self.register_buffer("scales", scales.to(self.dtype))  # [N]
+            self._packed_kernel = _has_kernel("_weight_int8pack_mm", device)
+        else:
+            q, scales, zeros = quantize_int4(weight, group_size)
+            # [G, N, 2]: each group's scale and zero for every output row, as the kernels take them
+            sz = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
+            if device.type == "cuda":  # tinygemm: bf16 only; two codes per byte, high nibble first
+                self.dtype = torch.bfloat16
+                pairs = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()
+                packed = torch.ops.aten._convert_weight_to_int4pack(pairs, 8)
+            else:
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+                self._int4_block_rows = _cpu_int4_layout(packed, q)
+            self.register_buffer("qweight", packed)
+            self.register_buffer("scales_and_zeros", sz.to(self.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [M, K]
+        if x2.dtype != self.dtype:
+            x2 = x2.to(self.dtype)
+        if x2.shape[0] <= PACKED_MAX_ROWS:
+            y = self._packed(x2)
+        elif self.kind == "int8" or self._int4_block_rows or self.qweight.device.type == "cuda":
+            y = F.linear(x2, self.dequantize())
+        else:  # int4 in a packed layout this module cannot unpack: the packed kernel, a few rows at a time
+            y = torch.cat([self._packed(rows) for rows in x2.split(PACKED_MAX_ROWS)])
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)  # [..., N]
+
+    def _packed(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.kind == "int8":
+            if self._packed_kernel:
+                return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+            return F.linear(x2, self.qweight.to(self.dtype)) * self.scales  # the row scale factors out
+        if self.qweight.device.type == "cuda":
+            return torch.ops.aten._weight_int4pack_mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales_and_zeros)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [N, K] in the compute dtype, as the kernels see it (a new tensor each call)."""
+        if self.kind == "int8":
+            return self.qweight.to(self.dtype).mul_(self.scales[:, None])
+        n, k, g = self.out_features, self.in_features, self.group_size
+        if self.qweight.device.type == "cuda":  # tinygemm's tiled layout: let the kernel multiply the identity
+            eye = torch.eye(k, dtype=self.dtype, device=self.qweight.device)
+            return torch.ops.aten._weight_int4pack_mm(eye, self.qweight, g, self.scales_and_zeros).t()
+        if not self._int4_block_rows:
+            raise QuantizationError("this int4 weight's packed layout is not one this module can unpack")
+        codes = _unpack_cpu_int4(self.qweight, n, k, self._int4_block_rows).float()  # [N, K], 0..15
+        sz = self.scales_and_zeros.float()
+        scales, zeros = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [N, G, 1]
+        # in fp32 as the kernel does, rounded once: q·s and the offset z - 8·s nearly cancel
+        weight = codes.view(n, k // g, g).sub_(8).mul_(scales).add_(zeros)
+        return weight.view(n, k).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.kind == "int4" else ""
+        return f"in={self.in_features}, out={self.out_features}, {self.kind}{group}, dtype={self.dtype}"
+
+
+def _unpack_cpu_int4(packed: torch.Tensor, n: int, k: int, block_rows: int) -> torch.Tensor:
+    """Codes [N, K] (uint8, 0..15) from `_convert_weight_to_int4pack_for_cpu`'s layout: per block of `block_rows`
+    output rows and per input k, block_rows/2 bytes whose low nibbles hold the block's first half of rows and
+    whose high nibbles the second half (64 rows with AVX-512, 32 with AVX2)."""
+    blocks = packed.view(n // block_rows, k, block_rows // 2)
+    codes = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # [N / B, K, B]
+    return codes.transpose(1, 2).reshape(n, k)
+
+
+def _cpu_int4_layout(packed: torch.Tensor, codes: torch.Tensor) -> int:
+    """The block size of torch's packed int4 layout, found by unpacking and comparing with the codes; 0 if
+    neither known layout reproduces them (then nothing unpacks it)."""
+    n, k = codes.shape
+    for block_rows in (64, 32):
+        if n % block_rows == 0 and torch.equal(_unpack_cpu_int4(packed, n, k, block_rows), codes):
+            return block_rows
+    return 0
+
+
+# ------------------------------------------------------------------------------------ the model transform
+def quantize_weights(model: CausalLM, kind: str, group_size: int = DEFAULT_GROUP_SIZE) -> CausalLM:
+    """Quantize `model`'s projections in place (see the module docstring); returns `model`. "none": unchanged."""
+    if kind == "none":
+        return model
+    _check_model(model, kind, group_size)
+    fuse_projections(model)
+    dtype = model.model.embed_tokens.weight.dtype
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            assert attn.merged is not None and mlp.merged_gate_up is not None
+            attn.merged = dataclasses.replace(attn.merged, proj=_quantized(attn.merged.proj, kind, group_size, dtype))
+            mlp.merged_gate_up = dataclasses.replace(
+                mlp.merged_gate_up, proj=_quantized(mlp.merged_gate_up.proj, kind, group_size, dtype)
+            )
+            attn.o_proj = _quantized(attn.o_proj, kind, group_size, dtype)
+            mlp.down_proj = _quantized(mlp.down_proj, kind, group_size, dtype)
+            attn.q_proj = attn.k_proj = attn.v_proj = None  # views of the full-precision merged matrix: freed
+            mlp.gate_proj = mlp.up_proj = None
+        model.lm_head = _quantized(model.lm_head, "int8", group_size, dtype)
+    return model
+
+
+def _quantized(linear: nn.Module, kind: str, group_size: int, dtype: torch.dtype) -> QuantizedLinear:
+    assert isinstance(linear, nn.Linear), f"expected an nn.Linear to quantize, got {type(linear).__name__}"
+    return QuantizedLinear(linear.weight, linear.bias, kind, group_size, dtype)
+
+
+def _check_model(model: CausalLM, kind: str, group_size: int) -> None:
+    """Every weight that `kind` would take, checked before any is changed (all or nothing)."""
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.q_proj is None:
+            raise QuantizationError("the model is quantized already")
+        for name, m in (
+            ("q_proj", attn.q_proj), ("k_proj", attn.k_proj), ("v_proj", attn.v_proj), ("o_proj", attn.o_proj),
+            ("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj), ("down_proj", mlp.down_proj),
+        ):  # fmt: skip
+            prefix = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            check_quantizable(f"model.layers.{i}.{prefix}.{name}.weight", m.weight, kind, group_size)
+
+
+class DequantizedLinear(nn.Module):
+    """The reference of a `QuantizedLinear`: its dequantized weight in fp32, applied with the same roundings (the
+    input and output rounded to the compute dtype; past `PACKED_MAX_ROWS` rows the weight too, as the dequantized
+    path multiplies in that dtype) around a plain fp32 matmul. Only the order of the sums differs."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)  # [N, K]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.compute = compute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        weight = self.weight if rows <= PACKED_MAX_ROWS else self.weight.to(self.compute).float()
+        y = F.linear(x.to(self.compute).float(), weight).to(self.compute)
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+
+def fake_quantized(model: CausalLM, kind: str, group_size: int = DEFAULT_GROUP_SIZE) -> CausalLM:
+    """A copy of `model` (plain, unmerged) whose quantized projections are `DequantizedLinear`s holding the
+    same codes' values: the reference that `quantize_weights`' kernels are checked against (the codes of a row do
+    not depend on the rows merged beside it, so the unmerged copy quantizes to the same values)."""
+    ref = copy.deepcopy(model)
+    if kind == "none":
+        return ref
+    _check_model(ref, kind, group_size)
+    stored = compute_dtype(ref.model.embed_tokens.weight.dtype)  # scales, zeros and activations are rounded to this
+
+    def reference(linear: nn.Linear, as_kind: str) -> DequantizedLinear:
+        if as_kind == "int8":
+            w = dequantize_int8(*quantize_int8(linear.weight), stored)
+        else:
+            w = dequantize_int4(*quantize_int4(linear.weight, group_size), group_size, stored)
+        return DequantizedLinear(w, linear.bias, stored)
+
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            for owner, name in (
+                (a, "q_proj"), (a, "k_proj"), (a, "v_proj"), (a, "o_proj"),
+                (m, "gate_proj"), (m, "up_proj"), (m, "down_proj"),
+            ):  # fmt: skip
+                setattr(owner, name, reference(getattr(owner, name), kind))
+        ref.lm_head = reference(ref.lm_head, "int8")  # its own tensor: untied from the embedding
+    return ref
+
+
+def serving_weight_bytes(model: CausalLM) -> int:
+    """Bytes of every distinct storage the model's weights occupy as served (see the module docstring)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for layer in model.model.layers:
+        for merged in (layer.self_attn.merged, layer.mlp.merged_gate_up):
+            if merged is not None:
+                tensors += [*merged.proj.parameters(), *merged.proj.buffers()]
+                qk_norm = getattr(merged, "qk_norm", None)
+                if qk_norm is not None:
+                    tensors.append(qk_norm)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
