@@ -107,6 +107,12 @@ class ServiceMetrics:
         self.tokenized_chars = Counter(
             "tandem_tokenized_chars", "Characters of text handed to the tokenizer (prompts and Tokenize).", registry=r
         )
+        self.weight_bytes = Gauge(
+            "tandem_model_weight_bytes",
+            "Bytes the served weights occupy as held (quantized formats and their scales included).",
+            ["dtype", "quantization"],
+            registry=r,
+        )
         self.kv_used = Gauge("tandem_kv_blocks_used", "KV-cache blocks in use.", registry=r)
         self.kv_total = Gauge("tandem_kv_blocks_total", "KV-cache blocks in the pool.", registry=r)
         self.kv_cached = Gauge("tandem_kv_blocks_cached", "KV blocks holding a registered prefix.", registry=r)
@@ -165,6 +171,10 @@ class ServiceMetrics:
             if delta > 0:
                 counter.inc(delta)
             self._last[name] = value
+
+    def observe_model(self, info: Any) -> None:
+        """Once, when the engine is built: what its weights occupy (`EngineInfo.weight_bytes`)."""
+        self.weight_bytes.labels(dtype=info.dtype, quantization=info.quantization).set(info.weight_bytes)
 
     def observe_admission(self, requests: int, tokens: int) -> None:
         self.admission_queue.set(requests)

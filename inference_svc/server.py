@@ -632,6 +632,7 @@ class TandemServer:
             await asyncio.to_thread(async_engine.warmup)
             log.info("warmed up in %.2f s", time.perf_counter() - t0)
         self.metrics.observe_stats(engine.stats())
+        self.metrics.observe_model(engine.info())
         await async_engine.start()
         self.engine = async_engine
         if self.draining:  # SIGTERM while loading: shutdown() is already under way

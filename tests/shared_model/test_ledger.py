@@ -73,3 +73,21 @@ def test_cli_json_and_errors(capsys, tmp_path):
     assert "neither a preset" in capsys.readouterr().err
     assert ledger_main(["--model", "tiny", "--context", "0"]) == 2
     assert "context must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_reports_weights_as_served_under_each_quantization(capsys):
+    served = {}
+    for kind in ("none", "int8", "int4"):
+        assert ledger_main(["--model", "qwen3-8b", "--quantization", kind, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        served[kind] = data["inference"]["served_weight_bytes"]
+        assert data["quantization"] == kind and data["inference"]["weight_bytes"] == data["num_params"] * 2
+    cfg = get_preset("qwen3-8b")
+    matrices = cfg.num_parameters(include_embeddings=False) - cfg.num_layers * (2 * cfg.hidden_size + 2 * cfg.head_dim)
+    matrices -= cfg.hidden_size  # the final norm: what is left is the layers' projection weights
+    # int8 saves a byte per projection weight (minus its row scales); the LM head goes from 2 bytes to 1 (+ scales)
+    head_saving = cfg.vocab_size * cfg.hidden_size - 2 * cfg.vocab_size
+    assert served["none"] - served["int8"] == pytest.approx(matrices + head_saving, rel=1e-3)
+    assert served["int4"] < 0.4 * served["none"]
+    assert ledger_main(["--model", "qwen3-8b", "--quantization", "int4"]) == 0
+    assert "weights as served (int4)" in capsys.readouterr().out

@@ -20,9 +20,13 @@ import random
 import pytest
 import torch
 
-from inference_svc.engine import SamplingParams
-from shared_model.bundle import load_bundle
+from inference_svc.engine import Engine, EngineConfig, SamplingParams
+from inference_svc.engine.config import EngineConfigError
+from inference_svc.errors import ModelLoadError
+from shared_model.bundle import load_bundle, save_bundle
+from shared_model.model import build_model
 from shared_model.quantize import QuantizedLinear, fake_quantized
+from tests.conftest import tiny_config
 
 NEW_TOKENS = 16
 NEAR_TIE = 0.15  # logit units
@@ -64,3 +68,13 @@ def test_quantized_engine_generates_the_dequantized_reference_tokens(model_dir, 
     assert exact >= 0.9 * (exact + near), f"{near} of {exact + near} tokens were near ties"
     assert engine.stats().num_preemptions > 0
     engine.block_manager.check_invariants()
+
+
+def test_a_model_int4_cannot_take_is_refused_at_load_naming_the_weight(tmp_path, small_tokenizer) -> None:
+    cfg = tiny_config(vocab_size=small_tokenizer.vocab_size, intermediate_size=72)  # 72 rows: not a multiple of 16
+    folder = save_bundle(tmp_path / "odd", cfg, build_model(cfg), small_tokenizer)
+    with pytest.raises(ModelLoadError, match=r"quantization int4: model\.layers\.0\.mlp\.gate_proj\.weight: 72"):
+        Engine.from_bundle(folder, EngineConfig(quantization="int4", kv_cache_memory="1MiB"))
+    assert Engine.from_bundle(folder, EngineConfig(quantization="int8", kv_cache_memory="1MiB")).info().quantization
+    with pytest.raises(EngineConfigError, match="quantization: must be one of"):
+        EngineConfig(quantization="int3")

@@ -9,10 +9,11 @@ import pytest
 
 from shared_model.bundle import save_bundle
 from shared_model.config import RopeScaling
+from shared_model.ledger import served_weight_bytes
 from shared_model.model import build_model
 from shared_model.tokenizer import Tokenizer
 from tests.conftest import tiny_config
-from tests.inference_svc.server.conftest import make_server
+from tests.inference_svc.server.conftest import engine_config, make_server
 
 
 @pytest.fixture(scope="module")
@@ -38,5 +39,25 @@ def test_model_info_of_a_rope_scaled_llama3_bundle(llama3_bundle: Path) -> None:
         kv_seq = info.ledger.extra["ledger.kv_bytes_per_sequence_at_max_context"]
         assert kv_seq == info.ledger.kv_bytes_per_token * info.max_context
         assert info.ledger.extra["peak_workspace_bytes"] > 0  # the warm-up ran a step
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_server_reports_its_weights_as_held(bundle_dir: Path, kind: str) -> None:
+    """`--quantization`: GetModelInfo, the ledger's formula and /metrics agree on the bytes the weights occupy."""
+    srv = make_server(bundle_dir, engine=engine_config(quantization=kind))
+    try:
+        with srv.client(timeout=30) as c:
+            info = c.model_info()
+            reply = c.generate("import os", max_new_tokens=4, ignore_eos=True)
+        assert info.quantization == kind and len(reply.token_ids) == 4
+        assert info.ledger.weight_bytes == info.ledger.extra["ledger.weight_bytes"]  # measured == formula
+        config = srv.server.engine_info().model_config
+        assert info.ledger.weight_bytes == served_weight_bytes(config, "float32", kind)
+        assert info.ledger.weight_bytes < 0.5 * served_weight_bytes(config, "float32")
+        needle = f'tandem_model_weight_bytes{{dtype="float32",quantization="{kind}"}} '
+        line = next(x for x in srv.server.metrics.render().decode().splitlines() if x.startswith(needle))
+        assert float(line[len(needle) :]) == info.ledger.weight_bytes
     finally:
         srv.close()
