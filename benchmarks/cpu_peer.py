@@ -1,0 +1,685 @@
+"""CPU peer benchmark: Tandem's served batch-1 decode against llama.cpp's `llama-bench` on the same weights, same run.
+
+What it does, in one run:
+1. builds (once, cached under `~/.cache/tandem/llama.cpp/<version>/`, see `benchmarks/llama_cpp.py`) llama.cpp's
+   `llama-bench` and `llama-quantize` from the llama-cpp-python source release on PyPI, and prints the build time
+   (without AMX unless `--llama-amx`: this version's AMX int8 kernels die with SIGILL on the machines we have);
+2. makes a random Qwen3 folder (default hidden 768, 12 layers, 12 heads / 4 KV heads of 64, MLP 2048, vocab 8192,
+   tied embeddings: about 82M parameters; `--quick`: hidden 256, 4 layers, vocab 2048) with a BPE tokenizer trained
+   on the corpus, and converts it with the sdist's own `convert_hf_to_gguf.py` to F32 and BF16 GGUF, then with
+   `llama-quantize` (from F32) to Q8_0 and Q4_0. A random tokenizer is unknown to the converter's pre-tokenizer
+   table: it is mapped to llama.cpp's "default" pre-tokenizer (speed does not depend on it) and the output says so.
+   What the converter imports and this interpreter lacks (sentencepiece, ...) is pip-installed first, with a
+   message (`--no-install`: fail instead). Model and GGUF files are cached in `~/.cache/tandem/cpu_peer/<model>/`;
+3. measures the machine's memory read bandwidth (torch: sum over a 1 GiB fp32 tensor, best of 7) per thread count;
+4. for each precision pair fp32↔F32, bf16↔BF16, int8↔Q8_0, int4↔Q4_0 and each `--threads` count:
+   - llama.cpp: `llama-bench -m FILE -t THREADS -p 512 -n 64 -o json` (tg64 and pp512, its mean over 5 reps);
+   - Tandem: `python -m shared_model.cli serve --model DIR --port P --no-metrics --device cpu --dtype D
+     [--quantization int8|int4] [--threads N]` as a subprocess on a free loopback port; after a warm-up, `--reps`
+     streamed batch-1 requests (1-token prompt, max_new_tokens 64, ignore_eos, temperature 0.8, top_p 0.95, a seed
+     per rep): decode tok/s = tokens after the first / (arrival of the last - arrival of the first), the first
+     token being prefill; and `--reps` requests with a fresh random 512-token id prompt (max_new_tokens 1):
+     prefill tok/s = 512 / client-side time to first token. Means over reps, like llama-bench's;
+   - ratios Tandem / llama.cpp for tg and pp, and each side's decode as GB/s of weight bytes read per token
+     (llama.cpp: the GGUF's tensor bytes less the token embedding unless it doubles as the LM head; Tandem:
+     computed from the config and shared_model/quantize.py's formats, the embedding gather left out, the LM head
+     counted), also as a share of the measured bandwidth.
+   A precision whose server flag the server rejects (exit 2, "unrecognized arguments" or "invalid choice") is
+   reported as "not offered". A server without `--threads` gets its thread count through OMP_NUM_THREADS instead,
+   and the output says so. Servers are always terminated; every step has a bounded timeout.
+   Before each case the share of the CPUs busy with other work is sampled (1 s, nothing of ours running) and
+   reported; `--quiet-wait S` waits up to S seconds for it to fall below `--quiet-below` (default 10%). On a small
+   shared machine other work distorts the multi-thread figures most (llama.cpp's threads spin at barriers).
+Writes `<out>/cpu_peer.json` and `<out>/cpu_peer.png` (bar chart; skipped with a message without matplotlib) and
+prints a markdown table for docs/benchmarks.md with the date, CPU flags and the exact command. Random weights: only
+speed means anything here. Exit status 1 when a step failed (the JSON still holds what was measured).
+
+    .venv/bin/python benchmarks/cpu_peer.py --out results/cpu_peer [--threads 1,2] [--hidden 768 --layers 12]
+    .venv/bin/python benchmarks/cpu_peer.py --quick --out results/cpu_peer_quick      # small model, smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import platform
+import random
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llama_cpp  # the sibling helper module (benchmarks/ is not a package)
+
+REPO = Path(__file__).resolve().parents[1]
+PAIRS = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}  # Tandem precision -> GGUF type
+CONVERTER_DEPS = {"numpy": "numpy", "transformers": "transformers", "sentencepiece": "sentencepiece>=0.1.98,<0.3.0"}
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+class NotOffered(Exception):
+    """The server rejects the flag this precision needs."""
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------ machine
+def cpu_summary() -> dict[str, Any]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
+    return {
+        "model": model or platform.processor(),
+        "cores": os.cpu_count(),
+        "flags": {f: f in flags for f in CPU_FLAGS},
+        "amx": all(f in flags for f in ("amx_tile", "amx_bf16", "amx_int8")),
+    }
+
+
+def flags_line(cpu: dict[str, Any]) -> str:
+    f = cpu["flags"]
+    shown = ["avx512f", "avx512_bf16", "avx512_vnni"]
+    parts = [f"{name} {'yes' if f[name] else 'no'}" for name in shown]
+    parts.append(f"amx {'yes' if cpu['amx'] else 'no'}")
+    return ", ".join(parts)
+
+
+def background_busy(seconds: float = 1.0) -> float:
+    """Share of all CPUs busy over `seconds` while this benchmark runs nothing: other work on the machine."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+
+    try:
+        (t0, i0), _, (t1, i1) = sample(), time.sleep(seconds), sample()
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
+def wait_quiet(max_wait_s: float, below: float) -> float:
+    """Wait up to `max_wait_s` for other work to use less than `below` of the CPUs; the last reading."""
+    deadline = time.monotonic() + max_wait_s
+    busy = background_busy()
+    while busy >= below and time.monotonic() < deadline:
+        busy = background_busy(2.0)
+    return busy
+
+
+def memory_bandwidth(threads: int, gib: float = 1.0, reps: int = 7) -> float:
+    """GB/s (1e9) of the best of `reps` sums over a `gib` GiB fp32 tensor with `threads` torch threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+        x.sum()  # pages touched, threads started
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            x.sum()
+            times.append(time.perf_counter() - t)
+        return x.numel() * 4 / min(times) / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------------------------ model + GGUF
+def model_config(args: argparse.Namespace):
+    from shared_model.config import ModelConfig
+
+    heads = args.heads or max(1, args.hidden // 64)
+    kv = args.kv_heads or next(k for k in (heads // 3, heads // 2, heads, 1) if k >= 1 and heads % k == 0)
+    inter = args.intermediate or max(256, round(args.hidden * 8 / 3 / 256) * 256)
+    return ModelConfig(
+        model_type="qwen3", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+        num_heads=heads, num_kv_heads=kv, head_dim=64, intermediate_size=inter, rope_theta=10000.0,
+        tie_word_embeddings=True, qk_norm=True, max_position_embeddings=4096,
+    )  # fmt: skip
+
+
+def param_count(config) -> int:
+    h, v, i = config.hidden_size, config.vocab_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h + 2 * config.head_dim
+    return config.num_layers * per_layer + v * h * (1 if config.tie_word_embeddings else 2) + h
+
+
+def model_dir(config, seed: int) -> Path:
+    key = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str) + f"seed={seed}"
+    name = f"qwen3-h{config.hidden_size}-l{config.num_layers}-v{config.vocab_size}-"
+    return llama_cpp.cache_root().parent / "cpu_peer" / (name + hashlib.sha256(key.encode()).hexdigest()[:10])
+
+
+def make_bundle(folder: Path, config, seed: int) -> Path:
+    from shared_model.bundle import save_bundle
+    from shared_model.corpus import CorpusConfig, load_corpus
+    from shared_model.model import build_model
+    from shared_model.tokenizer import Tokenizer
+
+    if (folder / "config.json").is_file():
+        return folder
+    tok = Tokenizer.train(load_corpus(CorpusConfig(max_documents=200)).texts(), vocab_size=config.vocab_size)
+    return save_bundle(folder, config, build_model(config, seed=seed), tokenizer=tok)
+
+
+def ensure_converter_deps(source: Path, allow_install: bool) -> list[str]:
+    """Install into this interpreter's environment what convert_hf_to_gguf.py needs and lacks; the specs installed."""
+    missing = [m for m in llama_cpp.missing_converter_modules(source) if m in CONVERTER_DEPS]
+    if "torch" in llama_cpp.missing_converter_modules(source):
+        raise llama_cpp.StepError("convert_hf_to_gguf.py needs torch, which this interpreter lacks")
+    if not missing:
+        return []
+    specs = [CONVERTER_DEPS[m] for m in missing]
+    if not allow_install:
+        raise llama_cpp.StepError(f"convert_hf_to_gguf.py needs {' '.join(specs)} (not installed; --no-install)")
+    log(f"installing {' '.join(specs)} into {sys.prefix} (needed by convert_hf_to_gguf.py)")
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", *specs]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-10:])
+        raise llama_cpp.StepError(f"pip install {' '.join(specs)} failed (exit {proc.returncode}):\n{tail}")
+    return specs
+
+
+def make_ggufs(tools: llama_cpp.Tools, hf: Path, folder: Path, threads: int) -> tuple[dict[str, Path], bool]:
+    """{GGUF type: file} for F32, BF16 (converted), Q8_0, Q4_0 (quantized from F32); and whether the pre-tokenizer
+    had to be mapped to llama.cpp's default."""
+    folder.mkdir(parents=True, exist_ok=True)
+    note_file, log_file = folder / "convert.json", folder / "convert.log"
+    note = json.loads(note_file.read_text()) if note_file.is_file() else {}
+    files = {t: folder / f"model-{t}.gguf" for t in PAIRS.values()}
+    for gtype, outtype in (("F32", "f32"), ("BF16", "bf16")):
+        if not files[gtype].is_file():
+            t0 = time.monotonic()
+            mapped = llama_cpp.convert_to_gguf(tools.source, hf, files[gtype], outtype, log_file)
+            note["pre_tokenizer_mapped"] = note.get("pre_tokenizer_mapped", False) or mapped
+            note_file.write_text(json.dumps(note) + "\n")
+            log(f"  converted to {gtype} in {time.monotonic() - t0:.0f} s: {files[gtype]}")
+    for gtype in ("Q8_0", "Q4_0"):
+        if not files[gtype].is_file():
+            t0 = time.monotonic()
+            llama_cpp.quantize(tools, files["F32"], files[gtype], gtype, threads, log_file)
+            log(f"  quantized F32 -> {gtype} in {time.monotonic() - t0:.0f} s: {files[gtype]}")
+    return files, bool(note.get("pre_tokenizer_mapped", False))
+
+
+def gguf_read_bytes(source: Path, path: Path) -> dict[str, Any]:
+    """Tensor bytes of a GGUF and the bytes one decoded token reads: all tensors but the token embedding, which
+    counts only when there is no separate output.weight (tied: it is the LM head)."""
+    code = (
+        "import gguf, json, sys\n"
+        "r = gguf.GGUFReader(sys.argv[1])\n"
+        "print(json.dumps({t.name: [int(t.n_bytes), t.tensor_type.name] for t in r.tensors}))\n"
+    )
+    cmd = [sys.executable, "-c", code, str(path)]
+    proc = subprocess.run(cmd, env=llama_cpp.converter_env(source), capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise llama_cpp.StepError(f"reading {path.name} with gguf-py failed: {proc.stderr.strip().splitlines()[-1:]}")
+    tensors = json.loads(proc.stdout)
+    total = sum(b for b, _ in tensors.values())
+    embd, embd_type = tensors.get("token_embd.weight", [0, ""])
+    tied = "output.weight" not in tensors
+    return {
+        "file_bytes": path.stat().st_size,
+        "tensor_bytes": total,
+        "token_embd_bytes": embd,
+        "token_embd_type": embd_type,
+        "tied": tied,
+        "read_per_token": total if tied else total - embd,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ Tandem server
+class Server:
+    """`tandem serve` as a subprocess on a free loopback port; `close()` always ends it."""
+
+    def __init__(self, bundle: Path, dtype: str, quant: str | None, threads: int, threads_flag: bool, log_path: Path):
+        self.port = _free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "shared_model.cli", "serve", "--model", str(bundle), "--port", str(self.port)]
+        cmd += ["--no-metrics", "--device", "cpu", "--dtype", dtype, "--log-level", "WARNING"]
+        if quant:
+            cmd += ["--quantization", quant]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        if threads_flag:
+            cmd += ["--threads", str(threads)]
+        else:
+            env["OMP_NUM_THREADS"] = str(threads)
+        self.cmd = cmd
+        self.log_path = log_path
+        self.log_file = open(log_path, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log_file, stderr=subprocess.STDOUT)
+
+    def wait_serving(self, timeout_s: float) -> None:
+        from inference_svc.client import NO_RETRY, TandemClient
+
+        deadline = time.monotonic() + timeout_s
+        with TandemClient(self.target, retry=NO_RETRY) as c:
+            while time.monotonic() < deadline:
+                rc = self.proc.poll()
+                if rc is not None:
+                    self._raise_exited(rc)
+                try:
+                    if c.health(timeout=1.0) == "SERVING":
+                        return
+                except Exception:  # not listening yet
+                    pass
+                time.sleep(0.2)
+        raise llama_cpp.StepError(f"server did not report SERVING within {timeout_s:.0f} s; log {self.log_path}")
+
+    def _raise_exited(self, rc: int) -> None:
+        self.log_file.flush()
+        text = self.log_path.read_text(errors="replace")
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        bad = next((ln for ln in lines if "unrecognized arguments" in ln or "invalid choice" in ln), None)
+        if rc == 2 and bad is not None:
+            raise NotOffered(bad.split("error:", 1)[-1].strip())
+        raise llama_cpp.StepError(f"server exited with {rc} before SERVING: {lines[-1] if lines else '(no output)'}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log_file.close()
+
+
+def _stream(client, prompt: list[int], max_new: int, seed: int, timeout_s: float) -> tuple[float, list[tuple]]:
+    """(start time, [(arrival time, tokens in the message, the message)]) of one streamed request."""
+    arrivals: list[tuple] = []
+    t0 = time.perf_counter()
+    stream = client.generate_stream(
+        prompt, timeout=timeout_s, max_new_tokens=max_new, ignore_eos=True, temperature=0.8, top_p=0.95, seed=seed
+    )
+    for msg in stream:
+        if msg.token_ids:
+            arrivals.append((time.perf_counter(), len(msg.token_ids), msg))
+        elif msg.HasField("usage"):
+            arrivals.append((time.perf_counter(), 0, msg))
+    return t0, arrivals
+
+
+def tandem_decode(client, vocab: int, n_gen: int, seed: int, timeout_s: float, rng: random.Random) -> float:
+    _, arr = _stream(client, [rng.randrange(3, vocab)], n_gen, seed, timeout_s)
+    counted = [a for a in arr if a[1]]
+    total = sum(a[1] for a in counted)
+    if total != n_gen or len(counted) < 2:
+        raise llama_cpp.StepError(f"decode request returned {total} tokens in {len(counted)} messages, not {n_gen}")
+    return (total - counted[0][1]) / (counted[-1][0] - counted[0][0])
+
+
+def tandem_prefill(client, vocab: int, n_prompt: int, seed: int, timeout_s: float, rng: random.Random) -> dict:
+    prompt = [rng.randrange(3, vocab) for _ in range(n_prompt)]
+    t0, arr = _stream(client, prompt, 1, seed, timeout_s)
+    first = next(a for a in arr if a[1])
+    last = arr[-1][2]
+    return {
+        "tok_s": n_prompt / (first[0] - t0),
+        "server_ttft_ms": last.timing.ttft_ms if last.HasField("timing") else float("nan"),
+        "cached_prompt_tokens": last.usage.cached_prompt_tokens if last.HasField("usage") else 0,
+    }
+
+
+def tandem_read_bytes(config, quant: str | None, dtype: str, group: int = 64) -> int:
+    """Weight bytes one decoded token reads in Tandem, from the config and shared_model/quantize.py's formats:
+    every projection (fp32 4 B, bf16 2 B; int8 1 B + one scale per row; int4 0.5 B + a scale and a zero per row and
+    group of 64, scales in the activation dtype), the LM head (the tied embedding itself unquantized; its own int8
+    copy under int8/int4) and the norms. The token embedding's gather (one row) is left out."""
+    act = 4 if dtype == "float32" else 2
+    h, v, i = config.hidden_size, config.vocab_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    mats = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # [out, in] of merged qkv, o, merged gate/up, down
+    if quant == "int8":
+        layer = sum(n * k + n * act for n, k in mats)
+    elif quant == "int4":
+        layer = sum(n * k // 2 + n * (k // group) * 2 * act for n, k in mats)
+    else:
+        layer = sum(n * k * act for n, k in mats)
+    norms = (2 * h + 2 * config.head_dim) * act
+    lm_head = v * h * act if quant is None else v * h + v * act
+    return config.num_layers * (layer + norms) + h * act + lm_head
+
+
+def tandem_case(bundle: Path, config, precision: str, threads: int, args, state: dict, out_dir: Path) -> dict:
+    from inference_svc.client import NO_RETRY, TandemClient
+
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(precision, args.quant_dtype)
+    quant = precision if precision in ("int8", "int4") else None
+    log_path = out_dir / "servers" / f"{precision}-t{threads}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    server = None
+    try:
+        for _ in range(2):  # a second try without --threads when the server lacks it
+            server = Server(bundle, dtype, quant, threads, state["threads_flag"], log_path)
+            try:
+                server.wait_serving(args.server_timeout)
+                break
+            except NotOffered as exc:
+                server.close()
+                server = None
+                if "--threads" in str(exc) and state["threads_flag"]:
+                    state["threads_flag"] = False
+                    log("  server has no --threads: its thread count goes through OMP_NUM_THREADS instead")
+                    if "--quantization" not in str(exc):
+                        continue
+                raise
+        assert server is not None
+        rng = random.Random(args.seed + threads)
+        with TandemClient(server.target, retry=NO_RETRY, timeout=args.request_timeout) as c:
+            info = c.model_info()
+            vocab = info.config.vocab_size
+            timeout = args.request_timeout
+            tandem_decode(c, vocab, args.n_gen, args.seed, timeout, rng)  # warm-up
+            tandem_prefill(c, vocab, args.n_prompt, args.seed, timeout, rng)  # warm-up
+            tg = [tandem_decode(c, vocab, args.n_gen, args.seed + r, timeout, rng) for r in range(args.reps)]
+            pps = [tandem_prefill(c, vocab, args.n_prompt, args.seed + r, timeout, rng) for r in range(args.reps)]
+        return {
+            "status": "ok",
+            "server_command": shlex.join(server.cmd),
+            "threads_via": "--threads" if state["threads_flag"] else "OMP_NUM_THREADS",
+            "dtype": info.dtype,
+            "quantization": quant or "none",
+            "tg": statistics.mean(tg),
+            "tg_stddev": statistics.stdev(tg) if len(tg) > 1 else 0.0,
+            "tg_samples": tg,
+            "pp": statistics.mean(p["tok_s"] for p in pps),
+            "pp_stddev": statistics.stdev(p["tok_s"] for p in pps) if len(pps) > 1 else 0.0,
+            "pp_samples": [p["tok_s"] for p in pps],
+            "pp_server_ttft_ms": [p["server_ttft_ms"] for p in pps],
+            "pp_cached_prompt_tokens": max(p["cached_prompt_tokens"] for p in pps),
+            "ledger_weight_bytes": int(info.ledger.weight_bytes),
+            "read_per_token": tandem_read_bytes(config, quant, info.dtype),
+        }
+    except NotOffered as exc:
+        return {"status": "not offered", "reason": str(exc)}
+    finally:
+        if server is not None:
+            server.close()
+
+
+# ------------------------------------------------------------------------------------------------ report
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "–" if x is None else f"{x:,.{digits}f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results["model"]
+    tg, pp = f"tg{results['n_gen']}", f"pp{results['n_prompt']}"
+    lines = [
+        f"CPU peer benchmark, {results['date']}: {results['machine']['model']}, {results['machine']['cores']} cores "
+        f"({flags_line(results['machine'])}); llama.cpp from llama-cpp-python {results['llama_cpp']['version']} "
+        f"(`{results['llama_cpp']['build_commit']}`), GGML_NATIVE=ON.",
+        f"Model: random Qwen3, hidden {m['hidden_size']}, {m['num_layers']} layers, vocab {m['vocab_size']}, tied "
+        f"embeddings, {m['params'] / 1e6:.1f}M parameters. Memory read bandwidth (torch sum over 1 GiB fp32, best of "
+        "7): " + ", ".join(f"{v:.1f} GB/s ({t}T)" for t, v in results["bandwidth_gbs"].items()) + ".",
+        f"Command: `{results['command']}`",
+        "",
+        f"| precision (Tandem / GGUF) | threads | {tg} llama.cpp | {tg} Tandem | tg ratio | {pp} llama.cpp "
+        f"| {pp} Tandem | pp ratio | decode GB/s llama.cpp | decode GB/s Tandem |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for c in results["cases"]:
+        lc, td = c["llama_cpp"], c["tandem"]
+        bw = results["bandwidth_gbs"][str(c["threads"])]
+        name = f"{c['precision']} / {c['gguf_type']}"
+        lgbs = f"{lc['tg_gbs']:.1f} ({lc['tg_gbs'] / bw:.0%})" if "tg_gbs" in lc else "–"
+        if td.get("status") != "ok":
+            status = td.get("status", "error")
+            lines.append(
+                f"| {name} | {c['threads']} | {fmt(lc.get('tg'))} | {status} | – | {fmt(lc.get('pp'))} | {status} "
+                f"| – | {lgbs} | – |"
+            )
+            continue
+        tgbs = f"{td['tg_gbs']:.1f} ({td['tg_gbs'] / bw:.0%})"
+        lines.append(
+            f"| {name} | {c['threads']} | {fmt(lc.get('tg'))} | {fmt(td['tg'])} | {fmt(c['ratio'].get('tg'), 2)} "
+            f"| {fmt(lc.get('pp'))} | {fmt(td['pp'])} | {fmt(c['ratio'].get('pp'), 2)} | {lgbs} | {tgbs} |"
+        )
+    lines += [
+        "",
+        f"tok/s, means over reps (llama-bench: its 5 reps after its warm-up; Tandem: {results['reps']} streamed "
+        f"requests after a warm-up, {tg} = tokens after the first / their arrival span, {pp} = prompt tokens / "
+        "client-side time to first token, gRPC and the first sampling included). Ratio = Tandem / llama.cpp. "
+        f"Tandem int8/int4 run with --dtype {results['quant_dtype']}. Decode GB/s = weight bytes read per token × "
+        f"{tg} tok/s (share of the measured bandwidth in brackets); {results['weight_bytes_estimate']}",
+    ]
+    lines += [f"Note: {n}" for n in results["notes"]]
+    return "\n".join(lines)
+
+
+def chart(results: dict[str, Any], path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: chart skipped"
+    cases = results["cases"]
+    labels = [f"{c['precision']} / {c['gguf_type']}\n{c['threads']}T" for c in cases]
+    tg, pp = f"tg{results['n_gen']}", f"pp{results['n_prompt']}"
+    fig, axes = plt.subplots(2, 1, figsize=(max(7.0, 1.1 * len(cases)), 7.5))
+    for ax, key, title in ((axes[0], "tg", f"decode {tg} (tok/s)"), (axes[1], "pp", f"prefill {pp} (tok/s)")):
+        xs = list(range(len(cases)))
+        lv = [c["llama_cpp"].get(key, 0.0) for c in cases]
+        tv = [c["tandem"].get(key, 0.0) if c["tandem"].get("status") == "ok" else 0.0 for c in cases]
+        ax.bar([x - 0.2 for x in xs], lv, 0.4, label="llama.cpp (llama-bench)")
+        ax.bar([x + 0.2 for x in xs], tv, 0.4, label="Tandem (served, gRPC)")
+        for x, c in zip(xs, cases, strict=True):
+            if key not in c["llama_cpp"]:
+                ax.text(x - 0.2, 0, "error", rotation=90, ha="center", va="bottom", fontsize=7)
+            if c["tandem"].get("status") != "ok":
+                status = c["tandem"].get("status", "error")
+                ax.text(x + 0.2, 0, status, rotation=90, ha="center", va="bottom", fontsize=7)
+            elif c["ratio"].get(key):
+                ax.text(x + 0.2, tv[x], f"{c['ratio'][key]:.2f}x", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(xs, labels, fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+    m = results["model"]
+    fig.suptitle(f"Batch-1 CPU decode, random Qwen3 {m['params'] / 1e6:.0f}M, {results['date'][:10]}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=REPO / "results" / "cpu_peer", help="folder for cpu_peer.json/.png")
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    p.add_argument("--precisions", default="fp32,bf16,int8,int4", help=f"comma-separated, of {','.join(PAIRS)}")
+    p.add_argument("--quick", action="store_true", help="small model (hidden 256, 4 layers, vocab 2048), 3 reps")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default 768; heads of 64)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 12)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 8192)")
+    p.add_argument("--heads", type=int, default=None, help="query heads (default hidden / 64)")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default heads / 3)")
+    p.add_argument("--intermediate", type=int, default=None, help="MLP width (default 8/3 hidden, rounded to 256)")
+    p.add_argument("--quant-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="Tandem --dtype for int8/int4 (activations, scales)")  # fmt: skip
+    p.add_argument("--reps", type=int, default=None, help="Tandem requests per figure (default 5, --quick 3)")
+    p.add_argument("--n-gen", type=int, default=64, help="generated tokens (llama-bench -n)")
+    p.add_argument("--n-prompt", type=int, default=512, help="prompt tokens (llama-bench -p)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--llama-cpp-version", default=llama_cpp.VERSION, help="llama-cpp-python sdist to build from")
+    p.add_argument("--server-timeout", type=float, default=300.0, help="seconds a server may take to report SERVING")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="deadline of one request in seconds")
+    p.add_argument("--bench-timeout", type=float, default=1200.0, help="seconds one llama-bench call may take")
+    p.add_argument("--no-install", action="store_true", help="fail instead of pip-installing converter deps")
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=0.0,
+        help="seconds to wait before each case for other work on the machine to calm down",
+    )
+    p.add_argument("--quiet-below", type=float, default=0.1, help="share of the CPUs that counts as calm")
+    p.add_argument(
+        "--llama-amx", action="store_true", help="build llama.cpp with AMX (off by default, see llama_cpp.py)"
+    )
+    args = p.parse_args(argv)
+    small = {"hidden": 256, "layers": 4, "vocab": 2048, "reps": 3}
+    full = {"hidden": 768, "layers": 12, "vocab": 8192, "reps": 5}
+    for k, v in (small if args.quick else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.thread_counts = [int(t) for t in args.threads.split(",") if t.strip()]
+    args.precision_list = [x.strip() for x in args.precisions.split(",") if x.strip()]
+    unknown = [x for x in args.precision_list if x not in PAIRS]
+    if unknown or not args.thread_counts or min(args.thread_counts) < 1:
+        p.error(f"--precisions must be of {','.join(PAIRS)} and --threads positive integers")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.monotonic()
+    exe = os.path.relpath(sys.executable) if sys.executable.startswith(str(REPO)) else sys.executable
+    command = shlex.join([exe, *(sys.argv if argv is None else [__file__, *argv])])
+    out_dir = args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cpu = cpu_summary()
+    results: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command,
+        "machine": cpu,
+        "reps": args.reps,
+        "n_gen": args.n_gen,
+        "n_prompt": args.n_prompt,
+        "quant_dtype": args.quant_dtype,
+        "notes": [],
+        "cases": [],
+        "errors": [],
+    }
+    log(f"cpu_peer: {cpu['model']}, {cpu['cores']} cores, {flags_line(cpu)}")
+    try:
+        tools = llama_cpp.ensure_tools(args.llama_cpp_version, log=lambda m, **_: log(m), amx=args.llama_amx)
+    except llama_cpp.StepError as exc:
+        print(f"error: llama.cpp build: {exc}", file=sys.stderr)
+        return 1
+    if tools.cached:
+        log(f"llama.cpp {tools.version}: cached build (it took {tools.info.get('build_s', float('nan')):.0f} s "
+            f"on {tools.info.get('built_at', '?')}): {tools.bench.parent}")  # fmt: skip
+    else:
+        log(f"llama.cpp {tools.version}: build took {tools.build_s:.0f} s")
+    results["llama_cpp"] = {"version": tools.version, "build_s": tools.info.get("build_s"), "cached": tools.cached,
+                            "cmake_flags": tools.info.get("cmake_flags"), "bench": str(tools.bench),
+                            "build_commit": "?"}  # fmt: skip
+
+    if not args.llama_amx:
+        results["notes"].append(
+            "llama.cpp was built without AMX (-mno-amx-tile -mno-amx-int8 -mno-amx-bf16 beside GGML_NATIVE=ON): this "
+            "version's AMX int8 kernels (Q8_0/Q4_0) die with SIGILL on tileloadd here; --llama-amx builds with AMX"
+        )
+    config = model_config(args)
+    mdir = model_dir(config, args.seed)
+    results["model"] = {**dataclasses.asdict(config), "params": param_count(config), "folder": str(mdir)}
+    try:
+        installed = ensure_converter_deps(tools.source, not args.no_install)
+        if installed:
+            results["notes"].append(f"installed for convert_hf_to_gguf.py: {' '.join(installed)}")
+        t0 = time.monotonic()
+        bundle = make_bundle(mdir / "hf", config, args.seed)
+        log(f"model: {param_count(config) / 1e6:.1f}M parameters at {bundle} ({time.monotonic() - t0:.0f} s)")
+        ggufs, mapped = make_ggufs(tools, bundle, mdir / f"gguf-{tools.version}", max(args.thread_counts))
+    except (llama_cpp.StepError, subprocess.TimeoutExpired) as exc:
+        print(f"error: model/GGUF: {exc}", file=sys.stderr)
+        return 1
+    if mapped:
+        note = ("the random tokenizer is unknown to convert_hf_to_gguf.py's pre-tokenizer table; it was mapped to "
+                "llama.cpp's 'default' pre-tokenizer (speed does not depend on it)")  # fmt: skip
+        log(f"NOTE: {note}")
+        results["notes"].append(note)
+    results["gguf"] = {t: {"file": str(p), **gguf_read_bytes(tools.source, p)} for t, p in ggufs.items()}
+    results["weight_bytes_estimate"] = (
+        "weight bytes read per token: llama.cpp = the GGUF's tensor bytes less token_embd unless it is the LM head "
+        "(tied here, so it counts); Tandem = computed from the config and shared_model/quantize.py's formats: the "
+        "projections, norms and LM head (the tied embedding unquantized, its own int8 copy under int8/int4; "
+        "int4 groups of 64), without the embedding gather."
+    )
+
+    log("memory read bandwidth (torch sum over 1 GiB fp32, best of 7):")
+    results["bandwidth_gbs"] = {}
+    for t in args.thread_counts:
+        results["bandwidth_gbs"][str(t)] = memory_bandwidth(t)
+        log(f"  {t}T: {results['bandwidth_gbs'][str(t)]:.1f} GB/s")
+
+    state = {"threads_flag": True}
+    for precision in args.precision_list:
+        gtype = PAIRS[precision]
+        for threads in args.thread_counts:
+            case: dict[str, Any] = {"precision": precision, "gguf_type": gtype, "threads": threads, "ratio": {}}
+            case["background_cpu_busy"] = wait_quiet(args.quiet_wait, args.quiet_below)  # other work on the machine
+            log(f"[{precision} / {gtype}, {threads}T] (other work on the CPUs: {case['background_cpu_busy']:.0%})")
+            try:
+                lc = llama_cpp.bench(tools, ggufs[gtype], threads, args.n_prompt, args.n_gen, args.bench_timeout)
+                lc["read_per_token"] = results["gguf"][gtype]["read_per_token"]
+                lc["tg_gbs"] = lc["read_per_token"] * lc["tg"] / 1e9
+                if lc["raw"]:
+                    results["llama_cpp"]["build_commit"] = lc["raw"][0].get("build_commit", "?")
+                log(f"  llama.cpp: tg{args.n_gen} {lc['tg']:.1f} tok/s, pp{args.n_prompt} {lc['pp']:.1f} tok/s")
+            except (llama_cpp.StepError, KeyError, ValueError) as exc:
+                lc = {"error": str(exc)}
+                results["errors"].append(f"llama-bench {gtype} t{threads}: {exc}")
+                print(f"error: llama-bench {gtype} t{threads}: {str(exc).splitlines()[0]}", file=sys.stderr)
+            try:
+                td = tandem_case(bundle, config, precision, threads, args, state, out_dir)
+            except Exception as exc:  # one case failing must not lose the others
+                td = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+                results["errors"].append(f"tandem {precision} t{threads}: {td['error']}")
+                print(f"error: tandem {precision} t{threads}: {td['error'].splitlines()[0]}", file=sys.stderr)
+            if td.get("status") == "ok":
+                td["tg_gbs"] = td["read_per_token"] * td["tg"] / 1e9
+                log(f"  Tandem:    tg{args.n_gen} {td['tg']:.1f} tok/s, pp{args.n_prompt} {td['pp']:.1f} tok/s")
+                for k in ("tg", "pp"):
+                    if k in lc:
+                        case["ratio"][k] = td[k] / lc[k]
+            elif td.get("status") == "not offered":
+                log(f"  Tandem:    not offered ({td['reason']})")
+            case["llama_cpp"], case["tandem"] = lc, td
+            results["cases"].append(case)
+    busy = [c["background_cpu_busy"] for c in results["cases"] if c["background_cpu_busy"] == c["background_cpu_busy"]]
+    if busy and max(busy) > 0.15:
+        results["notes"].append(
+            f"other work on the machine used up to {max(busy):.0%} of its CPUs just before a case (median "
+            f"{statistics.median(busy):.0%}; background_cpu_busy per case in the JSON): the figures are noisy"
+        )
+    if not state["threads_flag"]:
+        results["notes"].append("the server has no --threads flag: its thread count was set with OMP_NUM_THREADS")
+    results["wall_s"] = time.monotonic() - t_start
+    (out_dir / "cpu_peer.json").write_text(json.dumps(results, indent=1) + "\n")
+    skipped = chart(results, out_dir / "cpu_peer.png")
+    log("")
+    log(markdown(results))
+    log("")
+    log(f"wrote {out_dir / 'cpu_peer.json'}" + (f"; {skipped}" if skipped else f" and {out_dir / 'cpu_peer.png'}"))
+    log(f"wall time {results['wall_s']:.0f} s")
+    return 1 if results["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
