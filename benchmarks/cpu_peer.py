@@ -344,23 +344,14 @@ def tandem_prefill(client, vocab: int, n_prompt: int, seed: int, timeout_s: floa
 
 
 def tandem_read_bytes(config, quant: str | None, dtype: str, group: int = 64) -> int:
-    """Weight bytes one decoded token reads in Tandem, from the config and shared_model/quantize.py's formats:
-    every projection (fp32 4 B, bf16 2 B; int8 1 B + one scale per row; int4 0.5 B + a scale and a zero per row and
-    group of 64, scales in the activation dtype), the LM head (the tied embedding itself unquantized; its own int8
-    copy under int8/int4) and the norms. The token embedding's gather (one row) is left out."""
-    act = 4 if dtype == "float32" else 2
-    h, v, i = config.hidden_size, config.vocab_size, config.intermediate_size
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    mats = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # [out, in] of merged qkv, o, merged gate/up, down
-    if quant == "int8":
-        layer = sum(n * k + n * act for n, k in mats)
-    elif quant == "int4":
-        layer = sum(n * k // 2 + n * (k // group) * 2 * act for n, k in mats)
-    else:
-        layer = sum(n * k * act for n, k in mats)
-    norms = (2 * h + 2 * config.head_dim) * act
-    lm_head = v * h * act if quant is None else v * h + v * act
-    return config.num_layers * (layer + norms) + h * act + lm_head
+    """Weight bytes one decoded token reads in Tandem: the weights as served (the ledger's formula,
+    `shared_model.ledger.served_weight_bytes`, which the test suite checks against the loaded tensors) less the
+    token embedding, of which a step gathers one row, unless the embedding is also the LM head (tied and dense)."""
+    from shared_model.ledger import element_bytes, served_weight_bytes
+
+    served = served_weight_bytes(config, dtype, quant or "none", group)
+    embedding_is_head = config.tie_word_embeddings and quant is None
+    return served - (0 if embedding_is_head else config.vocab_size * config.hidden_size * element_bytes(dtype))
 
 
 def tandem_case(bundle: Path, config, precision: str, threads: int, args, state: dict, out_dir: Path) -> dict:
