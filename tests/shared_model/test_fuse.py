@@ -8,7 +8,7 @@ import torch
 
 from shared_model.attention import CAUSAL
 from shared_model.config import RopeScaling
-from shared_model.fuse import fuse_projections
+from shared_model.fuse import ServingLinear, fuse_projections
 from shared_model.model import build_model
 from tests.conftest import tiny_config
 
@@ -28,13 +28,26 @@ def test_merged_projections_are_bitwise_equal_to_the_plain_decoder(name: str, dt
     fused = fuse_projections(build_model(cfg, dtype=dtype, seed=0))
     reference = build_model(cfg, dtype=dtype, seed=0)
     gen = torch.Generator().manual_seed(0)
-    for t in (1, 5, 33):
-        ids = torch.randint(0, cfg.vocab_size, (2, t), generator=gen)
-        pos = torch.arange(100, 100 + t).expand(2, t)
+    for b, t in ((1, 1), (2, 1), (2, 5), (2, 33)):  # (1, 1): a batch-1 decode step, the GEMV path in bf16
+        ids = torch.randint(0, cfg.vocab_size, (b, t), generator=gen)
+        pos = torch.arange(100, 100 + t).expand(b, t)
         with torch.inference_mode():
             got = fused(ids, pos, CAUSAL)
             want = reference(ids, pos, CAUSAL)
-        assert torch.equal(got, want), f"{name} {dtype} T={t}: max |Δ| {(got.float() - want.float()).abs().max()}"
+        assert torch.equal(got, want), f"{name} {dtype} {b}x{t}: max |Δ| {(got.float() - want.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("shape", [(1280, 768), (768, 768), (4096, 768), (768, 2048), (8192, 768), (151, 96)])
+def test_serving_linear_gemv_returns_the_bits_of_f_linear(shape: tuple[int, int]) -> None:
+    """The batch-1 bf16 GEMV (`torch.mv`) against `F.linear` at decode shapes of real models (and an odd one)."""
+    gen = torch.Generator().manual_seed(1)
+    linear = torch.nn.Linear(shape[1], shape[0], bias=False).to(torch.bfloat16)
+    serving = ServingLinear.sharing(linear)
+    assert serving.weight is linear.weight
+    for x in (torch.randn(1, 1, shape[1], generator=gen), torch.randn(3, shape[1], generator=gen)):
+        with torch.inference_mode():
+            got, want = serving(x.bfloat16()), torch.nn.functional.linear(x.bfloat16(), linear.weight)
+        assert got.shape == want.shape and torch.equal(got, want)
 
 
 def test_state_dict_keeps_its_names_and_values_and_shares_the_merged_memory() -> None:
