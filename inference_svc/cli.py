@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 from inference_svc.errors import InferenceError
 from inference_svc.settings import AdmissionLimits, ServerSettings, host_port
-from shared_model.ledger import QUANTIZATIONS
+from shared_model.ledger import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZATIONS
 
 log = logging.getLogger("tandem.serve")
 
@@ -62,7 +62,13 @@ def _serve_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--quantization", default="none", choices=QUANTIZATIONS, help="weight-only quantization at load (LM head int8)"
     )
-    g.add_argument("--quantization-group-size", type=int, default=64, help="inputs per int4 scale: 32, 64, 128, 256")
+    g.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=DEFAULT_GROUP_SIZE,
+        choices=INT4_GROUP_SIZES,
+        help="inputs per int4 scale and zero",
+    )
     g.add_argument("--threads", type=int, default=None, help="CPU threads for the model (default: one per core)")
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-running", type=int, default=64, help="most requests decoding at once")

@@ -194,6 +194,7 @@ def _ledger_figures(info: EngineInfo) -> dict[str, float]:
     rep = ledger_report(
         info.model_config, _folder_name(str(info.model_path)), context=info.max_model_len,
         kv_dtype=info.dtype, weight_dtype=info.dtype, quantization=info.quantization,
+        group_size=info.config.quantization_group_size,
     )  # fmt: skip
     return {  # the formula for what the engine measured (ledger.weight_bytes): the two agree
         "ledger.weight_bytes": float(rep.inference["served_weight_bytes"]),

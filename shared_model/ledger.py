@@ -48,9 +48,14 @@ def weight_bytes(num_params: int | float, dtype: str = "bf16") -> float:
 
 
 QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+"""Inputs per int4 scale and zero that torch's int4 kernels accept."""
+DEFAULT_GROUP_SIZE = 64
 
 
-def quantized_matrix_bytes(rows: int, cols: int, kind: str, group_size: int = 64, scale_bytes: int = 2) -> int:
+def quantized_matrix_bytes(
+    rows: int, cols: int, kind: str, group_size: int = DEFAULT_GROUP_SIZE, scale_bytes: int = 2
+) -> int:
     """One [rows, cols] weight stored as `kind`: int8 = a byte per weight + a scale per row; int4 = half a byte per
     weight + a scale and a zero per row and group of `group_size` inputs."""
     if kind == "int8":
@@ -61,7 +66,7 @@ def quantized_matrix_bytes(rows: int, cols: int, kind: str, group_size: int = 64
 
 
 def served_weight_bytes(
-    config: ModelConfig, weight_dtype: str = "bf16", quantization: str = "none", group_size: int = 64
+    config: ModelConfig, weight_dtype: str = "bf16", quantization: str = "none", group_size: int = DEFAULT_GROUP_SIZE
 ) -> int:
     """Bytes of the weights as the engine holds them: every parameter in `weight_dtype`, plus the merged q/k-norm
     table ((Hq + Hkv)·D per layer) when the model has QK-norm; with a quantization, its projections and LM head in
@@ -164,6 +169,7 @@ def ledger_report(
     kv_dtype: str = "bf16",
     weight_dtype: str = "bf16",
     quantization: str = "none",
+    group_size: int = DEFAULT_GROUP_SIZE,
 ) -> LedgerReport:
     for label, value in (("context", context), ("batch", batch), ("gpus", gpus)):
         if value < 1:
@@ -174,7 +180,7 @@ def ledger_report(
     rep.inference = {
         "weight_dtype_bytes": element_bytes(weight_dtype),
         "weight_bytes": weight_bytes(n, weight_dtype),
-        "served_weight_bytes": served_weight_bytes(config, weight_dtype, quantization),
+        "served_weight_bytes": served_weight_bytes(config, weight_dtype, quantization, group_size),
     }
     rep.quantization = quantization
     per_token = kv_bytes_per_token(config, kv_dtype)

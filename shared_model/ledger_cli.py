@@ -13,7 +13,14 @@ from pathlib import Path
 
 from shared_model.config import PRESETS, ModelConfig
 from shared_model.errors import SharedModelError
-from shared_model.ledger import BYTES_PER_ELEMENT, QUANTIZATIONS, format_report, ledger_report
+from shared_model.ledger import (
+    BYTES_PER_ELEMENT,
+    DEFAULT_GROUP_SIZE,
+    INT4_GROUP_SIZES,
+    QUANTIZATIONS,
+    format_report,
+    ledger_report,
+)
 
 
 def resolve_model(spec: str) -> tuple[ModelConfig, str, float | None]:
@@ -41,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quantization", default="none", choices=QUANTIZATIONS, help="weight-only quantization, as `tandem serve`"
     )
+    p.add_argument("--quantization-group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=INT4_GROUP_SIZES)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -60,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kv_dtype=args.kv_dtype,
             weight_dtype=args.weight_dtype,
             quantization=args.quantization,
+            group_size=args.quantization_group_size,
         )
     except (SharedModelError, ValueError) as exc:
         print(f"tandem ledger: {exc}", file=sys.stderr)

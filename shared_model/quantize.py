@@ -45,12 +45,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared_model.fuse import fuse_projections
-from shared_model.ledger import QUANTIZATIONS
+from shared_model.ledger import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZATIONS
 from shared_model.model import CausalLM
 
-INT4_GROUP_SIZES = (32, 64, 128, 256)
-"""Group sizes torch's int4 kernels accept."""
-DEFAULT_GROUP_SIZE = 64
 PACKED_MAX_ROWS = 4
 """Rows up to which the packed kernels beat dequantize-then-GEMM. Their time grows with every row: on one 4096 x 768
 int8 matrix, 2 threads, 268 / 503 / 1,988 us at 1 / 4 / 16 rows, against 585 / 633 / 619 us for the dense bf16

@@ -15,8 +15,7 @@ import re
 from dataclasses import dataclass
 
 from inference_svc.errors import InferenceError
-from shared_model.ledger import QUANTIZATIONS
-from shared_model.quantize import INT4_GROUP_SIZES
+from shared_model.ledger import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZATIONS
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
@@ -104,7 +103,7 @@ class EngineConfig:
     quantization: str = "none"
     """Weight-only quantization at load: 'none', 'int8' (per output channel) or 'int4' (groups of
     quantization_group_size inputs); the LM head is int8 under both (`shared_model.quantize`)."""
-    quantization_group_size: int = 64
+    quantization_group_size: int = DEFAULT_GROUP_SIZE
     """Inputs per int4 scale and zero: 32, 64, 128 or 256."""
     threads: int | None = None
     """CPU threads for the model's ops (torch intra-op threads); None: torch's default, one per core."""

@@ -293,7 +293,6 @@ class Engine:
             kv_bytes_per_token=self.bytes_per_token,
             kv_cache_bytes=self.runner.cache.nbytes,
             weight_bytes=self.weight_bytes,
-            quantization=self.config.quantization,
             peak_workspace_bytes=self.runner.peak_workspace_bytes,
             config=self.config,
         )

@@ -160,11 +160,14 @@ class EngineInfo:
     kv_cache_bytes: int
     weight_bytes: int
     """The weights as held: merged projections, quantized formats and their scales (`serving_weight_bytes`)."""
-    quantization: str
-    """'none', 'int8' or 'int4' (`EngineConfig.quantization`)."""
     peak_workspace_bytes: int
     config: EngineConfig
     """The engine's settings as given (block size, batching limits, prefix caching, ...)."""
+
+    @property
+    def quantization(self) -> str:
+        """'none', 'int8' or 'int4' (`EngineConfig.quantization`)."""
+        return self.config.quantization
 
     @property
     def num_parameters(self) -> int:

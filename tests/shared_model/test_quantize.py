@@ -115,6 +115,13 @@ def test_served_bytes_equal_the_ledger_formula(kind: str, tied: bool, dtype: str
     assert qz.serving_weight_bytes(model) == served_weight_bytes(cfg, dtype, kind)
 
 
+def test_served_bytes_follow_the_int4_group_size() -> None:
+    cfg, group = tiny_config(), 32
+    model = qz.quantize_weights(build_model(cfg, dtype=torch.bfloat16, seed=0), "int4", group_size=group)
+    assert qz.serving_weight_bytes(model) == served_weight_bytes(cfg, "bf16", "int4", group)
+    assert served_weight_bytes(cfg, "bf16", "int4", group) != served_weight_bytes(cfg, "bf16", "int4")
+
+
 def test_quantization_frees_the_full_precision_projections() -> None:
     cfg = tiny_config()
     model = qz.quantize_weights(build_model(cfg, dtype=torch.bfloat16, seed=0), "int4")

@@ -75,6 +75,7 @@ def test_a_model_int4_cannot_take_is_refused_at_load_naming_the_weight(tmp_path,
     folder = save_bundle(tmp_path / "odd", cfg, build_model(cfg), small_tokenizer)
     with pytest.raises(ModelLoadError, match=r"quantization int4: model\.layers\.0\.mlp\.gate_proj\.weight: 72"):
         Engine.from_bundle(folder, EngineConfig(quantization="int4", kv_cache_memory="1MiB"))
-    assert Engine.from_bundle(folder, EngineConfig(quantization="int8", kv_cache_memory="1MiB")).info().quantization
+    int8 = Engine.from_bundle(folder, EngineConfig(quantization="int8", kv_cache_memory="1MiB"))
+    assert int8.info().quantization == "int8"  # int8 has no shape rule: the same model loads
     with pytest.raises(EngineConfigError, match="quantization: must be one of"):
         EngineConfig(quantization="int3")
