@@ -11,8 +11,8 @@ Contract:
 - Every projection it leaves (the merged ones, o_proj, down_proj, the LM head) is a `ServingLinear`: an
   `nn.Linear` sharing the same parameters (the state dict is unchanged) whose bias-free bf16 product of a single
   row on CPU, a batch-1 decode step, runs `torch.mv` instead of `F.linear`. There they return the same bits (checked
-  by tests/shared_model/test_fuse.py at decode shapes), and the GEMV reads the weight 1.6x faster than the bf16
-  GEMM path (docs/benchmarks.md §7). Everything else goes to `F.linear` unchanged.
+  by tests/shared_model/test_fuse.py at decode shapes), and the GEMV reads the weight 1.6-2.4x faster than the
+  bf16 GEMM path (benchmarks/gemv_probe.py, docs/benchmarks.md §7). Everything else goes to `F.linear` unchanged.
 - Inference only: the merged parameters stop requiring grad, and the merged projections live outside the module
   tree, where ZeRO never sees them. Training keeps the plain parameters. Apply it after the model has its final
   device and dtype (`Module.to` would copy the parameters out of the merged matrices). Applying it twice does

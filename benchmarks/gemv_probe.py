@@ -1,0 +1,65 @@
+"""Batch-1 matrix-vector kernels on CPU: what torch offers for each weight format, in GB/s of weight bytes read.
+
+Times one activation row against `--matrices` weight matrices of `--rows` x `--cols` (more than the caches hold
+with the defaults' 12 x 4096 x 768 in fp32), best of `--rounds` interleaved rounds so that every kernel sees the
+same machine load, for: `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (through `QuantizedLinear`'s own
+packing) with bf16 activations, `F.linear` in fp32 and bf16, and `torch.mv` in bf16 (what `ServingLinear` runs
+for one bf16 row). The figures of docs/benchmarks.md §7 ("Torch's packed kernels are compute-bound here").
+
+    .venv/bin/python benchmarks/gemv_probe.py [--threads 2] [--rows 4096 --cols 768 --matrices 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from shared_model.quantize import QuantizedLinear
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", type=int, default=4096)
+    p.add_argument("--cols", type=int, default=768)
+    p.add_argument("--matrices", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    n, k, count = args.rows, args.cols, args.matrices
+    gen = torch.Generator().manual_seed(0)
+    dense = [torch.randn(n, k, generator=gen) * 0.05 for _ in range(count)]
+    x32 = torch.randn(1, k, generator=gen)
+    x16 = x32.bfloat16()
+    int8 = [QuantizedLinear(w, None, "int8", 64, torch.bfloat16) for w in dense]
+    int4 = [QuantizedLinear(w, None, "int4", 64, torch.bfloat16) for w in dense]
+    bf16 = [w.bfloat16() for w in dense]
+    cases: dict[str, tuple[Callable[[], object], float]] = {
+        "_weight_int8pack_mm, bf16 x": (lambda: [q._packed(x16) for q in int8], n * k),
+        "_weight_int4pack_mm_for_cpu, bf16 x": (lambda: [q._packed(x16) for q in int4], n * k / 2),
+        "F.linear fp32": (lambda: [F.linear(x32, w) for w in dense], n * k * 4),
+        "F.linear bf16": (lambda: [F.linear(x16, w) for w in bf16], n * k * 2),
+        "torch.mv bf16": (lambda: [torch.mv(w, x16[0]) for w in bf16], n * k * 2),
+    }
+    best = dict.fromkeys(cases, float("inf"))
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            for name, (run, _) in cases.items():
+                run()
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    run()
+                best[name] = min(best[name], (time.perf_counter() - t0) / 20)
+    print(f"{count} matrices of {n} x {k}, one activation row, {args.threads} threads (best of {args.rounds} rounds)")
+    for name, (_, nbytes) in cases.items():
+        print(f"  {name:38s} {best[name] * 1e3:7.2f} ms   {count * nbytes / best[name] / 1e9:5.1f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
