@@ -59,6 +59,10 @@ class EngineStats:
     """Blocks holding a registered prefix (in use or evictable)."""
     prefix_cache_hit_rate: float
     """Prompt tokens served from the prefix cache / prompt tokens looked up, over all admissions."""
+    prefix_cache_hit_tokens: int
+    """Prompt tokens found in the prefix cache, over all lookups (a counter)."""
+    prefix_cache_queried_tokens: int
+    """Prompt tokens looked up in the prefix cache, over all lookups (a counter)."""
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
@@ -274,6 +278,8 @@ class Engine:
             kv_blocks_free=bm.num_free,
             kv_blocks_cached=bm.num_cached,
             prefix_cache_hit_rate=bm.hit_tokens / bm.queried_tokens if bm.queried_tokens else 0.0,
+            prefix_cache_hit_tokens=bm.hit_tokens,
+            prefix_cache_queried_tokens=bm.queried_tokens,
             num_preemptions=c.num_preemptions,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=c.generation_tokens_total,
