@@ -13,7 +13,8 @@ Contract:
   token, and their prompt tokens, stay within the limits after adding it; otherwise `CapacityError` is raised and
   nothing about the request exists anywhere (nothing half-admitted). The reservation is released when the request
   produces its first increment or ends, whichever comes first.
-- `generate()` is an async iterator of `RequestOutput`. Leaving it early (client cancel, disconnect, the server's
+- `generate(..., n=k)` runs k completions of one prompt (tokenized once, admitted together or refused together)
+  and is an async iterator of `RequestOutput` whose `index` names the completion. Leaving it early (client cancel, disconnect, the server's
   own deadline cancellation) sends an abort: the engine drops the sequence at its next step and frees its blocks.
   A deadline (monotonic seconds) is also enforced by the engine thread, for queued and running requests alike;
   the iterator then raises `DeadlineExceededError` after the blocks are freed.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -43,7 +45,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference_svc.engine.types import EngineInfo, FinishReason, RequestOutput, SamplingParams
+from inference_svc.engine.types import MAX_N, EngineInfo, FinishReason, RequestOutput, SamplingParams
 from inference_svc.errors import (
     CapacityError,
     DeadlineExceededError,
@@ -93,9 +95,10 @@ _STOP = object()
 # ---------------------------------------------------------------------------------------- per-request state
 @dataclass
 class _Stream:
-    """Event-loop side of one request."""
+    """Event-loop side of one engine request."""
 
     items: asyncio.Queue = field(default_factory=asyncio.Queue)
+    """(engine request id, increment or exception): shared by the `n` completions of one request."""
     reserved_tokens: int = 0
     reserved: bool = True
 
@@ -213,37 +216,49 @@ class AsyncEngine:
         sampling: SamplingParams,
         request_id: str = "",
         deadline: float | None = None,
+        n: int = 1,
     ) -> AsyncIterator[RequestOutput]:
-        """Admit one request and iterate its increments; the last has `finished=True`."""
+        """Admit one request and iterate its increments; the last of each of its `n` completions has
+        `finished=True` (`RequestOutput.index` says which). Completions after the first run as engine requests
+        `REQUEST_ID.i` with seed `seed + i` when a seed is set, so they differ and stay reproducible; they are
+        admitted together or not at all, and leaving the iterator aborts every one still running."""
         if self._draining or not self.healthy or self._thread is None:
             raise EngineStoppedError("the server is shutting down" if self._draining else "the engine is not running")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+            raise InvalidRequestError("n", f"must be an integer in [1, {MAX_N}], got {n!r}")
         rid = request_id or uuid.uuid4().hex
         if len(rid) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}")
-        if rid in self._streams:
+        children = [rid] if n == 1 else [f"{rid}.{i}" for i in range(n)]
+        if rid in self._streams or any(c in self._streams for c in children):
             raise InvalidRequestError("request_id", f"a request with id {rid!r} is already in flight")
         ids = await self._prompt_ids(prompt)
-        stream = self._admit(rid, len(ids))
+        items: asyncio.Queue = asyncio.Queue()
+        streams = self._admit(children, len(ids), items)
         arrival = time.monotonic()
-        self._inbox.put(_Add(rid, ids, sampling, arrival, deadline))
-        finished = False
+        for i, child in enumerate(children):
+            params = sampling
+            if i and sampling.seed is not None:
+                params = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**64)
+            self._inbox.put(_Add(child, ids, params, arrival, deadline))
+        index = {child: i for i, child in enumerate(children)}
+        running = set(children)
         try:
-            while True:
-                item = await stream.items.get()
+            while running:
+                child, item = await items.get()
                 if isinstance(item, BaseException):
-                    finished = True
+                    running.discard(child)
                     raise item
-                self._release(stream)
+                self._release(streams[child])
                 if item.finished:
-                    finished = True
-                yield item
-                if finished:
-                    return
+                    running.discard(child)
+                yield item if n == 1 else dataclasses.replace(item, request_id=rid, index=index[child])
         finally:
-            self._release(stream)
-            self._streams.pop(rid, None)
-            if not finished:
-                self._inbox.put(_Abort(rid, None))
+            for child in children:
+                self._release(streams[child])
+                self._streams.pop(child, None)
+                if child in running:
+                    self._inbox.put(_Abort(child, None))
             if not self._streams:
                 self._idle.set()
 
@@ -268,26 +283,30 @@ class AsyncEngine:
             )
         return await self.tokenize(prompt)
 
-    def _admit(self, rid: str, num_tokens: int) -> _Stream:
+    def _admit(self, rids: list[str], num_tokens: int, items: asyncio.Queue) -> dict[str, _Stream]:
+        """Reserve queue room for `len(rids)` requests of `num_tokens` prompt tokens each, all or none."""
         lim = self.limits
-        if num_tokens > lim.max_queued_tokens:
+        k = len(rids)
+        if num_tokens * k > lim.max_queued_tokens:
             raise InvalidRequestError(
-                "prompt", f"{num_tokens} prompt tokens exceed the server's queue limit of {lim.max_queued_tokens}"
+                "prompt",
+                f"{num_tokens} prompt tokens × {k} completions exceed the server's queue limit of "
+                f"{lim.max_queued_tokens} tokens",
             )
-        if self._queued_requests + 1 > lim.max_queued_requests:
+        if self._queued_requests + k > lim.max_queued_requests:
             raise CapacityError(f"the request queue is full ({lim.max_queued_requests} requests waiting); retry later")
-        if self._queued_tokens + num_tokens > lim.max_queued_tokens:
+        if self._queued_tokens + num_tokens * k > lim.max_queued_tokens:
             raise CapacityError(
                 f"the request queue is full ({self._queued_tokens} of {lim.max_queued_tokens} prompt tokens "
-                f"waiting, this request has {num_tokens}); retry later"
+                f"waiting, this request has {num_tokens * k}); retry later"
             )
-        self._queued_requests += 1
-        self._queued_tokens += num_tokens
-        stream = _Stream(reserved_tokens=num_tokens)
-        self._streams[rid] = stream
+        self._queued_requests += k
+        self._queued_tokens += num_tokens * k
+        streams = {rid: _Stream(items=items, reserved_tokens=num_tokens) for rid in rids}
+        self._streams.update(streams)
         self._idle.clear()
         self._report_admission()
-        return stream
+        return streams
 
     def _release(self, stream: _Stream) -> None:
         if stream.reserved:
@@ -305,7 +324,7 @@ class AsyncEngine:
         for rid, item in batch:
             stream = self._streams.get(rid)
             if stream is not None:
-                stream.items.put_nowait(item)
+                stream.items.put_nowait((rid, item))
 
     # ------------------------------------------------------------------ the engine thread
     def _post(self, batch: list[tuple[str, RequestOutput | BaseException]]) -> None:

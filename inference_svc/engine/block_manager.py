@@ -83,9 +83,9 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ------------------------------------------------------------------ allocation
-    def _match(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+    def _match(self, tokens: Sequence[int], use_cache: bool = True) -> tuple[list[int], list[int]]:
         """Registered blocks of the longest cached prefix (leaving at least one token uncovered), and their hashes."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not use_cache:
             return [], []
         bs = self.block_size
         blocks: list[int] = []
@@ -102,22 +102,24 @@ class BlockManager:
             parent = h
         return blocks, hashes
 
-    def can_allocate(self, tokens: Sequence[int]) -> bool:
-        """Whether `allocate(tokens)` would succeed now."""
-        hit, _ = self._match(tokens)
+    def can_allocate(self, tokens: Sequence[int], use_cache: bool = True) -> bool:
+        """Whether `allocate(tokens, use_cache)` would succeed now."""
+        hit, _ = self._match(tokens, use_cache)
         need = self.blocks_for(len(tokens)) - len(hit)
         need += sum(1 for b in hit if self.blocks[b].ref_count == 0)  # reusing an evictable block takes it
         return need <= self.num_free
 
-    def allocate(self, tokens: Sequence[int]) -> Allocation:
-        """Blocks covering `tokens`, reusing the cached prefix. Raises if there is not room (check first)."""
-        if not self.can_allocate(tokens):
+    def allocate(self, tokens: Sequence[int], use_cache: bool = True) -> Allocation:
+        """Blocks covering `tokens`, reusing the cached prefix unless `use_cache` is False (no lookup, not counted
+        as a query). Raises if there is not room (check first)."""
+        if not self.can_allocate(tokens, use_cache):
             raise RuntimeError("not enough free KV blocks (call can_allocate first)")
-        hit, hashes = self._match(tokens)
+        hit, hashes = self._match(tokens, use_cache)
         for bid in hit:
             self._ref(bid)
         fresh = [self._take() for _ in range(self.blocks_for(len(tokens)) - len(hit))]
-        self.queried_tokens += len(tokens)
+        if use_cache:
+            self.queried_tokens += len(tokens)
         self.hit_tokens += len(hit) * self.block_size
         return Allocation(hit + fresh, len(hit) * self.block_size, hashes)
 

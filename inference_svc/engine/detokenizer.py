@@ -11,6 +11,8 @@ Contract:
   tokens is found, and the work per token is bounded by the characters it adds, not by the number or length of
   the stop strings. Text that could still be the beginning of a stop string is held back; a matched stop string is
   stripped, and `matched_stop` says which one matched (the one that ends first; the longest among those).
+  `add(token, match_stops=False)` (before a request's `min_tokens`) commits the text without matching or holding
+  any back; matching then starts on the text that follows.
 - Knows nothing about scheduling or sampling; owned by one Sequence.
 """
 
@@ -33,12 +35,13 @@ class IncrementalDetokenizer:
         self._committed = ""
         self._emitted = 0  # characters of the text already returned as deltas
         self._stop_at: int | None = None  # index in the text where a matched stop string begins
+        self._unmatched = 0  # characters committed while stop strings were not matched (before min_tokens)
         self.stopped = False
         """True once a stop string matched; the caller finishes the request."""
         self.matched_stop: str | None = None
         """The stop string that matched, once `stopped`."""
 
-    def add(self, token_id: int) -> str:
+    def add(self, token_id: int, match_stops: bool = True) -> str:
         """Feed one token; return the new text delta (possibly empty)."""
         if self.stopped:
             return ""
@@ -48,13 +51,15 @@ class IncrementalDetokenizer:
             return ""  # an unfinished multi-byte character: wait for its next byte
         self._committed += tail
         self._start = len(self._ids)
-        if self._matcher is not None:
+        if self._matcher is not None and not match_stops and self._unmatched == len(self._committed) - len(tail):
+            self._unmatched += len(tail)  # nothing fed to the matcher yet: this text is never matched
+        elif self._matcher is not None:
             hit = self._matcher.feed(tail)
             if hit is not None:
-                self._stop_at = hit.start
+                self._stop_at = self._unmatched + hit.start
                 self.stopped = True
                 self.matched_stop = self._matcher.stops[hit.index]
-                return self._emit(hit.start)
+                return self._emit(self._stop_at)
             return self._emit(len(self._committed) - self._matcher.held_back)
         return self._emit(len(self._committed))
 

@@ -34,7 +34,16 @@ from inference_svc.engine.model_runner import BackendFactory, ModelRunner
 from inference_svc.engine.sampler import Sampler, SampleRequest, Samples
 from inference_svc.engine.scheduler import Scheduler, StepEvent
 from inference_svc.engine.sequence import Sequence
-from inference_svc.engine.types import EngineInfo, FinishReason, RequestOutput, SamplingParams, Timing, Usage
+from inference_svc.engine.types import (
+    Completion,
+    EngineInfo,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    Timing,
+    TokenLogprob,
+    Usage,
+)
 from inference_svc.errors import InvalidRequestError, ModelLoadError, RequestFailedError
 from shared_model import ledger
 from shared_model.bundle import Bundle, load_bundle, parse_dtype
@@ -81,6 +90,9 @@ class GenerationResult:
     usage: Usage
     timing: Timing
     logprobs: list[float] | None = None
+    top_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    stop_reason: str | int | None = None
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -171,9 +183,13 @@ class Engine:
                 f"the prompt has {len(token_ids)} tokens; this engine's context holds {self.max_model_len} "
                 f"(prompt + at least one generated token), limited by {self._context_limit()}",
             )
-        bad_stop = [t for t in sampling.stop_token_ids if t >= self.model_config.vocab_size]
+        vocab = self.model_config.vocab_size
+        bad_stop = [t for t in sampling.stop_token_ids if t >= vocab]
         if bad_stop:
             raise InvalidRequestError("stop_token_ids", f"ids {bad_stop} are outside the vocabulary")
+        bad_bias = [t for t, _ in sampling.logit_bias if t >= vocab]
+        if bad_bias:
+            raise InvalidRequestError("logit_bias", f"token ids {bad_bias[:5]} are outside the vocabulary [0, {vocab})")
         seq = Sequence(
             request_id=request_id,
             seq_index=self._next_index,
@@ -235,13 +251,14 @@ class Engine:
         if batch:
             logits = self.runner.run(batch)
             sampling = [b for b in batch if b.samples]
-            requests = [SampleRequest(b.seq.sampling, b.seq.token_ids, b.seq.generator) for b in sampling]
-            samples = self.sampler.sample(logits, requests) if requests else Samples([], None, [])
+            requests = [
+                SampleRequest(b.seq.sampling, b.seq.token_ids, b.seq.generator, b.seq.num_prompt_tokens, self._eos_ids)
+                for b in sampling
+            ]
+            samples = self.sampler.sample(logits.sample, requests) if requests else Samples([], None, [])
             for j in samples.failed:
                 log.error("request %s: the model's logits are not finite; failing it alone", sampling[j].seq.request_id)
-            events += self.scheduler.postprocess(
-                batch, samples.tokens, samples.logprobs, time.monotonic(), frozenset(samples.failed)
-            )
+            events += self.scheduler.postprocess(batch, samples, time.monotonic(), logits.prompt)
             scrub = [b for e in events for b in e.scrub_blocks]
             if scrub:
                 self.runner.zero_blocks(scrub)
@@ -258,8 +275,11 @@ class Engine:
             request_id=seq.request_id,
             new_token_ids=e.new_token_ids,
             text_delta=e.text_delta,
-            logprobs=e.logprobs if seq.sampling.logprobs else None,
+            logprobs=e.logprobs if seq.sampling.wants_logprobs else None,
+            top_logprobs=e.top_logprobs,
+            prompt_logprobs=e.prompt_logprobs,
             finished=e.finished,
+            stop_reason=seq.stop_reason if e.finished else None,
             finish_reason=seq.finish_reason if e.finished else None,
             usage=usage,
             timing=_timing(seq) if e.finished else None,
@@ -316,34 +336,29 @@ class Engine:
         for rid, prompt, p in zip(ids, prompts, per, strict=True):
             self.add_request(rid, prompt, p)
         prompt_ids = {rid: list(self._requests[rid].token_ids) for rid in ids}
-        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-        texts: dict[str, list[str]] = {rid: [] for rid in ids}
-        lps: dict[str, list[float]] = {rid: [] for rid in ids}
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
+        done = {rid: Completion(rid) for rid in ids}
+        while not all(c.finished for c in done.values()):
             for out in self.step():
-                if out.request_id not in tokens:
-                    continue
-                tokens[out.request_id] += out.new_token_ids
-                texts[out.request_id].append(out.text_delta)
-                lps[out.request_id] += out.logprobs or []
-                if out.finished:
-                    final[out.request_id] = out
-        failed = {rid: out.error for rid, out in final.items() if out.finish_reason is FinishReason.ERROR}
+                if out.request_id in done:
+                    done[out.request_id].add(out)
+        failed = [c.error for c in done.values() if c.finish_reason is FinishReason.ERROR]
         if failed:
-            raise RequestFailedError(f"{len(failed)} of {len(ids)} requests failed: {next(iter(failed.values()))}")
+            raise RequestFailedError(f"{len(failed)} of {len(ids)} requests failed: {failed[0]}")
         return [
             GenerationResult(
                 request_id=rid,
                 prompt_token_ids=prompt_ids[rid],
-                token_ids=tokens[rid],
-                text="".join(texts[rid]),
-                finish_reason=final[rid].finish_reason or FinishReason.STOP,
-                usage=final[rid].usage,
-                timing=final[rid].timing or Timing(),
-                logprobs=lps[rid] if p.logprobs else None,
+                token_ids=done[rid].token_ids,
+                text=done[rid].text,
+                finish_reason=done[rid].finish_reason or FinishReason.STOP,
+                usage=done[rid].usage,
+                timing=done[rid].timing or Timing(),
+                logprobs=done[rid].logprobs,
+                top_logprobs=done[rid].top_logprobs,
+                prompt_logprobs=done[rid].prompt_logprobs,
+                stop_reason=done[rid].stop_reason,
             )
-            for rid, p in zip(ids, per, strict=True)
+            for rid in ids
         ]
 
 

@@ -8,6 +8,10 @@ Contract:
   the plain decoder, and weights quantized by `shared_model.quantize` when asked), and returns fp32 logits
   `[S_sample, vocab]` only for sequences whose last scheduled token is their last token (those sample a new
   token this step); the LM head runs on those rows only.
+- Prompt logprobs: for a sequence whose request asks for them, the positions of this step's chunk whose next
+  token is a prompt token, and that `Sequence.prompt_logprobs` does not hold yet, also go through the LM head
+  (in pieces of `logprobs.ROWS_PER_PIECE` rows) and come back reduced to `TokenLogprob`s in `StepLogits.prompt`:
+  never a [prompt, vocab] tensor.
 - Runs under `torch.inference_mode()`; no autograd state, no global state.
 """
 
@@ -16,11 +20,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from inference_svc.engine.attention import AttentionMetadata, KVCache, paged_attention_factory, torch_ops
+from inference_svc.engine.logprobs import ROWS_PER_PIECE, token_logprobs
 from inference_svc.engine.sequence import Sequence
+from inference_svc.engine.types import TokenLogprob
 from shared_model.config import ModelConfig
 from shared_model.model import CausalLM
 
@@ -44,6 +51,24 @@ class ScheduledSeq:
 
 
 BackendFactory = Callable[[KVCache, AttentionMetadata], Callable]
+
+
+class StepLogits(NamedTuple):
+    sample: torch.Tensor
+    """[S_sample, vocab] fp32, in batch order of the sampling sequences."""
+    prompt: dict[int, list[TokenLogprob]]
+    """Batch index → the logprobs of the prompt tokens this step's chunk predicts, in order, continuing
+    `seq.prompt_logprobs` (one per prompt token after the first)."""
+
+
+@dataclass(frozen=True)
+class _PromptRows:
+    item: int
+    """Batch index."""
+    rows: list[int]
+    """Rows of the flat [T] layout whose logits predict `targets`."""
+    targets: list[int]
+    k: int
 
 
 class ModelRunner:
@@ -80,19 +105,33 @@ class ModelRunner:
         self._workspace_per_token = (2 * c.intermediate_size + c.q_size + 2 * c.kv_size + 2 * c.hidden_size) * elem
 
     @torch.inference_mode()
-    def run(self, batch: Seq[ScheduledSeq]) -> torch.Tensor:
-        """Logits [S_sample, vocab] (fp32), in batch order of the sampling sequences."""
-        input_ids, positions, meta, sample_rows = self._prepare(batch)
+    def run(self, batch: Seq[ScheduledSeq]) -> StepLogits:
+        """The sampling rows' logits, and the prompt logprobs this step computed (see `StepLogits`)."""
+        if all(b.is_decode for b in batch):
+            input_ids, positions, meta, sample_rows = self._prepare_decode(batch)
+            prompt_rows: list[_PromptRows] = []
+        else:
+            input_ids, positions, meta, sample_rows, prompt_rows = self._prepare(batch)
         backend = self.backend_factory(self.cache, meta)
         hidden = self.model.hidden_states(input_ids[None], positions[None], backend)[0]  # [T, H]
         rows = hidden[sample_rows] if len(sample_rows) != hidden.shape[0] else hidden
         logits = self.model.logits(rows).float()  # [S_sample, vocab]
         self._track_workspace(hidden.shape[0], logits.shape[0])
-        return logits
+        prompt = {p.item: self._prompt_logprobs(hidden, p) for p in prompt_rows}
+        return StepLogits(logits, prompt)
 
-    def _prepare(self, batch: Seq[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        if all(b.is_decode for b in batch):
-            return self._prepare_decode(batch)
+    def _prompt_logprobs(self, hidden: torch.Tensor, p: _PromptRows) -> list[TokenLogprob]:
+        out: list[TokenLogprob] = []
+        for lo in range(0, len(p.rows), ROWS_PER_PIECE):
+            rows = torch.tensor(p.rows[lo : lo + ROWS_PER_PIECE], dtype=torch.int64, device=hidden.device)
+            logits = self.model.logits(hidden[rows]).float()  # [r, vocab]
+            targets = torch.tensor(p.targets[lo : lo + ROWS_PER_PIECE], dtype=torch.int64)
+            out += token_logprobs(logits, targets, p.k)
+        return out
+
+    def _prepare(
+        self, batch: Seq[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[_PromptRows]]:
         bs = self.block_size
         decodes = [b for b in batch if b.is_decode]
         prefills = [b for b in batch if not b.is_decode]
@@ -100,13 +139,20 @@ class ModelRunner:
         pos: list[int] = []
         slots: list[int] = []
         last_row: dict[int, int] = {}  # id(item) -> row of its last token in the flat [T] layout
+        first_row: dict[int, int] = {}
         for b in (*decodes, *prefills):
             seq, table = b.seq, b.seq.block_table
             rng = range(b.start, b.start + b.num_tokens)
+            first_row[id(b)] = len(ids)
             ids.extend(seq.token_ids[b.start : b.start + b.num_tokens])
             pos.extend(rng)
             slots.extend(table[p // bs] * bs + p % bs for p in rng)
             last_row[id(b)] = len(ids) - 1
+        prompt_rows = [
+            _prompt_rows(i, b, first_row[id(b)])
+            for i, b in enumerate(batch)
+            if b.seq.sampling.prompt_logprobs is not None
+        ]
         # Logits rows follow the caller's batch order, not the flat layout (decodes first): a cache-hit admission
         # whose remaining prompt is one token runs as a decode yet sits after prefill chunks in the batch.
         sample_rows = [last_row[id(b)] for b in batch if b.samples]
@@ -130,7 +176,7 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        return input_ids, positions, meta, sample_rows
+        return input_ids, positions, meta, sample_rows, [p for p in prompt_rows if p.rows]
 
     def _prepare_decode(
         self, batch: Seq[ScheduledSeq]
@@ -177,6 +223,18 @@ class ModelRunner:
         """Estimate of the step's largest live activations (bytes) plus its fp32 logits rows."""
         step = num_tokens * self._workspace_per_token + num_logit_rows * self.config.vocab_size * 4
         self.peak_workspace_bytes = max(self.peak_workspace_bytes, step)
+
+
+def _prompt_rows(item: int, b: ScheduledSeq, first_row: int) -> _PromptRows:
+    """The rows of item `b` (starting at `first_row` of the flat layout) whose next token is a prompt token not yet
+    in `seq.prompt_logprobs` (which holds one entry per prompt token, the first being None)."""
+    seq = b.seq
+    done = len(seq.prompt_logprobs) if seq.prompt_logprobs is not None else 1
+    lo = max(b.start, done - 1)
+    hi = min(b.start + b.num_tokens, seq.num_prompt_tokens - 1)
+    positions = range(lo, hi)
+    k = seq.sampling.prompt_logprobs or 0
+    return _PromptRows(item, [first_row + p - b.start for p in positions], [seq.token_ids[p + 1] for p in positions], k)
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

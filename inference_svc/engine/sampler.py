@@ -2,9 +2,13 @@
 
 Contract:
 - `sample(logits [S, V] fp32, requests)` returns one token id per row (and, when asked, its log-probability under
-  the model's distribution: log_softmax of the raw logits, before penalties, temperature or truncation).
-- Order of transforms: repetition penalty (CTRL: positive logits divided, negative multiplied, over tokens in the
-  prompt or output) → greedy argmax when temperature is 0 → temperature → top-k → top-p → min-p → draw.
+  the model's distribution: log_softmax of the raw logits, before penalties, temperature or truncation, with the
+  `top_logprobs` most likely alternatives of that same distribution).
+- Order of transforms: `logit_bias` (added) → repetition penalty (CTRL: positive logits divided, negative
+  multiplied, over tokens in the prompt or output) → presence and frequency penalties (OpenAI's: over generated
+  tokens only, `presence·[count > 0] + frequency·count` subtracted) → clamp to the finite range → `min_tokens`
+  (EOS, unless ignored, and the stop token ids set to -inf while fewer than min_tokens tokens were generated)
+  → greedy argmax when temperature is 0 → temperature → top-k → top-p → min-p → draw.
 - No valid parameter overflows: penalized logits are clamped to the finite float range, and temperature divides
   `logits - rowmax` (all <= 0) and is floored at fp32's smallest normal number, so a temperature of 1e-38 (or
   5e-324) gives probability 0 to every token but the best, never NaN.
@@ -24,15 +28,24 @@ from typing import NamedTuple
 
 import torch
 
-from inference_svc.engine.types import SamplingParams
+from inference_svc.engine.logprobs import token_logprobs
+from inference_svc.engine.types import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
 class SampleRequest:
     params: SamplingParams
     token_ids: Sequence[int]
-    """Prompt + output so far (for the repetition penalty)."""
+    """Prompt + output so far (for the penalties)."""
     generator: torch.Generator | None
+    num_prompt_tokens: int = 0
+    """token_ids[num_prompt_tokens:] is the output (presence and frequency penalties, min_tokens)."""
+    eos_ids: frozenset[int] = frozenset()
+    """The model's EOS ids, kept from being sampled before min_tokens (unless ignore_eos)."""
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 class Samples(NamedTuple):
@@ -42,6 +55,8 @@ class Samples(NamedTuple):
     logprobs: list[float] | None
     failed: list[int]
     """Indices of rows whose raw logits were not finite (their entry in `tokens` is a placeholder)."""
+    top: list[TokenLogprob] | None = None
+    """Per row, the chosen token with its `top_logprobs` best alternatives, when any row asked for them."""
 
 
 class Sampler:
@@ -54,8 +69,10 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> Samples:
         # logits: [S, V] fp32
-        want_logprobs = any(r.params.logprobs for r in requests)
+        want_logprobs = any(r.params.wants_logprobs for r in requests)
+        top_k = max((r.params.top_logprobs for r in requests), default=0)
         chosen_lp = None
+        top = None
         finite = torch.isfinite(logits).all(dim=-1)  # [S]
         failed: list[int] = []
         if not bool(finite.all()):
@@ -68,9 +85,12 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample_rows(logits, requests, greedy)
-        if want_logprobs:
+        if top_k:
+            top = token_logprobs(raw, tokens, top_k)
+            chosen_lp = [t.logprob for t in top]
+        elif want_logprobs:
             chosen_lp = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None])[:, 0].tolist()
-        return Samples(tokens.tolist(), chosen_lp, failed)
+        return Samples(tokens.tolist(), chosen_lp, failed, top)
 
     def _sample_rows(self, logits: torch.Tensor, requests: Sequence[SampleRequest], greedy: list[bool]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature if not g else 1.0 for r, g in zip(requests, greedy, strict=True)])
@@ -102,18 +122,35 @@ class Sampler:
 
 
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
-    """CTRL repetition penalty on the rows that ask for it (a copy; the input is left as is)."""
-    rows = [i for i, r in enumerate(requests) if r.params.repetition_penalty != 1.0]
+    """Biases, penalties and min_tokens on the rows that ask for them (a copy; the input is left as is)."""
+    rows = [i for i, r in enumerate(requests) if r.params.penalized]
     if not rows:
         return logits
     logits = logits.clone()
-    for i in rows:  # one gather/scatter per penalized row
-        ids = torch.tensor(sorted(set(requests[i].token_ids)), dtype=torch.int64, device=logits.device)
-        p = requests[i].params.repetition_penalty
-        vals = logits[i, ids]
-        logits[i, ids] = torch.where(vals > 0, vals / p, vals * p)
+    dev = logits.device
+    for i in rows:  # a few gathers/scatters per transformed row
+        p = requests[i].params
+        row = logits[i]  # [V], a view
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64, device=dev)
+            row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=dev))
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(requests[i].token_ids)), dtype=torch.int64, device=dev)
+            vals = row[ids]
+            row[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        out = requests[i].token_ids[requests[i].num_prompt_tokens :]
+        if (p.presence_penalty or p.frequency_penalty) and out:
+            counts = torch.bincount(torch.tensor(out, dtype=torch.int64, device=dev), minlength=row.shape[0])
+            row -= p.frequency_penalty * counts[: row.shape[0]] + p.presence_penalty * (counts[: row.shape[0]] > 0)
     big = torch.finfo(logits.dtype).max
-    return logits.clamp_(-big, big)  # a tiny or huge penalty must not push a logit to ±inf
+    logits.clamp_(-big, big)  # a tiny or huge penalty must not push a logit to ±inf
+    for i in rows:
+        r = requests[i]
+        if r.num_output_tokens < r.params.min_tokens:
+            banned = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_ids))
+            ids = torch.tensor(sorted(t for t in banned if t < logits.shape[1]), dtype=torch.int64, device=dev)
+            logits[i, ids] = float("-inf")
+    return logits
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

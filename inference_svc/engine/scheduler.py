@@ -16,7 +16,10 @@ Contract:
   preempted: its blocks are freed (cached full blocks stay evictable and often serve its own recompute), it returns
   to `waiting` with `num_computed_tokens = 0`, and is prefilled again (prompt + tokens generated so far) later.
 - `postprocess()` advances computed counts, registers newly full blocks with the prefix cache, appends sampled
-  tokens, detokenizes, checks stop conditions, and frees the blocks of finished sequences at once. A sequence whose
+  tokens (with their logprobs) and the prompt logprobs the step computed, detokenizes, checks stop conditions
+  (EOS, stop ids and stop strings only once `min_tokens` tokens exist; which one matched is `stop_reason`), and
+  frees the blocks of finished sequences at once. A sequence asking for prompt logprobs is admitted without a
+  prefix-cache lookup (its cached positions would have no logits). A sequence whose
   row the sampler could not sample (non-finite logits) finishes with `FinishReason.ERROR`: its blocks are
   discarded, not cached, and listed for the engine to zero, because NaN left in a block would reach the next
   owner through attention's masked positions (NaN times a zero weight is NaN); the others in the step go on.
@@ -25,14 +28,14 @@ Contract:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from inference_svc.engine.block_manager import BlockManager
 from inference_svc.engine.config import EngineConfig
 from inference_svc.engine.model_runner import ScheduledSeq
+from inference_svc.engine.sampler import Samples
 from inference_svc.engine.sequence import Sequence, SequenceStatus
-from inference_svc.engine.types import FinishReason
+from inference_svc.engine.types import FinishReason, TokenLogprob
 
 
 @dataclass
@@ -42,6 +45,9 @@ class StepEvent:
     seq: Sequence
     new_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """Set on the first event with a token of a sequence that asked for them."""
     text_delta: str = ""
     finished: bool = False
     error: str | None = None
@@ -112,7 +118,7 @@ class Scheduler:
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = self._chunk(seq, budget, alone=not batch, uncomputed=seq.num_tokens)
-            if n == 0 or not self.bm.can_allocate(seq.token_ids):
+            if n == 0 or not self.bm.can_allocate(seq.token_ids, seq.uses_prefix_cache):
                 break
             self.waiting.pop(0)
             self._admit(seq, now)
@@ -129,7 +135,7 @@ class Scheduler:
         return left if left <= budget or alone else 0
 
     def _admit(self, seq: Sequence, now: float) -> None:
-        alloc = self.bm.allocate(seq.token_ids)
+        alloc = self.bm.allocate(seq.token_ids, seq.uses_prefix_cache)
         seq.block_table = alloc.blocks
         seq.block_hashes = list(alloc.hashes)
         seq.num_computed_tokens = alloc.num_cached_tokens
@@ -169,17 +175,22 @@ class Scheduler:
     def postprocess(
         self,
         batch: list[ScheduledSeq],
-        tokens: list[int],
-        logprobs: list[float] | None,
+        samples: Samples,
         now: float,
-        failed: Collection[int] = (),
+        prompt_logprobs: dict[int, list[TokenLogprob]] | None = None,
     ) -> list[StepEvent]:
-        """`tokens[j]` is the j-th sampling sequence's token; `failed` holds the j whose logits were not finite."""
+        """`samples` holds one row per sampling item of `batch`, in order (`samples.failed`: rows whose logits
+        were not finite); `prompt_logprobs` maps a batch index to the prompt logprobs its chunk computed."""
         events: list[StepEvent] = []
+        failed = frozenset(samples.failed)
         j = 0
-        for item in batch:
+        for i, item in enumerate(batch):
             seq = item.seq
             seq.num_computed_tokens += item.num_tokens
+            if prompt_logprobs and i in prompt_logprobs:
+                if seq.prompt_logprobs is None:
+                    seq.prompt_logprobs = [None]
+                seq.prompt_logprobs += prompt_logprobs[i]
             if item.samples and j in failed:
                 events.append(self._fail(seq, now))
                 j += 1
@@ -187,10 +198,16 @@ class Scheduler:
             self._register_full_blocks(seq)
             if not item.samples:
                 continue
-            token = tokens[j]
-            lp = None if logprobs is None or not seq.sampling.logprobs else [logprobs[j]]
+            event = self._append_token(seq, samples.tokens[j], now)
+            if seq.sampling.wants_logprobs and samples.logprobs is not None:
+                event.logprobs = [samples.logprobs[j]]
+                if seq.sampling.top_logprobs and samples.top is not None:
+                    event.top_logprobs = [_trimmed(samples.top[j], seq.sampling.top_logprobs)]
+            if seq.sampling.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+                seq.prompt_logprobs_sent = True
+                event.prompt_logprobs = seq.prompt_logprobs or [None]
             j += 1
-            events.append(self._append_token(seq, token, lp, now))
+            events.append(event)
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         return events
 
@@ -201,20 +218,23 @@ class Scheduler:
             h = self.bm.register(seq.block_table[idx], parent, seq.token_ids[idx * bs : (idx + 1) * bs])
             seq.block_hashes.append(h)
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: list[float] | None, now: float) -> StepEvent:
+    def _append_token(self, seq: Sequence, token: int, now: float) -> StepEvent:
         seq.token_ids.append(token)
         self.counters.generation_tokens_total += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
-        event = StepEvent(seq, [token], logprobs)
+        event = StepEvent(seq, [token])
         params = seq.sampling
         reason: FinishReason | None = None
-        if token in params.stop_token_ids or (token in seq.eos_ids and not params.ignore_eos):
+        may_stop = seq.num_output_tokens > params.min_tokens  # the sampler kept EOS and stop ids out until then
+        if may_stop and token in params.stop_token_ids:
+            reason, seq.stop_reason = FinishReason.STOP, token
+        elif may_stop and token in seq.eos_ids and not params.ignore_eos:
             reason = FinishReason.STOP
         else:
-            event.text_delta = seq.detokenizer.add(token)
+            event.text_delta = seq.detokenizer.add(token, match_stops=seq.num_output_tokens >= params.min_tokens)
             if seq.detokenizer.stopped:
-                reason = FinishReason.STOP
+                reason, seq.stop_reason = FinishReason.STOP, seq.detokenizer.matched_stop
         if reason is None and (seq.num_output_tokens >= params.max_new_tokens or seq.num_tokens >= self.max_model_len):
             reason = FinishReason.LENGTH
         if reason is not None:
@@ -241,6 +261,11 @@ class Scheduler:
         seq.finish_reason = reason
         seq.finish_time = now
         return StepEvent(seq, text_delta=seq.detokenizer.flush(), finished=True)
+
+
+def _trimmed(entry: TokenLogprob, k: int) -> TokenLogprob:
+    """`entry` with at most k alternatives (the batch computed as many as its most demanding row asked)."""
+    return entry if len(entry.top) <= k else TokenLogprob(entry.token_id, entry.logprob, entry.top[:k])
 
 
 def _is_decoding(seq: Sequence) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inference_svc.engine.detokenizer import IncrementalDetokenizer
-from inference_svc.engine.types import FinishReason, SamplingParams
+from inference_svc.engine.types import FinishReason, SamplingParams, TokenLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -52,6 +52,11 @@ class Sequence:
     """Prompt tokens served from the prefix cache at first admission (reported in Usage)."""
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    """The stop string matched or the stop token id produced (finish_reason STOP); None for EOS."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """When asked for: one entry per prompt token computed so far (the first is None)."""
+    prompt_logprobs_sent: bool = False
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -71,6 +76,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Whether admission may reuse cached blocks (not when prompt logprobs need every prompt position)."""
+        return self.sampling.prompt_logprobs is None
 
     @property
     def is_finished(self) -> bool:

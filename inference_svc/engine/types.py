@@ -5,7 +5,10 @@ Contract:
   (the gRPC layer turns that into INVALID_ARGUMENT). Limits that depend on the engine (max_new_tokens ceiling,
   context length, vocabulary) are checked by the engine when the request is added.
 - `RequestOutput` is one increment for one request: the tokens and text produced by one engine step. The last
-  increment of a request has `finished=True`, a `finish_reason`, and final `usage`/`timing`.
+  increment of a request has `finished=True`, a `finish_reason`, its `stop_reason` and final `usage`/`timing`.
+  The first increment that carries a token also carries the prompt's logprobs when they were asked for.
+- Log-probabilities are those of the model's own distribution (log_softmax of the raw logits, before penalties,
+  biases, temperature or truncation), as vLLM reports them by default; `TokenLogprob` holds one token's.
 - `EngineInfo` is what an engine reports about itself (model, sizes, settings): typed, never a dict read by key.
 - These are plain data: no engine state lives here.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,6 +31,13 @@ if TYPE_CHECKING:  # annotations only: this module stays free of the engine's im
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per position (OpenAI's chat limit; the legacy completions API allows 5)."""
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's bound on one bias value: -100 bans a token in practice, +100 forces it."""
+MAX_N = 16
+"""Most completions of one request (`n`)."""
 
 
 class FinishReason(str, enum.Enum):
@@ -68,6 +79,23 @@ class SamplingParams:
     """Keep generating past the model's EOS token."""
     logprobs: bool = False
     """Return the log-probability of each chosen token."""
+    top_logprobs: int = 0
+    """Also return the `top_logprobs` most likely tokens of each generated position (0..MAX_TOP_LOGPROBS); > 0
+    implies `logprobs`."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's log-probability given the tokens before it, with this many alternatives per
+    position (0..MAX_TOP_LOGPROBS); None: not asked. The first prompt token has none. Such a request computes its
+    whole prompt (the prefix cache is not read for it, since cached positions have no logits)."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated (OpenAI's), in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was already generated (OpenAI's), in [-2, 2]."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before sampling, each bias in [-100, 100]; a mapping is accepted
+    and stored sorted by id."""
+    min_tokens: int = 0
+    """EOS and the stop token ids cannot be sampled, and stop strings are not matched, before this many tokens
+    have been generated (vLLM's)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -95,10 +123,76 @@ class SamplingParams:
                 )
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", "token ids must be >= 0")
+        _check_count("top_logprobs", self.top_logprobs, MAX_TOP_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_count("prompt_logprobs", self.prompt_logprobs, MAX_TOP_LOGPROBS)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:  # also rejects NaN
+                raise InvalidRequestError(name, f"must be in [-2, 2], got {value}")
+        object.__setattr__(self, "logit_bias", _normalized_bias(self.logit_bias))
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidRequestError(
+                "min_tokens", f"must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether each generated token's log-probability is returned (`logprobs`, or `top_logprobs` > 0)."""
+        return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any logit transform before temperature applies (penalties, biases or min_tokens)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+        )
+
+
+def _check_count(name: str, value: object, maximum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= maximum:
+        raise InvalidRequestError(name, f"must be an integer in [0, {maximum}], got {value!r}")
+
+
+def _normalized_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as sorted (id, bias) pairs, validated; ids are checked against the vocabulary by the engine."""
+    items = list(bias.items()) if isinstance(bias, Mapping) else list(bias)  # type: ignore[call-overload]
+    if len(items) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(items)}")
+    out: dict[int, float] = {}
+    for item in items:
+        try:
+            token, value = item
+            token = int(token)
+            value = float(value)
+        except (TypeError, ValueError):
+            raise InvalidRequestError("logit_bias", f"entries are token id -> number, got {item!r}") from None
+        if token < 0:
+            raise InvalidRequestError("logit_bias", f"token ids must be >= 0, got {token}")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                "logit_bias", f"bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value}"
+            )
+        out[token] = value
+    return tuple(sorted(out.items()))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's token, its log-probability, and the most likely alternatives there (best first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    """(token id, log-probability) of the `top_logprobs` (or `prompt_logprobs`) most likely tokens."""
 
 
 @dataclass(frozen=True)
@@ -135,8 +229,17 @@ class RequestOutput:
     """Text newly complete in this step: the deltas of a request concatenate to its full text."""
     logprobs: list[float] | None = None
     """Log-probabilities of new_token_ids, when requested."""
+    top_logprobs: list[TokenLogprob] | None = None
+    """Per new token, its log-probability and the top alternatives, when `top_logprobs` > 0."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """On the first increment with a token, when `prompt_logprobs` was set: one entry per prompt token (the
+    first is None: nothing precedes it)."""
+    index: int = 0
+    """Which of the request's `n` completions this increment belongs to."""
     finished: bool = False
     finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    """With finish_reason STOP: the stop string that matched, or the stop token id produced; None for EOS."""
     usage: Usage = field(default_factory=Usage)
     timing: Timing | None = None
     """Set on the final increment."""
@@ -176,3 +279,47 @@ class EngineInfo:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.kv_blocks_total * self.config.block_size
+
+
+@dataclass
+class Completion:
+    """One completion accumulated from its increments: `Engine.generate`, the unary RPC and the HTTP API all build
+    their whole answers with this, so the rules for joining increments live in one place."""
+
+    request_id: str
+    index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    usage: Usage = field(default_factory=Usage)
+    timing: Timing | None = None
+    error: str | None = None
+    _text: list[str] = field(default_factory=list, repr=False)
+
+    def add(self, out: RequestOutput) -> None:
+        """Append one increment of this completion."""
+        self.token_ids += out.new_token_ids
+        self._text.append(out.text_delta)
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.logprobs
+        if out.top_logprobs is not None:
+            self.top_logprobs = (self.top_logprobs or []) + out.top_logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.usage = out.usage
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+            self.timing = out.timing
+            self.error = out.error
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

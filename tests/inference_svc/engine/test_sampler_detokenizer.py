@@ -54,7 +54,7 @@ def test_seeded_rows_ignore_the_rest_of_the_batch():
 def test_repetition_penalty_and_logprobs():
     logits = torch.tensor([[2.0, 1.9, -1.0]])
     req = SampleRequest(SamplingParams(repetition_penalty=2.0, logprobs=True), [0], None)
-    toks, lps, failed = Sampler().sample(logits, [req])
+    toks, lps, failed, _ = Sampler().sample(logits, [req])
     assert failed == []
     assert toks == [1]  # 2.0 / 2 = 1.0 < 1.9
     assert abs(lps[0] - torch.log_softmax(logits, -1)[0, 1].item()) < 1e-6  # raw-model log-probability
