@@ -257,7 +257,7 @@ class Server:
         self.port = _free_port()
         self.target = f"127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "shared_model.cli", "serve", "--model", str(bundle), "--port", str(self.port)]
-        cmd += ["--no-metrics", "--device", "cpu", "--dtype", dtype, "--log-level", "WARNING"]
+        cmd += ["--no-metrics", "--no-http", "--device", "cpu", "--dtype", dtype, "--log-level", "WARNING"]
         if quant:
             cmd += ["--quantization", quant]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}

@@ -77,7 +77,7 @@ class Server:
     def __init__(self, repo: Path, bundle: Path, kv_memory: str, env: dict[str, str] | None = None) -> None:
         self.port = _free_port()
         cmd = [sys.executable, "-m", "shared_model.cli", "serve", "--model", str(bundle), "--port", str(self.port)]
-        cmd += ["--no-metrics", "--device", "cpu", "--kv-cache-memory", kv_memory, "--log-level", "ERROR"]
+        cmd += ["--no-metrics", "--no-http", "--device", "cpu", "--kv-cache-memory", kv_memory, "--log-level", "ERROR"]
         env = {**os.environ, "PYTHONPATH": str(repo), **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.target = f"127.0.0.1:{self.port}"

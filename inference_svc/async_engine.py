@@ -14,8 +14,9 @@ Contract:
   nothing about the request exists anywhere (nothing half-admitted). The reservation is released when the request
   produces its first increment or ends, whichever comes first.
 - `generate(..., n=k)` runs k completions of one prompt (tokenized once, admitted together or refused together)
-  and is an async iterator of `RequestOutput` whose `index` names the completion. Leaving it early (client cancel, disconnect, the server's
-  own deadline cancellation) sends an abort: the engine drops the sequence at its next step and frees its blocks.
+  and is an async iterator of `RequestOutput` whose `index` names the completion. Leaving it early (client
+  cancel, disconnect, the server's own deadline cancellation) sends an abort: the engine drops the sequence at
+  its next step and frees its blocks.
   A deadline (monotonic seconds) is also enforced by the engine thread, for queued and running requests alike;
   the iterator then raises `DeadlineExceededError` after the blocks are freed.
 - Failures: a validation error from the engine is re-raised as is (`InvalidRequestError`). An exception from the
@@ -232,7 +233,7 @@ class AsyncEngine:
         children = [rid] if n == 1 else [f"{rid}.{i}" for i in range(n)]
         if rid in self._streams or any(c in self._streams for c in children):
             raise InvalidRequestError("request_id", f"a request with id {rid!r} is already in flight")
-        ids = await self._prompt_ids(prompt)
+        ids = await self.prompt_ids(prompt)
         items: asyncio.Queue = asyncio.Queue()
         streams = self._admit(children, len(ids), items)
         arrival = time.monotonic()
@@ -269,7 +270,20 @@ class AsyncEngine:
             text, add_bos, build=build, field="prompt" if build is None else "text"
         )
 
-    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    async def tokenize_with(self, chars: int, work: Callable[[], Any], field: str = "messages") -> Any:
+        """`work()` (tokenizer work on about `chars` characters, e.g. a chat's rendering and encoding) through the
+        metered `TokenizeGate`, refused unread like a text prompt when `chars` cannot fit the context."""
+        if chars > self.max_prompt_chars:
+            raise InvalidRequestError(
+                field,
+                f"{chars} characters cannot fit this engine's context of {self.engine.max_model_len} tokens "
+                f"(at most {self.max_prompt_chars} characters with this tokenizer); refused before tokenizing",
+            )
+        return await self._tokenizer_gate.run(chars, work, field)
+
+    async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """The token ids `generate` would run for `prompt`: text refused unread when it cannot fit, else
+        tokenized through the gate; token ids as given (the engine checks them)."""
         if not isinstance(prompt, str):
             return list(prompt)
         if not prompt:

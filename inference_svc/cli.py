@@ -38,11 +38,22 @@ log = logging.getLogger("tandem.serve")
 
 # ---------------------------------------------------------------------------------------- serve
 def _serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem serve", description="Serve a model over gRPC (tandem.inference.v1).")
+    p = argparse.ArgumentParser(
+        prog="tandem serve",
+        description="Serve a model over gRPC (tandem.inference.v1) and the OpenAI-compatible HTTP API.",
+    )
     p.add_argument("--model", required=True, help="Tandem bundle or Hugging Face Llama/Qwen2/Qwen3 folder")
     p.add_argument("--host", default="127.0.0.1", help="gRPC interface to bind, IPv4 or IPv6 (default: loopback)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
-    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: any free port)")
+    p.add_argument(
+        "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port on --host (0: any free)"
+    )
+    p.add_argument("--no-http", action="store_true", help="do not serve the HTTP API")
+    p.add_argument(
+        "--served-model-name", default=None, help="the model's name in requests and responses (default: folder name)"
+    )
+    p.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the folder's own)")
+    p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port (0: any free port)")
     p.add_argument(
         "--metrics-host", default="127.0.0.1", help="/metrics interface to bind, apart from --host (default: loopback)"
     )
@@ -118,6 +129,9 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
             port=args.port,
             metrics_port=None if args.no_metrics else args.metrics_port,
             metrics_host=args.metrics_host,
+            http_port=None if args.no_http else args.http_port,
+            served_model_name=args.served_model_name,
+            chat_template=args.chat_template,
             admission=AdmissionLimits(
                 max_queued_requests=args.max_queue,
                 max_queued_tokens=args.max_queue_tokens,
@@ -176,6 +190,8 @@ async def _serve(settings: ServerSettings, engine_config: Any, fault_hook: Any =
         info = server.engine_info()
         assert info is not None  # started and not shutting down: the engine exists
         print(f"tandem serve: listening on {host_port(settings.host, server.port)}", flush=True)
+        if server.http_port is not None:
+            print(f"tandem serve: HTTP API on http://{host_port(settings.host, server.http_port)}/v1", flush=True)
         print(
             f"tandem serve: SERVING {settings.model} (dtype {info.dtype}, attention {info.attention_backend}, "
             f"KV capacity {info.kv_capacity_tokens} tokens, metrics port {server.metrics_port})",
@@ -335,7 +351,7 @@ def serve_and_stream(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "shared_model.cli", "serve", "--model", str(model), "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--metrics-port", "0", "--shutdown-grace", "10", *serve_args]
+    cmd += ["--port", str(port), "--metrics-port", "0", "--http-port", "0", "--shutdown-grace", "10", *serve_args]
     print(f"$ tandem serve --model {model} --port {port} {' '.join(serve_args)}", flush=True)
     proc = subprocess.Popen(cmd)
     try:

@@ -1,7 +1,8 @@
 """The inference service's exception hierarchy: one base, one subclass per outcome a caller must tell apart.
 
-Contract: the engine and server raise only these on purpose. `inference_svc.server` maps each class to one gRPC
-status code, in one table; nothing else in the package chooses status codes. Messages name the offending field.
+Contract: the engine and servers raise only these on purpose. `inference_svc.status` maps each class to one gRPC
+status code and one HTTP status, in one table; nothing else in the package chooses status codes. Messages name
+the offending field.
 """
 
 from __future__ import annotations
@@ -28,6 +29,32 @@ class MalformedRequestError(InvalidRequestError):
     def __init__(self, message_type: str, reason: str) -> None:
         InferenceError.__init__(self, f"malformed request: not a valid {message_type} ({reason})")
         self.field = "request"
+
+
+class AuthenticationError(InferenceError):
+    """No valid API key came with the request (maps to UNAUTHENTICATED / HTTP 401)."""
+
+
+class ModelNotFoundError(InferenceError):
+    """The request names a model this server does not serve (maps to NOT_FOUND / HTTP 404)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.field = "model"
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """The request body is larger than the server accepts (INVALID_ARGUMENT / HTTP 413)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("body", message)
+
+
+class RequestTimeoutError(InvalidRequestError):
+    """The request body did not arrive in time: a slow or stalled client (HTTP 408)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("body", message)
 
 
 class CapacityError(InferenceError):

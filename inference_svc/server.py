@@ -2,9 +2,9 @@
 API keys, TLS, message-size limits, metrics and graceful shutdown.
 
 Contract:
-- `STATUS_CODES` is the ONE table mapping exceptions to gRPC status codes; `status_for` walks an exception's MRO
-  through it. Anything not in it is INTERNAL with a generic message (the details go to the log with the request
-  id, never to the client) and fails that request alone.
+- Status codes come from `inference_svc.status` (the one table the HTTP API shares); `status_for` gives an
+  exception's gRPC code. Anything not in it is INTERNAL with a generic message (the details go to the log with
+  the request id, never to the client) and fails that request alone.
 - The servicer converts proto ↔ engine types and nothing else: validation lives in `SamplingParams` and
   `Engine.add_request`; scheduling, admission and cancellation in `AsyncEngine`.
 - Health (`grpc.health.v1`, overall "" and `tandem.inference.v1.Inference`): NOT_SERVING from the moment the port
@@ -24,7 +24,8 @@ Contract:
   in `tandem_request_errors`, as DEADLINE_EXCEEDED if its deadline had passed, else CANCELLED. Errors the server
   answers are counted where it answers them (`_fail`), never twice. (A call cancelled before gRPC has even read
   its request never reaches the service and is not counted.)
-- `GetModelInfo.model_name` is the model folder's name, never its path on the server.
+- `GetModelInfo.model_name` is the served model name (`--served-model-name`, by default the model folder's own
+  name), never its path on the server; it also reports the HTTP and metrics ports.
 - Start-up: a gRPC or metrics address that cannot be bound raises `ServerStartError` naming
   `HOST:PORT` (IPv6 written `[::1]:PORT`). /metrics listens on `metrics_host`, not on `host`.
 - Message size: Inference requests of more than `max_request_bytes` get INVALID_ARGUMENT naming `request`, from
@@ -45,9 +46,7 @@ import errno
 import hashlib
 import hmac
 import inspect
-import json
 import logging
-import os
 import socket
 import threading
 import time
@@ -62,144 +61,37 @@ from grpc_reflection.v1alpha import reflection
 
 from inference_svc.async_engine import AsyncEngine, FaultHook
 from inference_svc.engine.config import EngineConfig
-from inference_svc.engine.types import EngineInfo, FinishReason, RequestOutput, SamplingParams, Timing, Usage
+from inference_svc.engine.types import Completion, EngineInfo, RequestOutput
 from inference_svc.errors import (
-    CapacityError,
-    DeadlineExceededError,
     EngineStoppedError,
     InvalidRequestError,
     MalformedRequestError,
-    RequestFailedError,
     ServerStartError,
 )
 from inference_svc.metrics import MetricsHTTPServer, ServiceMetrics
+from inference_svc.proto_convert import (
+    model_info_to_proto,
+    n_from_proto,
+    prompt_from_proto,
+    response_from,
+    sampling_from_proto,
+    stream_message,
+)
 from inference_svc.proto_gen import inference_pb2 as pb
 from inference_svc.proto_gen import inference_pb2_grpc as pb_grpc
 from inference_svc.settings import ServerSettings, bare_host, host_port, read_api_keys
+from inference_svc.status import status_of
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 
-STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
-    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
-    CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    EngineStoppedError: grpc.StatusCode.UNAVAILABLE,
-    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
-    RequestFailedError: grpc.StatusCode.INTERNAL,
-}
-"""Exception class → status code. The only place in the package that chooses status codes."""
-
-_FINISH_REASONS = {
-    FinishReason.STOP: pb.FINISH_REASON_STOP,
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
-}
-
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and client-facing message of an exception (INTERNAL + a generic message if unknown)."""
-    for cls in type(exc).__mro__:
-        code = STATUS_CODES.get(cls)
-        if code is not None:
-            return code, str(exc)
-    return grpc.StatusCode.INTERNAL, "internal error while serving this request"
-
-
-# ---------------------------------------------------------------------------------------- conversions
-_SAMPLING_OPTIONAL = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty")
-
-
-def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
-    """proto SamplingParams → engine SamplingParams (unset optional fields take the engine defaults)."""
-    kwargs: dict[str, Any] = {name: getattr(s, name) for name in _SAMPLING_OPTIONAL if s.HasField(name)}
-    return SamplingParams(
-        **kwargs,
-        stop=tuple(s.stop),
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        logprobs=s.logprobs,
-    )
-
-
-def prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
-    which = request.WhichOneof("input")
-    if which == "prompt":
-        return request.prompt
-    if which == "prompt_token_ids":
-        return list(request.prompt_token_ids.ids)
-    raise InvalidRequestError("prompt", "set either prompt (text) or prompt_token_ids")
-
-
-def usage_to_proto(u: Usage) -> pb.Usage:
-    return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                    cached_prompt_tokens=u.cached_prompt_tokens)  # fmt: skip
-
-
-def timing_to_proto(t: Timing | None) -> pb.Timing:
-    t = t or Timing()
-    return pb.Timing(queue_ms=t.queue_ms, ttft_ms=t.ttft_ms, tpot_ms=t.tpot_ms, total_ms=t.total_ms)
-
-
-def stream_message(out: RequestOutput) -> pb.GenerateStreamResponse:
-    msg = pb.GenerateStreamResponse(
-        request_id=out.request_id, text=out.text_delta, token_ids=out.new_token_ids, logprobs=out.logprobs or []
-    )
-    if out.finished:
-        msg.finish_reason = _FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
-        msg.usage.CopyFrom(usage_to_proto(out.usage))
-        msg.timing.CopyFrom(timing_to_proto(out.timing))
-    return msg
-
-
-def model_info_to_proto(info: EngineInfo, max_request_bytes: int) -> pb.ModelInfo:
-    mc = asdict(info.model_config)
-    typed = {k: mc[k] for k in pb.ModelConfig.DESCRIPTOR.fields_by_name if k in mc and k != "config_json"}
-    config = pb.ModelConfig(**typed, num_parameters=info.num_parameters, config_json=json.dumps(mc, sort_keys=True))
-    extra = {"peak_workspace_bytes": float(info.peak_workspace_bytes), **_ledger_figures(info)}
-    ledger = pb.MemoryLedger(
-        weight_bytes=info.weight_bytes,
-        kv_bytes_per_token=info.kv_bytes_per_token,
-        kv_cache_bytes=info.kv_cache_bytes,
-        kv_capacity_tokens=info.kv_capacity_tokens,
-        kv_blocks_total=info.kv_blocks_total,
-        kv_block_size=info.config.block_size,
-        extra=extra,
-    )
-    return pb.ModelInfo(
-        model_name=_folder_name(str(info.model_path)),
-        config=config,
-        max_context=info.max_model_len,
-        dtype=info.dtype,
-        attention_backend=info.attention_backend,
-        device=info.device,
-        kv_capacity_tokens=info.kv_capacity_tokens,
-        ledger=ledger,
-        max_new_tokens_limit=info.config.max_new_tokens_limit,
-        max_request_bytes=max_request_bytes,
-        quantization=info.quantization,
-    )
-
-
-def _folder_name(path: str) -> str:
-    """The model folder's own name ('/srv/models/qwen3-0.6b/' → 'qwen3-0.6b'): never the server's layout."""
-    return os.path.basename(os.path.abspath(path)) if path else ""  # abspath: `--model .` names the folder
-
-
-def _ledger_figures(info: EngineInfo) -> dict[str, float]:
-    """The shared memory ledger's formulas for the served model at its max context (one sequence)."""
-    from shared_model.ledger import ledger_report
-
-    rep = ledger_report(
-        info.model_config, _folder_name(str(info.model_path)), context=info.max_model_len,
-        kv_dtype=info.dtype, weight_dtype=info.dtype, quantization=info.quantization,
-        group_size=info.config.quantization_group_size,
-    )  # fmt: skip
-    return {  # the formula for what the engine measured (ledger.weight_bytes): the two agree
-        "ledger.weight_bytes": float(rep.inference["served_weight_bytes"]),
-        "ledger.kv_bytes_per_sequence_at_max_context": float(rep.kv_cache["bytes"]),
-    }
+    """The gRPC status code and client-facing message of an exception (`inference_svc.status`'s one table)."""
+    status, message = status_of(exc)
+    return status.grpc, message
 
 
 # ---------------------------------------------------------------------------------------- servicer
@@ -254,24 +146,19 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         sampling = sampling_from_proto(request.sampling)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        return engine.generate(prompt, sampling, request_id=request.request_id, deadline=deadline)
+        n = n_from_proto(request.sampling)
+        return engine.generate(prompt, sampling, request_id=request.request_id, deadline=deadline, n=n)
 
     # -- RPCs
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         try:
-            response = pb.GenerateResponse(request_id=request.request_id)
-            texts: list[str] = []
-            async for out in self._start(request, context):
-                response.request_id = out.request_id
-                texts.append(out.text_delta)
-                response.token_ids.extend(out.new_token_ids)
-                response.logprobs.extend(out.logprobs or [])
-                if out.finished:
-                    response.finish_reason = _FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
-                    response.usage.CopyFrom(usage_to_proto(out.usage))
-                    response.timing.CopyFrom(timing_to_proto(out.timing))
-            response.text = "".join(texts)
-            return response
+            outputs = self._start(request, context)
+            completions: dict[int, Completion] = {}
+            rid = request.request_id
+            async for out in outputs:
+                rid = out.request_id
+                completions.setdefault(out.index, Completion(out.request_id, out.index)).add(out)
+            return response_from(rid, [completions[i] for i in sorted(completions)])
         except Exception as exc:
             await self._fail(context, exc, request.request_id)
             raise  # unreachable: abort raises
@@ -310,7 +197,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         try:
             engine = self._engine()
-            return model_info_to_proto(engine.info, self._owner.settings.max_request_bytes)
+            owner = self._owner
+            return model_info_to_proto(
+                engine.info, owner.settings.max_request_bytes, owner.settings.model_name, owner.http_port,
+                owner.metrics_port,
+            )  # fmt: skip
         except Exception as exc:
             await self._fail(context, exc)
             raise
@@ -552,7 +443,7 @@ class TandemServer:
     ) -> None:
         self.settings = settings
         self.engine_config = engine_config or EngineConfig()
-        self.metrics = ServiceMetrics()
+        self.metrics = ServiceMetrics(model_name=settings.model_name)
         self.engine: AsyncEngine | None = None
         self._prebuilt_engine = engine
         self._fault_hook = fault_hook
@@ -562,6 +453,8 @@ class TandemServer:
         self.malformed_log = _MalformedLog()
         self.port = 0
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        self._http: Any = None
         self.serving = False
         self.draining = False
         self._stopped = asyncio.Event()
@@ -583,10 +476,12 @@ class TandemServer:
         """Bind the port (health NOT_SERVING), load + warm up the engine, then SERVING."""
         s = self.settings
         interceptors: list[grpc.aio.ServerInterceptor] = []
+        keys_check: ApiKeyInterceptor | None = None
         if s.api_key_file is not None:
             keys = read_api_keys(s.api_key_file)
             denied = lambda: self.metrics.observe_error("UNAUTHENTICATED")  # noqa: E731
-            interceptors.append(ApiKeyInterceptor(keys, on_denied=denied))  # first: the key before the bytes
+            keys_check = ApiKeyInterceptor(keys, on_denied=denied)
+            interceptors.append(keys_check)  # first: the key before the bytes
         servicer = InferenceServicer(self)
         interceptors.append(MalformedRequestGuard(servicer.reject_unread))
         server = grpc.aio.server(interceptors=interceptors, options=self._grpc_options())
@@ -616,9 +511,12 @@ class TandemServer:
             )
             self.metrics_port = await http.start(bare_host(s.metrics_host), s.metrics_port)
             self._metrics_http = http
+        if s.http_port is not None:
+            await self._start_http(keys_check)
         log.info(
-            "listening on %s (tls=%s, api keys=%s), metrics %s",
+            "listening on %s (tls=%s, api keys=%s), HTTP %s, metrics %s",
             host_port(s.host, self.port), s.tls, s.api_key_file is not None,
+            "off" if self.http_port is None else "on " + host_port(s.host, self.http_port),
             "off" if self.metrics_port is None else "on " + host_port(s.metrics_host, self.metrics_port),
         )  # fmt: skip
 
@@ -642,6 +540,28 @@ class TandemServer:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watch_task = asyncio.create_task(self._watch_health())
         log.info("SERVING %s", s.model)
+
+    async def _start_http(self, keys_check: ApiKeyInterceptor | None) -> None:
+        """The OpenAI-compatible API on `host:http_port`, over the same engine (503 until SERVING)."""
+        from inference_svc.chat_template import ChatTemplate
+        from inference_svc.openai_api.app import ApiOptions, build_app
+        from inference_svc.openai_api.http_server import HttpServer
+
+        s = self.settings
+        check = None
+        if keys_check is not None:
+            check = lambda values: keys_check.denial([("authorization", v) for v in values])  # noqa: E731
+        options = ApiOptions(
+            model_name=s.model_name,
+            max_request_bytes=s.max_request_bytes,
+            serve_metrics=s.metrics_port is not None and bare_host(s.host) == bare_host(s.metrics_host),
+            check_key=check,
+            chat_template=ChatTemplate.from_folder(s.model, s.chat_template),
+        )
+        http = HttpServer(build_app(self, options), s.host, s.http_port or 0)
+        check_bindable(s.host, s.http_port or 0, "HTTP")
+        self.http_port = await http.start()
+        self._http = http
 
     async def _watch_health(self) -> None:
         while self.serving:
@@ -670,6 +590,9 @@ class TandemServer:
             log.info("draining %d in-flight requests (grace %.1f s)", self.engine.num_in_flight, grace)
             cut = await self.engine.drain(grace)
             await self.engine.stop()
+        if self._http is not None:
+            with contextlib.suppress(Exception):
+                await self._http.close(1.0)
         if self._server is not None:
             await self._server.stop(1.0)
         if self._metrics_http is not None:

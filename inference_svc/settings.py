@@ -15,6 +15,7 @@ Contract:
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,8 +96,12 @@ class ServerSettings:
     """Interface to bind. Loopback unless told otherwise."""
     port: int = 50051
     """gRPC port (0: any free port; the bound one is logged and available as `TandemServer.port`)."""
-    metrics_port: int | None = 9090
-    """Prometheus /metrics HTTP port; None disables it; 0 picks a free port."""
+    metrics_port: int | None = 9464
+    """Prometheus /metrics HTTP port; None disables it; 0 picks a free port. (Not 9090: Prometheus's own.)"""
+    http_port: int | None = 8000
+    """OpenAI-compatible HTTP API port on `host`; None disables it; 0 picks a free port."""
+    chat_template: str | None = None
+    """A Jinja chat template file used instead of the model folder's own (`chat_template`)."""
     metrics_host: str = "127.0.0.1"
     """Interface the /metrics HTTP server binds, independent of `host`: loopback unless told otherwise, because
     /metrics is plaintext and unauthenticated. Set it (e.g. 0.0.0.0 inside a container) only where the scraper
@@ -123,6 +128,14 @@ class ServerSettings:
     metadata `authorization: Bearer KEY`."""
     warmup: bool = True
     """Run one tiny request through the engine before reporting SERVING."""
+    served_model_name: str | None = None
+    """The name clients use for the model (OpenAI's `model` field, GetModelInfo, metrics); None: the folder's
+    own name."""
+
+    @property
+    def model_name(self) -> str:
+        """The served model name: `served_model_name`, or the model folder's own name (never its path)."""
+        return self.served_model_name or os.path.basename(os.path.abspath(self.model))
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -133,6 +146,7 @@ class ServerSettings:
         _check_host("metrics_host", self.metrics_host)
         _check_port("port", self.port)
         _check_port("metrics_port", self.metrics_port, allow_none=True)
+        _check_port("http_port", self.http_port, allow_none=True)
         _check_int("metrics_max_connections", self.metrics_max_connections, 1)
         if not isinstance(self.metrics_timeout, (int, float)) or not self.metrics_timeout > 0:
             raise SettingsError("metrics_timeout", f"must be seconds > 0, got {self.metrics_timeout!r}")
@@ -143,10 +157,14 @@ class ServerSettings:
             raise SettingsError("max_request_bytes", "must be below 512 MiB")
         if not isinstance(self.shutdown_grace, (int, float)) or not self.shutdown_grace >= 0:
             raise SettingsError("shutdown_grace", f"must be seconds >= 0, got {self.shutdown_grace!r}")
+        if self.served_model_name is not None and (
+            not isinstance(self.served_model_name, str) or not self.served_model_name.strip()
+        ):
+            raise SettingsError("served_model_name", f"must be a non-empty name, got {self.served_model_name!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             missing = "tls_key" if self.tls_key is None else "tls_cert"
             raise SettingsError(missing, "TLS needs both --tls-cert and --tls-key")
-        for name in ("tls_cert", "tls_key", "api_key_file"):
+        for name in ("tls_cert", "tls_key", "api_key_file", "chat_template"):
             value = getattr(self, name)
             if value is not None and not Path(value).is_file():
                 raise SettingsError(name, f"{value!r} is not a readable file")

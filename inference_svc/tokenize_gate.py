@@ -3,6 +3,7 @@
 Contract:
 - `TokenizeGate.encode(text, add_bos, build)` returns the token ids of `text`, or `build(ids)` when a
   `build` is given (e.g. the Tokenize RPC's response with every token's string), computed on the same thread.
+  `run(chars, work)` meters any other tokenizer work the same way (a chat rendered and encoded).
   Short texts (at most `inline_chars`) run inline on the caller's thread: that costs less than a thread hop.
   Longer ones run on the gate's own single worker thread, with the GIL released by the tokenizer while it works
   (`Tokenizer.encode`), so the event loop and the engine thread keep running while a large text is tokenized.
@@ -71,8 +72,11 @@ class TokenizeGate:
         field: str = "prompt",
     ) -> Any:
         """Ids of `text` (or `build(ids)`); `field` names the request field in an error (see the module docstring)."""
-        n = len(text)
-        work = functools.partial(_encode, self.tokenizer, text, add_bos, build)
+        return await self.run(len(text), functools.partial(_encode, self.tokenizer, text, add_bos, build), field)
+
+    async def run(self, n: int, work: Callable[[], Any], field: str = "prompt") -> Any:
+        """`work()` metered as tokenizing `n` characters (e.g. rendering and encoding a chat): inline when short,
+        else on the gate's worker within the budget, refused like `encode` beyond it."""
         if n <= self.inline_chars:
             self.encoded_chars += n
             self._meter()

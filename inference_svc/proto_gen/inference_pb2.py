@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#tandem/inference/v1/inference.proto\x12\x13tandem.inference.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe4\x02\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\xb2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x39\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x1d.tandem.inference.v1.TokenIdsH\x00\x12\x35\n\x08sampling\x18\x04 \x01(\x0b\x32#.tandem.inference.v1.SamplingParamsB\x07\n\x05input\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"N\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\xeb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x38\n\rfinish_reason\x18\x04 \x01(\x0e\x32!.tandem.inference.v1.FinishReason\x12)\n\x05usage\x18\x05 \x01(\x0b\x32\x1a.tandem.inference.v1.Usage\x12+\n\x06timing\x18\x06 \x01(\x0b\x32\x1b.tandem.inference.v1.Timing\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\"\xf1\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x38\n\rfinish_reason\x18\x04 \x01(\x0e\x32!.tandem.inference.v1.FinishReason\x12)\n\x05usage\x18\x05 \x01(\x0b\x32\x1a.tandem.inference.v1.Usage\x12+\n\x06timing\x18\x06 \x01(\x0b\x32\x1b.tandem.inference.v1.Timing\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\"0\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\x82\x02\n\x0bModelConfig\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x11\n\tnum_heads\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x19\n\x11intermediate_size\x18\x08 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\t \x01(\r\x12\x16\n\x0enum_parameters\x18\n \x01(\x04\x12\x13\n\x0b\x63onfig_json\x18\x0b \x01(\t\"\x8f\x02\n\x0cMemoryLedger\x12\x14\n\x0cweight_bytes\x18\x01 \x01(\x04\x12\x1a\n\x12kv_bytes_per_token\x18\x02 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x04 \x01(\x04\x12\x15\n\rkv_block_size\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12;\n\x05\x65xtra\x18\x07 \x03(\x0b\x32,.tandem.inference.v1.MemoryLedger.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xbe\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x30\n\x06\x63onfig\x18\x02 \x01(\x0b\x32 .tandem.inference.v1.ModelConfig\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x07 \x01(\x04\x12\x31\n\x06ledger\x18\x08 \x01(\x0b\x32!.tandem.inference.v1.MemoryLedger\x12\x1c\n\x14max_new_tokens_limit\x18\t \x01(\r\x12\x19\n\x11max_request_bytes\x18\n \x01(\r\x12\x14\n\x0cquantization\x18\x0b \x01(\t*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xfe\x02\n\tInference\x12W\n\x08Generate\x12$.tandem.inference.v1.GenerateRequest\x1a%.tandem.inference.v1.GenerateResponse\x12\x65\n\x0eGenerateStream\x12$.tandem.inference.v1.GenerateRequest\x1a+.tandem.inference.v1.GenerateStreamResponse0\x01\x12W\n\x08Tokenize\x12$.tandem.inference.v1.TokenizeRequest\x1a%.tandem.inference.v1.TokenizeResponse\x12X\n\x0cGetModelInfo\x12(.tandem.inference.v1.GetModelInfoRequest\x1a\x1e.tandem.inference.v1.ModelInfoB<\n\x17\x64\x65v.tandem.inference.v1P\x01Z\x1ftandem/inference/v1;inferencev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#tandem/inference/v1/inference.proto\x12\x13tandem.inference.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe4\x05\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x46\n\nlogit_bias\x18\x0e \x03(\x0b\x32\x32.tandem.inference.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\t\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x10 \x01(\x05H\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\x05H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"e\n\x10PositionLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x03top\x18\x03 \x03(\x0b\x32!.tandem.inference.v1.TokenLogprob\"\x81\x02\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x38\n\rfinish_reason\x18\x04 \x01(\x0e\x32!.tandem.inference.v1.FinishReason\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12;\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32%.tandem.inference.v1.PositionLogprobs\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x42\x0e\n\x0cmatched_stop\"\xb2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x39\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x1d.tandem.inference.v1.TokenIdsH\x00\x12\x35\n\x08sampling\x18\x04 \x01(\x0b\x32#.tandem.inference.v1.SamplingParamsB\x07\n\x05input\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"N\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\xd6\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x38\n\rfinish_reason\x18\x04 \x01(\x0e\x32!.tandem.inference.v1.FinishReason\x12)\n\x05usage\x18\x05 \x01(\x0b\x32\x1a.tandem.inference.v1.Usage\x12+\n\x06timing\x18\x06 \x01(\x0b\x32\x1b.tandem.inference.v1.Timing\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12;\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32%.tandem.inference.v1.PositionLogprobs\x12>\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32%.tandem.inference.v1.PositionLogprobs\x12\x15\n\x0bstop_string\x18\n \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x0b \x01(\rH\x00\x12,\n\x07\x63hoices\x18\x0c \x03(\x0b\x32\x1b.tandem.inference.v1.ChoiceB\x0e\n\x0cmatched_stop\"\xbd\x03\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x38\n\rfinish_reason\x18\x04 \x01(\x0e\x32!.tandem.inference.v1.FinishReason\x12)\n\x05usage\x18\x05 \x01(\x0b\x32\x1a.tandem.inference.v1.Usage\x12+\n\x06timing\x18\x06 \x01(\x0b\x32\x1b.tandem.inference.v1.Timing\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12;\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32%.tandem.inference.v1.PositionLogprobs\x12>\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32%.tandem.inference.v1.PositionLogprobs\x12\x15\n\x0bstop_string\x18\n \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x0b \x01(\rH\x00\x12\r\n\x05index\x18\x0c \x01(\rB\x0e\n\x0cmatched_stop\"0\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\x82\x02\n\x0bModelConfig\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x11\n\tnum_heads\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x19\n\x11intermediate_size\x18\x08 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\t \x01(\r\x12\x16\n\x0enum_parameters\x18\n \x01(\x04\x12\x13\n\x0b\x63onfig_json\x18\x0b \x01(\t\"\x8f\x02\n\x0cMemoryLedger\x12\x14\n\x0cweight_bytes\x18\x01 \x01(\x04\x12\x1a\n\x12kv_bytes_per_token\x18\x02 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x04 \x01(\x04\x12\x15\n\rkv_block_size\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12;\n\x05\x65xtra\x18\x07 \x03(\x0b\x32,.tandem.inference.v1.MemoryLedger.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xe7\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x30\n\x06\x63onfig\x18\x02 \x01(\x0b\x32 .tandem.inference.v1.ModelConfig\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x07 \x01(\x04\x12\x31\n\x06ledger\x18\x08 \x01(\x0b\x32!.tandem.inference.v1.MemoryLedger\x12\x1c\n\x14max_new_tokens_limit\x18\t \x01(\r\x12\x19\n\x11max_request_bytes\x18\n \x01(\r\x12\x14\n\x0cquantization\x18\x0b \x01(\t\x12\x11\n\thttp_port\x18\x0c \x01(\r\x12\x14\n\x0cmetrics_port\x18\r \x01(\r*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xfe\x02\n\tInference\x12W\n\x08Generate\x12$.tandem.inference.v1.GenerateRequest\x1a%.tandem.inference.v1.GenerateResponse\x12\x65\n\x0eGenerateStream\x12$.tandem.inference.v1.GenerateRequest\x1a+.tandem.inference.v1.GenerateStreamResponse0\x01\x12W\n\x08Tokenize\x12$.tandem.inference.v1.TokenizeRequest\x1a%.tandem.inference.v1.TokenizeResponse\x12X\n\x0cGetModelInfo\x12(.tandem.inference.v1.GetModelInfoRequest\x1a\x1e.tandem.inference.v1.ModelInfoB<\n\x17\x64\x65v.tandem.inference.v1P\x01Z\x1ftandem/inference/v1;inferencev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,38 +32,48 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.inference.v1.inferen
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\027dev.tandem.inference.v1P\001Z\037tandem/inference/v1;inferencev1'
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_MEMORYLEDGER_EXTRAENTRY']._loaded_options = None
   _globals['_MEMORYLEDGER_EXTRAENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2260
-  _globals['_FINISHREASON']._serialized_end=2384
+  _globals['_FINISHREASON']._serialized_start=3538
+  _globals['_FINISHREASON']._serialized_end=3662
   _globals['_TOKENIDS']._serialized_start=60
   _globals['_TOKENIDS']._serialized_end=83
   _globals['_SAMPLINGPARAMS']._serialized_start=86
-  _globals['_SAMPLINGPARAMS']._serialized_end=442
-  _globals['_GENERATEREQUEST']._serialized_start=445
-  _globals['_GENERATEREQUEST']._serialized_end=623
-  _globals['_USAGE']._serialized_start=625
-  _globals['_USAGE']._serialized_end=712
-  _globals['_TIMING']._serialized_start=714
-  _globals['_TIMING']._serialized_end=792
-  _globals['_GENERATERESPONSE']._serialized_start=795
-  _globals['_GENERATERESPONSE']._serialized_end=1030
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1033
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1274
-  _globals['_TOKENIZEREQUEST']._serialized_start=1276
-  _globals['_TOKENIZEREQUEST']._serialized_end=1324
-  _globals['_TOKENIZERESPONSE']._serialized_start=1326
-  _globals['_TOKENIZERESPONSE']._serialized_end=1379
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1381
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1402
-  _globals['_MODELCONFIG']._serialized_start=1405
-  _globals['_MODELCONFIG']._serialized_end=1663
-  _globals['_MEMORYLEDGER']._serialized_start=1666
-  _globals['_MEMORYLEDGER']._serialized_end=1937
-  _globals['_MEMORYLEDGER_EXTRAENTRY']._serialized_start=1893
-  _globals['_MEMORYLEDGER_EXTRAENTRY']._serialized_end=1937
-  _globals['_MODELINFO']._serialized_start=1940
-  _globals['_MODELINFO']._serialized_end=2258
-  _globals['_INFERENCE']._serialized_start=2387
-  _globals['_INFERENCE']._serialized_end=2769
+  _globals['_SAMPLINGPARAMS']._serialized_end=826
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=580
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=628
+  _globals['_TOKENLOGPROB']._serialized_start=828
+  _globals['_TOKENLOGPROB']._serialized_end=877
+  _globals['_POSITIONLOGPROBS']._serialized_start=879
+  _globals['_POSITIONLOGPROBS']._serialized_end=980
+  _globals['_CHOICE']._serialized_start=983
+  _globals['_CHOICE']._serialized_end=1240
+  _globals['_GENERATEREQUEST']._serialized_start=1243
+  _globals['_GENERATEREQUEST']._serialized_end=1421
+  _globals['_USAGE']._serialized_start=1423
+  _globals['_USAGE']._serialized_end=1510
+  _globals['_TIMING']._serialized_start=1512
+  _globals['_TIMING']._serialized_end=1590
+  _globals['_GENERATERESPONSE']._serialized_start=1593
+  _globals['_GENERATERESPONSE']._serialized_end=2063
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2066
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2511
+  _globals['_TOKENIZEREQUEST']._serialized_start=2513
+  _globals['_TOKENIZEREQUEST']._serialized_end=2561
+  _globals['_TOKENIZERESPONSE']._serialized_start=2563
+  _globals['_TOKENIZERESPONSE']._serialized_end=2616
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2618
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2639
+  _globals['_MODELCONFIG']._serialized_start=2642
+  _globals['_MODELCONFIG']._serialized_end=2900
+  _globals['_MEMORYLEDGER']._serialized_start=2903
+  _globals['_MEMORYLEDGER']._serialized_end=3174
+  _globals['_MEMORYLEDGER_EXTRAENTRY']._serialized_start=3130
+  _globals['_MEMORYLEDGER_EXTRAENTRY']._serialized_end=3174
+  _globals['_MODELINFO']._serialized_start=3177
+  _globals['_MODELINFO']._serialized_end=3536
+  _globals['_INFERENCE']._serialized_start=3665
+  _globals['_INFERENCE']._serialized_end=4047
 # @@protoc_insertion_point(module_scope)

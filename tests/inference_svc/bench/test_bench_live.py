@@ -30,7 +30,18 @@ def served(tmp_path_factory: pytest.TempPathFactory, small_tokenizer: Tokenizer)
     bundle = save_bundle(tmp_path_factory.mktemp("bench-model") / "bundle", tiny_config(), model, small_tokenizer)
     port, metrics = free_port(), free_port()
     cmd = [sys.executable, "-m", "shared_model.cli", "serve", "--model", str(bundle), "--port", str(port)]
-    cmd += ["--metrics-port", str(metrics), "--device", "cpu", "--attention-backend", "torch", "--shutdown-grace", "5"]
+    cmd += [
+        "--metrics-port",
+        str(metrics),
+        "--http-port",
+        "0",
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch",
+        "--shutdown-grace",
+        "5",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     target = f"127.0.0.1:{port}"
     try:

@@ -101,6 +101,7 @@ def make_server(
         host="127.0.0.1",
         port=free_port(),
         metrics_port=None,
+        http_port=None,
         shutdown_grace=5.0,
         admission=admission or AdmissionLimits(),
     )

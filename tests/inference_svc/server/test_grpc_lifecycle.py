@@ -29,7 +29,9 @@ def test_not_serving_until_warmed_up(bundle_dir, monkeypatch) -> None:
 
     monkeypatch.setattr(AsyncEngine, "warmup", gated_warmup)
     port = free_port()
-    server = TandemServer(ServerSettings(model=str(bundle_dir), port=port, metrics_port=None), engine_config())
+    server = TandemServer(
+        ServerSettings(model=str(bundle_dir), port=port, metrics_port=None, http_port=None), engine_config()
+    )
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()

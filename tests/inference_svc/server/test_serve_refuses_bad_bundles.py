@@ -27,7 +27,7 @@ from shared_model.tokenizer import Tokenizer
 from tests.conftest import tiny_config
 
 REPO = str(Path(__file__).resolve().parents[3])
-FLAGS = ["--port", "0", "--no-metrics", "--device", "cpu", "--kv-cache-memory", "2MiB", "--no-warmup"]
+FLAGS = ["--port", "0", "--no-metrics", "--no-http", "--device", "cpu", "--kv-cache-memory", "2MiB", "--no-warmup"]
 
 
 @pytest.fixture

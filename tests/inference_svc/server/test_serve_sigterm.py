@@ -40,7 +40,7 @@ def _start_server(bundle: Path, port: int) -> tuple[subprocess.Popen, queue.Queu
     cmd = [
         sys.executable, "-m", "tests.inference_svc.server.serve_with_slow_steps",
         "--model", str(bundle), "--port", str(port),
-        "--no-metrics", "--device", "cpu", "--kv-cache-memory", "4MiB", "--max-new-tokens", "2040",
+        "--no-metrics", "--http-port", "0", "--device", "cpu", "--kv-cache-memory", "4MiB", "--max-new-tokens", "2040",
         "--shutdown-grace", str(GRACE_S), "--log-level", "WARNING",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -18,7 +18,7 @@ from inference_svc.client import NO_RETRY, TandemClient
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[3]
-COMMON = ["--device", "cpu", "--kv-cache-memory", "2MiB", "--no-warmup", "--log-level", "WARNING"]
+COMMON = ["--device", "cpu", "--kv-cache-memory", "2MiB", "--no-warmup", "--log-level", "WARNING", "--no-http"]
 
 
 def free_port6() -> int:

@@ -1,0 +1,599 @@
+"""The OpenAI-compatible HTTP API: an ASGI app (Starlette) over the same `AsyncEngine` the gRPC server uses.
+
+Contract:
+- Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as server-sent events
+  ending in `data: [DONE]`, and `stream_options.include_usage`), `GET /v1/models`, `GET /health` (200 serving,
+  503 loading or draining) and `GET /metrics` (the service's registry, served here only when this API listens on
+  the same interface as the metrics server: `--metrics-host` decides who may read metrics, whichever port).
+- Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with the HTTP status of
+  `inference_svc.status` (the table the gRPC codes come from); `code` is the gRPC status name, so an error reads
+  the same over both protocols. Errors are counted in the same `tandem_request_errors` metric.
+- Order of checks: API key (401; `/health` and `/metrics` are open, as gRPC health is), serving (503), body size
+  (413 above `max_request_bytes`, counted while reading, so a chunked body cannot exceed it either; a body that
+  has not arrived within `body_timeout` seconds gets 408), JSON (400), parameters (400 naming the parameter),
+  model name (404), then the engine's own validation and admission (400, 429).
+- Streams: the response starts once the first increment (or the first error) of the request is known, so a
+  request the engine refuses gets its status code, not a 200 followed by an error. After that, a failure, a
+  deadline (`timeout`) or a shutdown ends the stream with one `data: {"error": ...}` event, then `[DONE]`.
+- A client that disconnects aborts its request (streaming or not): the engine frees its KV blocks at its next step.
+- Request ids: the client's `X-Request-Id` header when sent (echoed as the response `id`), else a fresh one.
+- Text prompts are tokenized as gRPC's are (no BOS added); chat messages are rendered by the folder's chat
+  template (`chat_template`), and their content never becomes a control token. A server without a template
+  answers chat requests 400 saying so.
+- Log-probabilities are the model's own (before penalties and temperature), as vLLM's are by default; token
+  strings are each token decoded alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from inference_svc.async_engine import AsyncEngine
+from inference_svc.chat_template import ChatTemplate
+from inference_svc.engine.types import Completion, FinishReason, RequestOutput, TokenLogprob
+from inference_svc.errors import (
+    AuthenticationError,
+    EngineStoppedError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    RequestTimeoutError,
+    RequestTooLargeError,
+)
+from inference_svc.metrics import ServiceMetrics
+from inference_svc.openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse
+from inference_svc.status import status_of
+
+log = logging.getLogger(__name__)
+
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}
+
+
+class Owner(Protocol):
+    """What the app needs from the server that runs it (`TandemServer`)."""
+
+    engine: AsyncEngine | None
+    serving: bool
+    draining: bool
+    metrics: ServiceMetrics
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    model_name: str
+    max_request_bytes: int
+    body_timeout: float = 30.0
+    """Seconds a request body may take to arrive (a slow-loris body gets 408)."""
+    serve_metrics: bool = False
+    """Whether `/metrics` is served on this port (see the module docstring)."""
+    check_key: Callable[[list[str]], str | None] | None = None
+    """The `authorization` header values → why they are refused, or None when they carry a valid key."""
+    chat_template: ChatTemplate | None = None
+
+
+def build_app(owner: Owner, options: ApiOptions) -> Starlette:
+    api = _Api(owner, options)
+    routes = [
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes)
+
+
+# ---------------------------------------------------------------------------------------- errors
+_COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "top_logprobs": "logprobs",
+                     "request_id": "x-request-id"}  # fmt: skip
+_CHAT_NAMES = {"max_new_tokens": "max_completion_tokens", "prompt": "messages", "prompt_token_ids": "messages",
+               "request_id": "x-request-id"}  # fmt: skip
+"""The engine's field names → the parameter a client of each endpoint sent."""
+
+
+def _in_api_terms(exc: BaseException, names: dict[str, str]) -> BaseException:
+    """An engine validation error re-worded with the endpoint's parameter name (max_new_tokens → max_tokens)."""
+    if type(exc) is not InvalidRequestError or exc.field not in names:
+        return exc
+    message = str(exc).removeprefix(f"{exc.field}: ")
+    return InvalidRequestError(names[exc.field], message)
+
+
+def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    status, message = status_of(exc)
+    param = getattr(exc, "field", None)
+    return status.http, {"error": {"message": message, "type": status.type, "param": param, "code": status.grpc.name}}
+
+
+class _Api:
+    def __init__(self, owner: Owner, options: ApiOptions) -> None:
+        self.owner = owner
+        self.options = options
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ plumbing
+    def _error(self, exc: BaseException, rid: str = "") -> JSONResponse:
+        code, body = error_body(exc)
+        if code >= 500 and not isinstance(exc, EngineStoppedError) and not getattr(exc, "logged", False):
+            log.error("HTTP request %s failed: %r", rid or "-", exc, exc_info=exc)
+        self.owner.metrics.observe_error(status_of(exc)[0].grpc.name)
+        return JSONResponse(body, status_code=code)
+
+    def _authorize(self, request: Request) -> None:
+        if self.options.check_key is None:
+            return
+        reason = self.options.check_key(request.headers.getlist("authorization"))
+        if reason is not None:
+            raise AuthenticationError(reason)
+
+    def _engine(self) -> AsyncEngine:
+        engine = self.owner.engine
+        if engine is None or not self.owner.serving:
+            raise EngineStoppedError(
+                "the server is shutting down" if self.owner.draining else "the model is still loading"
+            )
+        return engine
+
+    async def _body(self, request: Request) -> Any:
+        limit = self.options.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestTooLargeError(f"the body has {declared} bytes; this server accepts at most {limit}")
+
+        async def read() -> bytes:
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise RequestTooLargeError(f"the body has more than {limit} bytes, the most this server accepts")
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        try:
+            raw = await asyncio.wait_for(read(), self.options.body_timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(
+                f"the request body did not arrive within {self.options.body_timeout:g} s"
+            ) from None
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidRequestError("body", f"the body is not valid JSON ({exc})") from None
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.options.model_name:
+            raise ModelNotFoundError(
+                f"the model '{name}' does not exist here; this server serves '{self.options.model_name}'"
+            )
+
+    async def _handle(
+        self, request: Request, run: Callable[[AsyncEngine, Any], Awaitable[Response]], names: dict[str, str]
+    ) -> Response:
+        try:
+            self._authorize(request)
+            engine = self._engine()
+            body = await self._body(request)
+            return await run(engine, body)
+        except Exception as exc:
+            return self._error(_in_api_terms(exc, names))
+
+    # ------------------------------------------------------------------ plain routes
+    async def health(self, request: Request) -> Response:
+        if self.owner.serving and self.owner.engine is not None and self.owner.engine.healthy:
+            return JSONResponse({"status": "serving"})
+        state = "draining" if self.owner.draining else "loading"
+        return JSONResponse({"status": state}, status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        if not self.options.serve_metrics:
+            return JSONResponse(
+                {"error": {"message": "metrics are served on the metrics port (--metrics-host decides who may read "
+                           "them)", "type": "not_found_error", "param": None, "code": "NOT_FOUND"}},
+                status_code=404,
+            )  # fmt: skip
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(self.owner.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except Exception as exc:
+            return self._error(exc)
+        card = {"id": self.options.model_name, "object": "model", "created": self.created, "owned_by": "tandem"}
+        engine = self.owner.engine
+        if engine is not None:
+            card["max_model_len"] = engine.engine.max_model_len
+        return JSONResponse({"object": "list", "data": [card]})
+
+    # ------------------------------------------------------------------ completions
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(
+            request, lambda engine, body: self._completions(request, engine, body), _COMPLETION_NAMES
+        )
+
+    async def _completions(self, request: Request, engine: AsyncEngine, body: Any) -> Response:
+        req: CompletionRequest = parse(CompletionRequest, body)
+        self._check_model(req.model)
+        sampling = req.to_sampling(16)
+        prompts = [await engine.prompt_ids(p) for p in req.prompts()]
+        tok = engine.engine.tokenizer
+        rid = _request_id(request, "cmpl")
+        deadline = None if req.timeout is None else time.monotonic() + req.timeout
+        streams = [
+            engine.generate(ids, sampling, request_id=rid if len(prompts) == 1 else f"{rid}-{i}", deadline=deadline,
+                            n=req.n)
+            for i, ids in enumerate(prompts)
+        ]  # fmt: skip
+        echo_text = [tok.decode(ids, skip_special_tokens=False) if req.echo else "" for ids in prompts]
+        view = _CompletionView(rid, self.options.model_name, self.created, req, prompts, echo_text, tok)
+        if req.stream:
+            return await self._stream(
+                request, streams, view.chunk, view.usage_chunk, req.include_usage, rid, _COMPLETION_NAMES
+            )
+        done = await self._collect(request, streams, req.n)
+        return JSONResponse(view.whole(done))
+
+    # ------------------------------------------------------------------ chat
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, lambda engine, body: self._chat(request, engine, body), _CHAT_NAMES)
+
+    async def _chat(self, request: Request, engine: AsyncEngine, body: Any) -> Response:
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
+        self._check_model(req.model)
+        template = self.options.chat_template
+        if template is None:
+            raise InvalidRequestError(
+                "messages",
+                "this model folder has no chat template (tokenizer_config.json chat_template or chat_template.jinja); "
+                "start the server with --chat-template FILE, or use /v1/completions",
+            )
+        sampling = req.to_sampling(engine.engine.config.max_new_tokens_limit)
+        messages = [{**m.model_dump(exclude_none=True), "content": m.content or ""} for m in req.messages]
+        chars = sum(len(json.dumps(m)) for m in messages)
+        tok = engine.engine.tokenizer
+        _, ids = await engine.tokenize_with(
+            chars, lambda: template.encode(messages, tok, add_generation_prompt=req.add_generation_prompt)
+        )
+        rid = _request_id(request, "chatcmpl")
+        deadline = None if req.timeout is None else time.monotonic() + req.timeout
+        streams = [engine.generate(ids, sampling, request_id=rid, deadline=deadline, n=req.n)]
+        view = _ChatView(rid, self.options.model_name, self.created, req, len(ids), tok)
+        if req.stream:
+            return await self._stream(
+                request, streams, view.chunk, view.usage_chunk, req.include_usage, rid, _CHAT_NAMES
+            )
+        done = await self._collect(request, streams, req.n)
+        return JSONResponse(view.whole(done))
+
+    # ------------------------------------------------------------------ running requests
+    async def _collect(self, request: Request, streams: list[AsyncIterator[RequestOutput]], n: int) -> list[Completion]:
+        """Run the requests to completion; a client disconnect aborts them all. Completions in choice order."""
+
+        async def gather() -> list[Completion]:
+            done: dict[int, Completion] = {}
+            async for p, out in _merge(streams):
+                idx = p * n + out.index
+                done.setdefault(idx, Completion(out.request_id, idx)).add(out)
+            return [done[i] for i in sorted(done)]
+
+        work = asyncio.ensure_future(gather())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client left: cancelling aborts every engine request
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                raise asyncio.CancelledError
+            return work.result()
+        finally:
+            gone.cancel()
+
+    async def _stream(
+        self,
+        request: Request,
+        streams: list[AsyncIterator[RequestOutput]],
+        chunk: Callable[[int, RequestOutput], list[dict[str, Any]]],
+        usage_chunk: Callable[[], dict[str, Any]],
+        include_usage: bool,
+        rid: str,
+        names: dict[str, str],
+    ) -> Response:
+        merged = _merge(streams)
+        try:
+            first = await anext(merged)
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await merged.aclose()
+            raise
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                if first is not None:
+                    for c in chunk(*first):
+                        yield _sse(c)
+                async for item in merged:
+                    for c in chunk(*item):
+                        yield _sse(c)
+                if include_usage:
+                    yield _sse(usage_chunk())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # mid-stream: one error event, in the shape of the errors
+                code, body = error_body(_in_api_terms(exc, names))
+                self.owner.metrics.observe_error(status_of(exc)[0].grpc.name)
+                if code >= 500 and not isinstance(exc, EngineStoppedError):
+                    log.error("HTTP stream %s failed: %r", rid, exc, exc_info=exc)
+                yield _sse(body)
+            finally:
+                await merged.aclose()  # abort now (a disconnect cancels this generator), not at garbage collection
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _request_id(request: Request, kind: str) -> str:
+    """The client's `X-Request-Id` (as vLLM takes it; the engine checks its length and uniqueness), else a new one."""
+    return request.headers.get("x-request-id") or f"{kind}-{uuid.uuid4().hex}"
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the body has been read: the next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _merge(streams: Sequence[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, increment) from several requests as they come. Leaving early, or an error from one of them,
+    closes them all (each close aborts its engine request)."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, end))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            with contextlib.suppress(Exception):
+                await s.aclose()  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------- response views
+class _Tokens:
+    """Token strings for logprobs: each token decoded alone."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+
+    def text(self, token_id: int) -> str:
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
+
+class _CompletionView(_Tokens):
+    """`/v1/completions` JSON for one request: whole responses and stream chunks."""
+
+    def __init__(self, rid: str, model: str, created: int, req: CompletionRequest, prompts: list[list[int]],
+                 echo: list[str], tokenizer: Any) -> None:  # fmt: skip
+        super().__init__(tokenizer)
+        self.rid, self.model, self.created, self.req = rid, model, created, req
+        self.prompts, self.echo = prompts, echo
+        self.started: set[int] = set()
+        self.offsets: dict[int, int] = {}
+        self.completion_tokens: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model}
+
+    def _logprobs(self, idx: int, tokens: Sequence[int], lps: Sequence[float | None],
+                  tops: Sequence[TokenLogprob | None] | None) -> dict[str, Any]:  # fmt: skip
+        strings = [self.text(t) for t in tokens]
+        offsets = []
+        at = self.offsets.get(idx, 0)
+        for s in strings:
+            offsets.append(at)
+            at += len(s)
+        self.offsets[idx] = at
+        k = self.req.logprobs or 0
+        top: list[dict[str, float] | None] = []
+        for i, _ in enumerate(tokens):
+            entry = tops[i] if tops is not None else None
+            top.append(None if entry is None else {self.text(t): v for t, v in entry.top[:k]} if k else None)
+        return {"tokens": strings, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}
+
+    def _echo_logprobs(self, p: int, idx: int, prompt_lps: Sequence[TokenLogprob | None] | None) -> dict[str, Any]:
+        ids = self.prompts[p]
+        entries = list(prompt_lps or [None] * len(ids))
+        lps = [None if e is None else e.logprob for e in entries]
+        return self._logprobs(idx, ids, lps, entries)
+
+    def _choice_logprobs(self, p: int, idx: int, out: RequestOutput | Completion, first: bool) -> dict[str, Any] | None:
+        if self.req.logprobs is None:
+            return None
+        if first:
+            self.offsets[idx] = 0
+        head = self._echo_logprobs(p, idx, out.prompt_logprobs) if first and self.req.echo else None
+        tokens = out.new_token_ids if isinstance(out, RequestOutput) else out.token_ids
+        body = self._logprobs(idx, tokens, out.logprobs or [], out.top_logprobs)  # offsets continue after the echo
+        return body if head is None else {k: head[k] + body[k] for k in body}
+
+    def chunk(self, p: int, out: RequestOutput) -> list[dict[str, Any]]:
+        idx = p * self.req.n + out.index
+        first = idx not in self.started
+        self.started.add(idx)
+        text = (self.echo[p] if first else "") + out.text_delta
+        choice = {
+            "index": idx,
+            "text": text,
+            "logprobs": self._choice_logprobs(p, idx, out, first),
+            "finish_reason": _FINISH.get(out.finish_reason) if out.finished else None,  # type: ignore[arg-type]
+        }
+        if out.finished:
+            choice["stop_reason"] = out.stop_reason
+            self.completion_tokens[idx] = out.usage.completion_tokens
+            self.cached[p] = out.usage.cached_prompt_tokens
+        if not text and not out.finished and not out.new_token_ids:
+            return []
+        return [{**self._head(), "choices": [choice]}]
+
+    def _usage(self, completion_tokens: int, cached: int) -> dict[str, Any]:
+        prompt = sum(len(ids) for ids in self.prompts)
+        return _usage(prompt, completion_tokens, cached)
+
+    def usage_chunk(self) -> dict[str, Any]:
+        usage = self._usage(sum(self.completion_tokens.values()), sum(self.cached.values()))
+        return {**self._head(), "choices": [], "usage": usage}
+
+    def whole(self, done: list[Completion]) -> dict[str, Any]:
+        choices = []
+        cached: dict[int, int] = {}
+        for c in done:
+            p = c.index // self.req.n
+            cached[p] = c.usage.cached_prompt_tokens
+            choices.append({
+                "index": c.index,
+                "text": self.echo[p] + c.text,
+                "logprobs": self._choice_logprobs(p, c.index, c, True),
+                "finish_reason": _FINISH.get(c.finish_reason),  # type: ignore[arg-type]
+                "stop_reason": c.stop_reason,
+            })  # fmt: skip
+        usage = self._usage(sum(c.usage.completion_tokens for c in done), sum(cached.values()))
+        return {**self._head(), "choices": choices, "usage": usage}
+
+
+class _ChatView(_Tokens):
+    """`/v1/chat/completions` JSON for one request."""
+
+    def __init__(self, rid: str, model: str, created: int, req: ChatCompletionRequest, prompt_tokens: int,
+                 tokenizer: Any) -> None:  # fmt: skip
+        super().__init__(tokenizer)
+        self.rid, self.model, self.created, self.req, self.prompt_tokens = rid, model, created, req, prompt_tokens
+        self.started: set[int] = set()
+        self.completion_tokens: dict[int, int] = {}
+        self.cached = 0
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def _entry(self, token_id: int, logprob: float, top: Sequence[tuple[int, float]]) -> dict[str, Any]:
+        s = self.text(token_id)
+        return {
+            "token": s,
+            "logprob": logprob,
+            "bytes": list(s.encode("utf-8")),
+            "top_logprobs": [{"token": self.text(t), "logprob": v, "bytes": list(self.text(t).encode("utf-8"))}
+                             for t, v in top[: self.req.top_logprobs or 0]],
+        }  # fmt: skip
+
+    def _logprobs(self, tokens: Sequence[int], lps: Sequence[float] | None,
+                  tops: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:  # fmt: skip
+        if not self.req.logprobs:
+            return None
+        content = []
+        for i, t in enumerate(tokens):
+            top = tops[i].top if tops is not None else ()
+            content.append(self._entry(t, (lps or [0.0] * len(tokens))[i], top))
+        return {"content": content}
+
+    def _usage(self, completion_tokens: int) -> dict[str, Any]:
+        return _usage(self.prompt_tokens, completion_tokens, self.cached)
+
+    def chunk(self, p: int, out: RequestOutput) -> list[dict[str, Any]]:
+        chunks = []
+        if out.index not in self.started:
+            self.started.add(out.index)
+            role = {"index": out.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}  # fmt: skip
+            chunks.append({**self._head("chat.completion.chunk"), "choices": [role]})
+        if out.text_delta or out.finished or (self.req.logprobs and out.new_token_ids):
+            choice: dict[str, Any] = {
+                "index": out.index,
+                "delta": {"content": out.text_delta} if out.text_delta else {},
+                "logprobs": self._logprobs(out.new_token_ids, out.logprobs, out.top_logprobs),
+                "finish_reason": _FINISH.get(out.finish_reason) if out.finished else None,  # type: ignore[arg-type]
+            }
+            if out.finished:
+                choice["stop_reason"] = out.stop_reason
+                self.completion_tokens[out.index] = out.usage.completion_tokens
+                self.cached = out.usage.cached_prompt_tokens
+            chunks.append({**self._head("chat.completion.chunk"), "choices": [choice]})
+        return chunks
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {
+            **self._head("chat.completion.chunk"),
+            "choices": [],
+            "usage": self._usage(sum(self.completion_tokens.values())),
+        }
+
+    def whole(self, done: list[Completion]) -> dict[str, Any]:
+        if done:
+            self.cached = done[0].usage.cached_prompt_tokens
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs),
+                "finish_reason": _FINISH.get(c.finish_reason),  # type: ignore[arg-type]
+                "stop_reason": c.stop_reason,
+            }
+            for c in done
+        ]
+        usage = self._usage(sum(c.usage.completion_tokens for c in done))
+        return {**self._head("chat.completion"), "choices": choices, "usage": usage}

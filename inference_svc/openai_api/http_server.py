@@ -1,0 +1,103 @@
+"""The HTTP listener of the OpenAI-compatible API: uvicorn, in the event loop the gRPC server runs in.
+
+Contract:
+- `HttpServer(app, host, port).start()` binds the address itself (IPv4 or IPv6, port 0 picks a free one; a busy
+  or foreign address raises `ServerStartError` naming `HTTP: HOST:PORT`) and returns the bound port once uvicorn
+  accepts connections. uvicorn installs no signal handlers: the CLI's SIGTERM handler drains gRPC and HTTP alike.
+- Connection limits: at most `max_connections` at once (uvicorn answers 503 beyond it), idle keep-alive
+  connections are closed after `keep_alive` seconds, and h11 refuses request heads above 64 KiB.
+- `close(grace)` stops accepting, lets responses in progress finish for `grace` seconds, then cancels them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from inference_svc.errors import ServerStartError
+from inference_svc.settings import bare_host, host_port
+
+log = logging.getLogger(__name__)
+
+_MAX_HEAD_BYTES = 64 * 1024
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling (the process's handler owns SIGTERM/SIGINT)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    def __init__(self, app: Any, host: str, port: int, *, max_connections: int = 1024, keep_alive: float = 5.0) -> None:
+        self.app = app
+        self.host = host
+        self.port = port
+        self.max_connections = max_connections
+        self.keep_alive = keep_alive
+        self._server: _Uvicorn | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        sock = _bind(self.host, self.port)
+        config = uvicorn.Config(
+            self.app,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=int(max(1, self.keep_alive)),
+            limit_concurrency=self.max_connections,
+            h11_max_incomplete_event_size=_MAX_HEAD_BYTES,
+            timeout_graceful_shutdown=1,
+        )
+        self._server = _Uvicorn(config)
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:  # bounded: serve() either starts or ends with an error
+            if self._task.done():
+                self._task.result()
+                raise ServerStartError(f"HTTP: cannot listen on {host_port(self.host, self.port)}")
+            await asyncio.sleep(0.01)
+        self.port = sock.getsockname()[1]
+        return self.port
+
+    async def close(self, grace: float = 1.0) -> None:
+        if self._server is None or self._task is None:
+            return
+        self._server.config.timeout_graceful_shutdown = max(0, int(grace))
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout=grace + 5.0)
+        except asyncio.TimeoutError:
+            self._server.force_exit = True
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    bare = bare_host(host)
+    try:
+        infos = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ServerStartError(f"HTTP: cannot listen on {host_port(host, port)}: {exc.strerror}") from None
+    family, kind, proto, _canon, sockaddr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        reason = "address in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        raise ServerStartError(f"HTTP: cannot listen on {host_port(host, port)}: {reason}") from None
+    sock.setblocking(False)
+    return sock

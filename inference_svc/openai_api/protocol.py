@@ -1,0 +1,196 @@
+"""The OpenAI-compatible request bodies, validated, and their translation to engine `SamplingParams`.
+
+Contract:
+- `CompletionRequest` and `ChatCompletionRequest` accept the fields of OpenAI's `/v1/completions` and
+  `/v1/chat/completions` and vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
+  `stop_token_ids`, `prompt_logprobs`), plus `timeout` (seconds: the request's deadline). Fields mean what they
+  mean there:
+  - `temperature` defaults to 1.0 and `top_p` to 1.0, as OpenAI's do (Tandem's gRPC default is greedy);
+  - completions: `max_tokens` defaults to 16 (OpenAI's legacy default), `logprobs` is a count 0..5 of
+    alternatives, `echo` prepends the prompt (with its logprobs when `logprobs` is set);
+  - chat: `max_completion_tokens` (or its older name `max_tokens`) defaults to the server's limit, `logprobs` is
+    a boolean and `top_logprobs` a count 0..20;
+  - `top_k` -1 or 0 disables it (vLLM's spelling and Tandem's);
+  - `logit_bias` maps token ids, written as JSON strings, to biases in [-100, 100].
+- Unknown fields are refused (a typo must not silently change nothing). Fields OpenAI has that Tandem does not
+  serve (`tools`, `response_format`, `suffix`, ...) are refused by name with a 400 that says so.
+- Every refusal is `InvalidRequestError` whose `field` is the request parameter (`messages[0].content`), turned into
+  OpenAI's error shape by the app. Nothing here touches the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from inference_svc.engine.types import MAX_N, SamplingParams
+from inference_svc.errors import InvalidRequestError
+
+UNSUPPORTED = (
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+    "audio", "modalities", "prediction", "suffix", "web_search_options", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "structured_outputs",
+)  # fmt: skip
+"""OpenAI (and vLLM) fields outside this server's scope: a request that sets one gets a 400 naming it."""
+
+COMPLETIONS_MAX_LOGPROBS = 5
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    best_of: int | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    # Tandem's
+    timeout: float | None = Field(None, gt=0)
+    """Seconds from arrival until the request is abandoned (DEADLINE: 504, or an error event in a stream)."""
+
+    def sampling(self, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(
+                "best_of", f"only best_of == n is served (got best_of={self.best_of}, n={self.n})"
+            )
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise InvalidRequestError("logit_bias", f"keys are token ids, got {key!r}") from None
+        top_k = self.top_k if self.top_k is not None else 0
+        if top_k == -1:
+            top_k = 0
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": top_k,
+            "min_p": self.min_p or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "seed": self.seed,
+            "stop": stop,
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+            "top_logprobs": top_logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
+            "logit_bias": bias,
+            "min_tokens": self.min_tokens,
+        }
+        return SamplingParams(**kwargs)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=COMPLETIONS_MAX_LOGPROBS)
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, each a text or a token-id list (OpenAI's four spellings)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequestError("prompt", "the prompt list is empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_sampling(self, default_max: int) -> SamplingParams:
+        logprobs = self.logprobs is not None
+        params = self.sampling(self.max_tokens or default_max, logprobs, self.logprobs or 0)
+        if self.echo and logprobs and params.prompt_logprobs is None:  # echo's logprobs are the prompt's
+            params = _with(params, prompt_logprobs=self.logprobs or 0)
+        return params
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id ... reach the template as they are
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    def to_sampling(self, default_max: int) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+        max_new = self.max_completion_tokens or self.max_tokens or default_max
+        return self.sampling(max_new, self.logprobs, self.top_logprobs or 0)
+
+
+def _with(params: SamplingParams, **changes: Any) -> SamplingParams:
+    return dataclasses.replace(params, **changes)
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    """Validate a decoded JSON body; raise `InvalidRequestError` naming the first wrong parameter."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", "the request body must be a JSON object")
+    for name in UNSUPPORTED:
+        if body.get(name) is not None:
+            raise InvalidRequestError(name, f"'{name}' is not supported by this server")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = _param(err.get("loc", ()))
+        if err.get("type") == "extra_forbidden":
+            raise InvalidRequestError(field, f"unknown parameter '{field}'") from None
+        raise InvalidRequestError(field, str(err.get("msg", "invalid value"))) from None
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    """A pydantic location as the request parameter's path: ('messages', 0, 'content') → 'messages[0].content'.
+    Union branch names pydantic adds (e.g. 'str', 'list[int]') are dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "dict", "list"}):
+            continue
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "body"
