@@ -1,8 +1,18 @@
 """Prometheus metrics of the inference service.
 
 Contract:
-- `ServiceMetrics` owns one `CollectorRegistry` (not the process-global one), so several servers can live in one
-  process (tests) without clashing. `MetricsHTTPServer` exposes it at `/metrics`.
+- `ServiceMetrics(registry=None, model_name="")` owns one `CollectorRegistry` (not the process-global one), so
+  several servers can live in one process (tests) without clashing. `MetricsHTTPServer` exposes `render()` at
+  `/metrics`.
+- Every series carries a `model_name` label: the served model's name (as vLLM does), given at construction (the
+  server passes the model folder's base name, or `--served-model-name`). With the default `""` the label is left
+  out: to Prometheus an empty label value and an absent label are the same series, so the output is the same data.
+- `render()` has no `*_created` samples. prometheus_client adds them to counters and histograms; its
+  `disable_created_metrics()` is process-global, so instead `render()` drops them from this registry's output
+  alone (`registry` itself, read directly, still has them).
+- `tandem_build_info` is 1, labelled with the `version` of the installed `tandem` distribution and `torch_version`
+  (each "unknown" when its metadata is missing). The weights' dtype and quantization are labels of
+  `tandem_model_weight_bytes`.
 - `MetricsHTTPServer` is an asyncio server in the caller's event loop: no thread per connection (no thread at
   all), at most `max_connections` connections at once (one more is closed on accept), and each connection gets
   `timeout` seconds from accept to the end of its response, after which it is closed, so half-open or slow
@@ -13,7 +23,11 @@ Contract:
   arrival in the engine): TTFT, time per output token, end-to-end and queue time are observed once per finished
   request; inter-token latency once per streamed increment after the first.
 - Engine-wide gauges and counters are refreshed from `Engine.stats()` snapshots by `observe_stats`; the counters
-  (preemptions, tokens in/out) advance by the difference from the previous snapshot, so they never go backwards.
+  (preemptions, tokens in/out, cached prompt tokens, prefix-cache hits and queries) advance by the difference from
+  the previous snapshot, so they never go backwards. The prefix cache is exported as two counters, tokens found
+  (`tandem_prefix_cache_hits_total`) and tokens looked up (`tandem_prefix_cache_queries_total`), so a hit rate over
+  any window is `rate(hits) / rate(queries)`. `tandem_kv_cache_usage_ratio` is used / total KV blocks (0 with no
+  pool).
 - Requests are counted once at their end: by finish reason when they finish, by gRPC status code when they fail.
 - Thread-safe (prometheus_client is): the engine thread and the event loop both record here. Nothing here blocks.
 """
@@ -22,11 +36,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import importlib.metadata
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from inference_svc.engine.types import Timing
 
@@ -55,87 +73,171 @@ _LATENCY_BUCKETS = (
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)
 
 
-class ServiceMetrics:
-    """Every metric the service exports, on its own registry."""
+def _version(distribution: str) -> str:
+    """The installed version of `distribution`, or "unknown" when its metadata is missing."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+
+class _WithoutCreated(Collector):
+    """`registry`'s metric families less their `<family>_created` samples (see the module docstring)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            created = family.name + "_created"
+            if any(s.name == created for s in family.samples):
+                family = copy.copy(family)
+                family.samples = [s for s in family.samples if s.name != created]
+            yield family
+
+
+class ServiceMetrics:
+    """Every metric the service exports, on its own registry, each series labelled with `model_name`."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "") -> None:
         self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        self._model: dict[str, str] = {"model_name": model_name} if model_name else {}
+        """The `model_name` label of every series; empty (no label) when no name was given."""
         r = self.registry
-        self.ttft = Histogram(
-            "tandem_time_to_first_token_seconds",
-            "Arrival in the engine until the first output token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        m = tuple(self._model)  # the label names every metric starts with
+
+        def one(metric: Any) -> Any:
+            """The metric's only series (the one of this model) when it has no other labels."""
+            return metric.labels(**self._model) if self._model else metric
+
+        self.ttft = one(
+            Histogram(
+                "tandem_time_to_first_token_seconds",
+                "Arrival in the engine until the first output token.",
+                m,
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            )
         )
-        self.tpot = Histogram(
-            "tandem_time_per_output_token_seconds",
-            "Mean time per output token after the first, per finished request.",
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
+        self.tpot = one(
+            Histogram(
+                "tandem_time_per_output_token_seconds",
+                "Mean time per output token after the first, per finished request.",
+                m,
+                buckets=_TOKEN_BUCKETS,
+                registry=r,
+            )
         )
-        self.itl = Histogram(
-            "tandem_inter_token_latency_seconds",
-            "Time between two consecutive streamed increments of one request.",
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
+        self.itl = one(
+            Histogram(
+                "tandem_inter_token_latency_seconds",
+                "Time between two consecutive streamed increments of one request.",
+                m,
+                buckets=_TOKEN_BUCKETS,
+                registry=r,
+            )
         )
-        self.e2e = Histogram(
-            "tandem_e2e_request_latency_seconds",
-            "Arrival in the engine until the request finished.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.e2e = one(
+            Histogram(
+                "tandem_e2e_request_latency_seconds",
+                "Arrival in the engine until the request finished.",
+                m,
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            )
         )
-        self.queue_time = Histogram(
-            "tandem_request_queue_time_seconds",
-            "Arrival in the engine until first scheduled.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.queue_time = one(
+            Histogram(
+                "tandem_request_queue_time_seconds",
+                "Arrival in the engine until first scheduled.",
+                m,
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            )
         )
-        self.running = Gauge("tandem_requests_running", "Requests holding KV blocks in the engine.", registry=r)
-        self.waiting = Gauge("tandem_requests_waiting", "Requests waiting in the engine's scheduler.", registry=r)
-        self.admission_queue = Gauge(
-            "tandem_admission_queue_requests", "Admitted requests that have not produced a token yet.", registry=r
+        self.running = one(Gauge("tandem_requests_running", "Requests holding KV blocks in the engine.", m, registry=r))
+        self.waiting = one(
+            Gauge("tandem_requests_waiting", "Requests waiting in the engine's scheduler.", m, registry=r)
         )
-        self.admission_queue_tokens = Gauge(
-            "tandem_admission_queue_tokens", "Prompt tokens of admitted requests without a token yet.", registry=r
+        self.admission_queue = one(
+            Gauge(
+                "tandem_admission_queue_requests",
+                "Admitted requests that have not produced a token yet.",
+                m,
+                registry=r,
+            )
         )
-        self.tokenizer_pending = Gauge(
-            "tandem_tokenizer_pending_chars",
-            "Characters of long texts accepted by the tokenizer, not done.",
-            registry=r,
+        self.admission_queue_tokens = one(
+            Gauge(
+                "tandem_admission_queue_tokens",
+                "Prompt tokens of admitted requests without a token yet.",
+                m,
+                registry=r,
+            )
         )
-        self.tokenized_chars = Counter(
-            "tandem_tokenized_chars", "Characters of text handed to the tokenizer (prompts and Tokenize).", registry=r
+        self.tokenizer_pending = one(
+            Gauge(
+                "tandem_tokenizer_pending_chars",
+                "Characters of long texts accepted by the tokenizer, not done.",
+                m,
+                registry=r,
+            )
+        )
+        self.tokenized_chars = one(
+            Counter(
+                "tandem_tokenized_chars",
+                "Characters of text handed to the tokenizer (prompts and Tokenize).",
+                m,
+                registry=r,
+            )
         )
         self.weight_bytes = Gauge(
             "tandem_model_weight_bytes",
             "Bytes the served weights occupy as held (quantized formats and their scales included).",
-            ["dtype", "quantization"],
+            (*m, "dtype", "quantization"),
             registry=r,
         )
-        self.kv_used = Gauge("tandem_kv_blocks_used", "KV-cache blocks in use.", registry=r)
-        self.kv_total = Gauge("tandem_kv_blocks_total", "KV-cache blocks in the pool.", registry=r)
-        self.kv_cached = Gauge("tandem_kv_blocks_cached", "KV blocks holding a registered prefix.", registry=r)
-        self.prefix_hit_rate = Gauge(
-            "tandem_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / tokens looked up.", registry=r
+        self.kv_used = one(Gauge("tandem_kv_blocks_used", "KV-cache blocks in use.", m, registry=r))
+        self.kv_total = one(Gauge("tandem_kv_blocks_total", "KV-cache blocks in the pool.", m, registry=r))
+        self.kv_cached = one(Gauge("tandem_kv_blocks_cached", "KV blocks holding a registered prefix.", m, registry=r))
+        self.kv_usage = one(
+            Gauge("tandem_kv_cache_usage_ratio", "KV-cache blocks in use / blocks in the pool (0 to 1).", m, registry=r)
         )
-        self.preemptions = Counter("tandem_preemptions", "Sequences preempted for lack of KV blocks.", registry=r)
-        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens admitted (tokens in).", registry=r)
-        self.generation_tokens = Counter("tandem_generation_tokens", "Tokens generated (tokens out).", registry=r)
-        self.cached_prompt_tokens = Counter(
-            "tandem_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", registry=r
+        self.prefix_hits = one(
+            Counter("tandem_prefix_cache_hits", "Prompt tokens found in the prefix cache.", m, registry=r)
+        )
+        self.prefix_queries = one(
+            Counter("tandem_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m, registry=r)
+        )
+        self.preemptions = one(
+            Counter("tandem_preemptions", "Sequences preempted for lack of KV blocks.", m, registry=r)
+        )
+        self.prompt_tokens = one(Counter("tandem_prompt_tokens", "Prompt tokens admitted (tokens in).", m, registry=r))
+        self.generation_tokens = one(
+            Counter("tandem_generation_tokens", "Tokens generated (tokens out).", m, registry=r)
+        )
+        self.cached_prompt_tokens = one(
+            Counter("tandem_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", m, registry=r)
         )
         self.finished = Counter(
-            "tandem_requests_finished", "Requests that finished, by finish reason.", ["finish_reason"], registry=r
+            "tandem_requests_finished", "Requests that finished, by finish reason.", (*m, "finish_reason"), registry=r
         )
         self.errors = Counter(
-            "tandem_request_errors", "Requests that ended with an error status, by gRPC code.", ["code"], registry=r
+            "tandem_request_errors", "Requests that ended with an error status, by gRPC code.", (*m, "code"), registry=r
         )
+        self.build_info = Gauge(
+            "tandem_build_info",
+            "Always 1: the versions of Tandem and torch serving this model.",
+            (*m, "version", "torch_version"),
+            registry=r,
+        )
+        self.build_info.labels(**self._model, version=_version("tandem"), torch_version=_version("torch")).set(1)
         self._last: dict[str, float] = {}
 
     # ------------------------------------------------------------------ per request
     def observe_finished(self, finish_reason: str, timing: Timing | None) -> None:
-        self.finished.labels(finish_reason=finish_reason).inc()
+        self.finished.labels(**self._model, finish_reason=finish_reason).inc()
         if timing is None:
             return
         if timing.ttft_ms > 0:
@@ -146,7 +248,7 @@ class ServiceMetrics:
         self.queue_time.observe(timing.queue_ms / 1000.0)
 
     def observe_error(self, code_name: str) -> None:
-        self.errors.labels(code=code_name).inc()
+        self.errors.labels(**self._model, code=code_name).inc()
 
     def observe_inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
@@ -159,12 +261,14 @@ class ServiceMetrics:
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_total.set(stats.kv_blocks_total)
         self.kv_cached.set(stats.kv_blocks_cached)
-        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total > 0 else 0.0)
         for name, counter in (
             ("num_preemptions", self.preemptions),
             ("prompt_tokens_total", self.prompt_tokens),
             ("generation_tokens_total", self.generation_tokens),
             ("cached_prompt_tokens_total", self.cached_prompt_tokens),
+            ("prefix_cache_hit_tokens", self.prefix_hits),
+            ("prefix_cache_queried_tokens", self.prefix_queries),
         ):
             value = float(getattr(stats, name))
             delta = value - self._last.get(name, 0.0)
@@ -174,7 +278,8 @@ class ServiceMetrics:
 
     def observe_model(self, info: Any) -> None:
         """Once, when the engine is built: what its weights occupy (`EngineInfo.weight_bytes`)."""
-        self.weight_bytes.labels(dtype=info.dtype, quantization=info.quantization).set(info.weight_bytes)
+        labels = {**self._model, "dtype": info.dtype, "quantization": info.quantization}
+        self.weight_bytes.labels(**labels).set(info.weight_bytes)
 
     def observe_admission(self, requests: int, tokens: int) -> None:
         self.admission_queue.set(requests)
@@ -190,8 +295,8 @@ class ServiceMetrics:
 
     # ------------------------------------------------------------------ exposition
     def render(self) -> bytes:
-        """The Prometheus text format of every metric (what /metrics serves)."""
-        return generate_latest(self.registry)
+        """The Prometheus text format of every metric, without `_created` samples (what /metrics serves)."""
+        return generate_latest(_WithoutCreated(self.registry))
 
 
 class MetricsHTTPServer:

@@ -2,7 +2,9 @@
 
 Contract:
 - `scrape(url, timeout)` fetches the text exposition and returns a flat `{sample_name{labels}: value}` dict
-  (parsed with prometheus_client's parser). It raises `ScrapeError` when the endpoint cannot be read.
+  (parsed with prometheus_client's parser). It raises `ScrapeError` when the endpoint cannot be read. The
+  `model_name` label every series of the server carries is left out of the keys (one server serves one model;
+  series of several would be summed), so the keys are the same whether or not the server names its model.
 - `server_delta(before, after)` turns two scrapes into what happened between them: requests finished, tokens in
   and out, errors by code, and the mean TTFT / TPOT / e2e / ITL (ms) from the histograms' sum and count.
 - `cross_check(client_summary, delta, rtt_ms, records)` compares the two views. The server times TTFT from the
@@ -44,14 +46,15 @@ class ScrapeError(RuntimeError):
 
 
 def parse(text: str) -> dict[str, float]:
-    """Flatten a Prometheus text exposition into {'name{k="v",...}': value}."""
+    """Flatten a Prometheus text exposition into {'name{k="v",...}': value}, without the `model_name` label."""
     flat: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "le")
             if "le" in s.labels:
                 continue  # buckets: not needed for means
-            flat[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
+            key = f"{s.name}{{{labels}}}" if labels else s.name
+            flat[key] = flat.get(key, 0.0) + float(s.value)
     return flat
 
 

@@ -127,6 +127,21 @@ def test_prometheus_delta_and_cross_check() -> None:
     assert not lost["tokens_agree"]
 
 
+def test_server_delta_reads_a_named_models_series() -> None:
+    """The server labels every series with `model_name`: the delta is the same as without it."""
+    from inference_svc.engine.types import Timing
+    from inference_svc.metrics import ServiceMetrics
+
+    m = ServiceMetrics(model_name="tiny")
+    before = parse(m.render().decode())
+    for _ in range(2):
+        m.observe_finished("length", Timing(queue_ms=1.0, ttft_ms=40.0, tpot_ms=5.0, total_ms=80.0))
+    m.observe_error("CANCELLED")
+    d = server_delta(before, parse(m.render().decode()))
+    assert d["finished"] == {"length": 2} and d["errors"] == {"CANCELLED": 1}
+    assert d["ttft_count"] == 2 and d["ttft_mean_ms"] == pytest.approx(40.0)
+
+
 def test_progress_bar_off_a_terminal_prints_tenths() -> None:
     import io
 
