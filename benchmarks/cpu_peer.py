@@ -317,7 +317,7 @@ def _stream(client, prompt: list[int], max_new: int, seed: int, timeout_s: float
     for msg in stream:
         if msg.token_ids:
             arrivals.append((time.perf_counter(), len(msg.token_ids), msg))
-        elif msg.HasField("usage"):
+        elif msg.usage is not None:
             arrivals.append((time.perf_counter(), 0, msg))
     return t0, arrivals
 
@@ -338,8 +338,8 @@ def tandem_prefill(client, vocab: int, n_prompt: int, seed: int, timeout_s: floa
     last = arr[-1][2]
     return {
         "tok_s": n_prompt / (first[0] - t0),
-        "server_ttft_ms": last.timing.ttft_ms if last.HasField("timing") else float("nan"),
-        "cached_prompt_tokens": last.usage.cached_prompt_tokens if last.HasField("usage") else 0,
+        "server_ttft_ms": last.timing.ttft_ms if last.timing is not None else float("nan"),
+        "cached_prompt_tokens": last.usage.cached_prompt_tokens if last.usage is not None else 0,
     }
 
 

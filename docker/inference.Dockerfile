@@ -33,7 +33,7 @@ COPY --from=builder /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 MPLCONFIGDIR=/tmp/matplotlib
 USER tandem
 WORKDIR /home/tandem
-EXPOSE 50051 9090
+EXPOSE 50051 8000 9464
 STOPSIGNAL SIGTERM
 # grpc.health.v1 on the default port; docker-compose.yml sets its own with the configured port.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=6 \

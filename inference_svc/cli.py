@@ -265,11 +265,9 @@ def stream_completion(
     client_ttft = ((first or t_end) - t0) * 1000
     client_tpot = (t_end - first) * 1000 / (n_tokens - 1) if first is not None and n_tokens > 1 else 0.0
     assert last is not None
-    finish = last.finish_reason
-    from inference_svc.proto_gen import inference_pb2 as pb
-
+    assert last.timing is not None and last.usage is not None  # the last chunk carries them
     summary = {
-        "finish_reason": pb.FinishReason.Name(finish).removeprefix("FINISH_REASON_"),
+        "finish_reason": last.finish_reason.name if last.finish_reason is not None else "UNSPECIFIED",
         "ttft_ms": client_ttft,
         "tpot_ms": client_tpot,
         "server_ttft_ms": last.timing.ttft_ms,

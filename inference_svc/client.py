@@ -8,8 +8,10 @@ Contract:
 - Retries (`RetryPolicy`): UNAVAILABLE and RESOURCE_EXHAUSTED are retried with exponential backoff and jitter, while
   the deadline allows. A stream is retried only if it failed before its first message, so a caller never sees
   tokens twice. Every other code is returned at once (INVALID_ARGUMENT will not get better by retrying).
-- `generate_stream` yields `GenerateStreamResponse` messages: `text` deltas concatenate to the full text; the last
-  message has `finish_reason`, `usage` and `timing`. Stopping the iteration (or `close()`) cancels the RPC; the
+- Results are typed (`client_results`): `generate` returns a `GenerateResult`, `generate_stream` yields
+  `StreamChunk`s, with `FinishReason` members rather than protobuf integers and `raw` holding the message.
+  `text` deltas concatenate to the full text; a completion's last chunk has `finish_reason`, `usage` and
+  `timing`. Stopping the iteration (or `close()`) cancels the RPC; the
   server frees the request's KV blocks at its next engine step.
 - `build_request` turns keyword arguments into a `GenerateRequest`; unset sampling fields take server defaults.
 """
@@ -26,6 +28,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from inference_svc.client_results import GenerateResult, StreamChunk
 from inference_svc.proto_gen import inference_pb2 as pb
 from inference_svc.proto_gen import inference_pb2_grpc as pb_grpc
 
@@ -67,7 +70,9 @@ def build_request(prompt: str | Sequence[int], request_id: str = "", **sampling:
     unknown = set(sampling) - _SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling fields {sorted(unknown)}; valid: {sorted(_SAMPLING_FIELDS)}")
-    params = pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    params = pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None and k != "logit_bias"})
+    if sampling.get("logit_bias"):
+        params.logit_bias.update({int(k): float(v) for k, v in sampling["logit_bias"].items()})
     if isinstance(prompt, str):
         return pb.GenerateRequest(request_id=request_id, prompt=prompt, sampling=params)
     return pb.GenerateRequest(request_id=request_id, prompt_token_ids=pb.TokenIds(ids=list(prompt)), sampling=params)
@@ -165,12 +170,14 @@ class TandemClient(_Base):
 
     def generate(
         self, prompt: str | Sequence[int], *, request_id: str = "", timeout: float | None = None, **sampling: Any
-    ) -> pb.GenerateResponse:
-        return self._unary(self.stub.Generate, build_request(prompt, request_id, **sampling), timeout)
+    ) -> GenerateResult:
+        return GenerateResult.from_proto(
+            self._unary(self.stub.Generate, build_request(prompt, request_id, **sampling), timeout)
+        )
 
     def generate_stream(
         self, prompt: str | Sequence[int], *, request_id: str = "", timeout: float | None = None, **sampling: Any
-    ) -> Iterator[pb.GenerateStreamResponse]:
+    ) -> Iterator[StreamChunk]:
         """Yield stream messages; retries only before the first one arrives."""
         request = build_request(prompt, request_id, **sampling)
         deadline = self._deadline(timeout)
@@ -182,7 +189,7 @@ class TandemClient(_Base):
             try:
                 for msg in call:
                     received = True
-                    yield msg
+                    yield StreamChunk.from_proto(msg)
                 return
             except grpc.RpcError as err:
                 wait = None if received else self._wait_before_retry(err, attempt, deadline)
@@ -252,12 +259,14 @@ class AsyncTandemClient(_Base):
 
     async def generate(
         self, prompt: str | Sequence[int], *, request_id: str = "", timeout: float | None = None, **sampling: Any
-    ) -> pb.GenerateResponse:
-        return await self._unary(self.stub.Generate, build_request(prompt, request_id, **sampling), timeout)
+    ) -> GenerateResult:
+        return GenerateResult.from_proto(
+            await self._unary(self.stub.Generate, build_request(prompt, request_id, **sampling), timeout)
+        )
 
     async def generate_stream(
         self, prompt: str | Sequence[int], *, request_id: str = "", timeout: float | None = None, **sampling: Any
-    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+    ) -> AsyncIterator[StreamChunk]:
         request = build_request(prompt, request_id, **sampling)
         deadline = self._deadline(timeout)
         attempt = 0
@@ -268,7 +277,7 @@ class AsyncTandemClient(_Base):
             try:
                 async for msg in call:
                     received = True
-                    yield msg
+                    yield StreamChunk.from_proto(msg)
                 return
             except grpc.aio.AioRpcError as err:
                 wait = None if received else self._wait_before_retry(err, attempt, deadline)

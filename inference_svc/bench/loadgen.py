@@ -147,7 +147,7 @@ async def send_one(client: Any, spec: RequestSpec, timeout: float, request_id: s
                     rec.first_token = now
                 rec.token_times.append(now)
                 rec.output_tokens += len(msg.token_ids)
-            if msg.HasField("timing"):
+            if msg.timing is not None:
                 rec.server_ttft_ms = msg.timing.ttft_ms
                 rec.server_tpot_ms = msg.timing.tpot_ms
                 rec.server_queue_ms = msg.timing.queue_ms

@@ -137,3 +137,19 @@ def slow_steps(server: ServerThread) -> Iterator[None]:
 def client(server: ServerThread) -> Iterator[TandemClient]:
     with server.client(timeout=60) as c:
         yield c
+
+
+def metric_value(text: str | bytes, name: str, **labels: str) -> float:
+    """The value of the one sample `name` (exposition name, e.g. `tandem_request_errors_total`) whose labels include
+    `labels` (other labels, such as `model_name`, may be present); 0.0 when no such sample exists yet."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = text.decode() if isinstance(text, bytes) else text
+    found = [
+        s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    ]
+    assert len(found) <= 1, f"{len(found)} samples {name}{labels}: ask for more labels"
+    return found[0] if found else 0.0

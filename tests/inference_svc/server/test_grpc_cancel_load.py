@@ -157,7 +157,7 @@ def test_load_with_faults(load_server: ServerThread) -> None:
                 tokens += msg.token_ids
                 if kind == "cancel" and len(tokens) >= cancel_after:
                     return "cancelled", tokens  # leaving the loop cancels the RPC
-                if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                if msg.finish_reason is not None:
                     return "done", tokens
         except grpc.aio.AioRpcError as exc:
             return "error", exc.code()

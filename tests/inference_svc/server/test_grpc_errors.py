@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from inference_svc.client import NO_RETRY
-from inference_svc.engine.types import RequestOutput
+from inference_svc.client_results import GenerateResult
+from inference_svc.engine.types import FinishReason, RequestOutput
 from inference_svc.proto_gen import inference_pb2 as pb
 from inference_svc.settings import AdmissionLimits
 from tests.inference_svc.server.conftest import MAX_CONTEXT, MAX_NEW_TOKENS_LIMIT, ServerThread, make_server
@@ -147,7 +148,7 @@ def test_queue_full_by_requests_and_tokens(small_queue_server: ServerThread, sma
     release.set()
     for t in threads:
         t.join(30)
-    assert all(isinstance(results[f"q{i}"], pb.GenerateResponse) for i in range(2)), results
+    assert all(isinstance(results[f"q{i}"], GenerateResult) for i in range(2)), results
     # nothing half-admitted: the engine saw exactly the two admitted prompts
     assert srv.stats().prompt_tokens_total - before == 2 * n_short
 
@@ -167,7 +168,7 @@ def test_queue_full_by_requests_and_tokens(small_queue_server: ServerThread, sma
         assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("prompt:")
     release.set()
     t.join(30)
-    assert isinstance(results["t0"], pb.GenerateResponse)
+    assert isinstance(results["t0"], GenerateResult)
     _wait_idle(srv)
 
 
@@ -209,7 +210,7 @@ def test_internal_failure_is_confined_to_one_request(bundle_dir) -> None:
             assert code == grpc.StatusCode.INTERNAL
             rest = list(healthy)
             assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 30
-            assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert rest[-1].finish_reason is FinishReason.LENGTH
             assert c.health() == "SERVING"
             assert len(c.generate(PROMPT, request_id="ok-2", max_new_tokens=4, ignore_eos=True).token_ids) == 4
         _wait_idle(srv)

@@ -11,9 +11,10 @@ import urllib.request
 from inference_svc import server as server_module
 from inference_svc.cli import generate_main, stream_completion
 from inference_svc.client import AsyncTandemClient
-from inference_svc.proto_gen import inference_pb2 as pb
+from inference_svc.client_results import GenerateResult, StreamChunk
+from inference_svc.engine.types import FinishReason
 from shared_model.tokenizer import Tokenizer
-from tests.inference_svc.server.conftest import MAX_CONTEXT, MAX_NEW_TOKENS_LIMIT, make_server
+from tests.inference_svc.server.conftest import MAX_CONTEXT, MAX_NEW_TOKENS_LIMIT, make_server, metric_value
 
 PROMPT = "def parse(self, text):\n    return"
 
@@ -22,7 +23,7 @@ def test_generate_unary(client) -> None:
     r = client.generate(PROMPT, max_new_tokens=12, ignore_eos=True, request_id="unary-1")
     assert r.request_id == "unary-1"
     assert len(r.token_ids) == 12
-    assert r.finish_reason == pb.FINISH_REASON_LENGTH
+    assert r.finish_reason is FinishReason.LENGTH
     assert r.usage.completion_tokens == 12
     assert r.usage.prompt_tokens > 0
     assert r.timing.total_ms >= r.timing.ttft_ms >= r.timing.queue_ms >= 0
@@ -36,9 +37,9 @@ def test_stream_deltas_concatenate_to_unary(client, small_tokenizer: Tokenizer) 
     assert [t for m in msgs for t in m.token_ids] == list(unary.token_ids)
     assert unary.text == small_tokenizer.decode(list(unary.token_ids), skip_special_tokens=True)
     *body, last = msgs
-    assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not m.HasField("usage") for m in body)
-    assert last.finish_reason == unary.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-    assert last.HasField("usage") and last.HasField("timing")
+    assert all(m.finish_reason is None and m.usage is None for m in body)
+    assert last.finish_reason is unary.finish_reason is not None
+    assert last.usage is not None and last.timing is not None
     assert last.usage.completion_tokens == len(unary.token_ids)
 
 
@@ -56,7 +57,7 @@ def test_logprobs_and_stop_string(client) -> None:
     stop = r.text[2:5]
     if stop:
         stopped = client.generate(PROMPT, max_new_tokens=8, ignore_eos=True, stop=[stop])
-        assert stopped.finish_reason == pb.FINISH_REASON_STOP
+        assert stopped.finish_reason is FinishReason.STOP
         assert stop not in stopped.text and r.text.startswith(stopped.text)
 
 
@@ -108,7 +109,7 @@ def test_health_serving(client) -> None:
 
 
 def test_async_client(server) -> None:
-    async def main() -> tuple[pb.GenerateResponse, list[pb.GenerateStreamResponse], str]:
+    async def main() -> tuple[GenerateResult, list[StreamChunk], str]:
         async with AsyncTandemClient(server.target, timeout=60) as c:
             unary = await c.generate(PROMPT, max_new_tokens=6)
             msgs = [m async for m in c.generate_stream(PROMPT, max_new_tokens=6)]
@@ -154,18 +155,23 @@ def test_metrics_endpoint(bundle_dir) -> None:
             "tandem_kv_blocks_used",
             "tandem_kv_blocks_total",
             "tandem_kv_blocks_cached",
-            "tandem_prefix_cache_hit_rate",
+            "tandem_prefix_cache_hits_total",
+            "tandem_prefix_cache_queries_total",
+            "tandem_kv_cache_usage_ratio",
+            "tandem_build_info",
             "tandem_preemptions_total",
         ):
             assert name in text, name
-        metrics = {
-            line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")
-        }
-        assert metrics['tandem_requests_finished_total{finish_reason="length"}'] == 2
-        assert metrics['tandem_request_errors_total{code="INVALID_ARGUMENT"}'] == 1
-        assert metrics["tandem_generation_tokens_total"] >= 8
-        assert metrics["tandem_prompt_tokens_total"] > 0
-        assert metrics["tandem_e2e_request_latency_seconds_count"] == 2
-        assert metrics["tandem_kv_blocks_total"] > 0
+        assert "_created" not in text
+
+        def value(name: str, **labels: str) -> float:
+            return metric_value(text, name, model_name="bundle", **labels)
+
+        assert value("tandem_requests_finished_total", finish_reason="length") == 2
+        assert value("tandem_request_errors_total", code="INVALID_ARGUMENT") == 1
+        assert value("tandem_generation_tokens_total") >= 8
+        assert value("tandem_prompt_tokens_total") > 0
+        assert value("tandem_e2e_request_latency_seconds_count") == 2
+        assert value("tandem_kv_blocks_total") > 0
     finally:
         srv.close()

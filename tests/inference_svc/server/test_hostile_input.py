@@ -27,7 +27,7 @@ from inference_svc.client import NO_RETRY
 from inference_svc.proto_gen import inference_pb2 as pb
 from inference_svc.proto_gen import inference_pb2_grpc as pb_grpc
 from inference_svc.server import ApiKeyInterceptor
-from tests.inference_svc.server.conftest import MAX_NEW_TOKENS_LIMIT, ServerThread, make_server
+from tests.inference_svc.server.conftest import MAX_NEW_TOKENS_LIMIT, ServerThread, make_server, metric_value
 
 KEY = "tk-hostile-0123456789"
 SERVICE = "/tandem.inference.v1.Inference/"
@@ -42,11 +42,7 @@ INTERNALS = ("Traceback", "DecodeError", "Error parsing", "google.protobuf", "Un
 
 def _errors(srv: ServerThread, code: str) -> float:
     """tandem_request_errors_total{code=CODE} from the server's own exposition text."""
-    needle = f'tandem_request_errors_total{{code="{code}"}} '
-    for line in srv.server.metrics.render().decode().splitlines():
-        if line.startswith(needle):
-            return float(line[len(needle) :])
-    return 0.0
+    return metric_value(srv.server.metrics.render(), "tandem_request_errors_total", code=code)
 
 
 def _wait_for_errors(srv: ServerThread, code: str, at_least: float, timeout: float = 30.0) -> float:

@@ -13,7 +13,7 @@ from shared_model.ledger import served_weight_bytes
 from shared_model.model import build_model
 from shared_model.tokenizer import Tokenizer
 from tests.conftest import tiny_config
-from tests.inference_svc.server.conftest import engine_config, make_server
+from tests.inference_svc.server.conftest import engine_config, make_server, metric_value
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +56,9 @@ def test_quantized_server_reports_its_weights_as_held(bundle_dir: Path, kind: st
         config = srv.server.engine_info().model_config
         assert info.ledger.weight_bytes == served_weight_bytes(config, "float32", kind)
         assert info.ledger.weight_bytes < 0.5 * served_weight_bytes(config, "float32")
-        needle = f'tandem_model_weight_bytes{{dtype="float32",quantization="{kind}"}} '
-        line = next(x for x in srv.server.metrics.render().decode().splitlines() if x.startswith(needle))
-        assert float(line[len(needle) :]) == info.ledger.weight_bytes
+        held = metric_value(
+            srv.server.metrics.render(), "tandem_model_weight_bytes", dtype="float32", quantization=kind
+        )
+        assert held == info.ledger.weight_bytes
     finally:
         srv.close()

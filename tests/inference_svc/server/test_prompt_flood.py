@@ -13,6 +13,7 @@ import pytest
 from inference_svc.errors import CapacityError, InvalidRequestError
 from inference_svc.tokenize_gate import TokenizeGate
 from shared_model.tokenizer import Tokenizer
+from tests.inference_svc.server.conftest import metric_value
 
 
 def _code(fn, *args, **kwargs) -> tuple[grpc.StatusCode, str]:
@@ -130,15 +131,12 @@ def test_tokenizer_work_is_metered_in_prometheus(client, server) -> None:
     metrics = server.server.metrics
 
     def total() -> float:
-        line = next(
-            ln for ln in metrics.render().decode().splitlines() if ln.startswith("tandem_tokenized_chars_total")
-        )
-        return float(line.split()[-1])
+        return metric_value(metrics.render(), "tandem_tokenized_chars_total")
 
     before = total()
     client.tokenize("def f():\n    return 1\n" * 10)
     assert total() == before + len("def f():\n    return 1\n" * 10)
-    assert "tandem_tokenizer_pending_chars 0.0" in metrics.render().decode()
+    assert metric_value(metrics.render(), "tandem_tokenizer_pending_chars", model_name="bundle") == 0.0
 
 
 def test_serve_flag_sets_the_tokenizer_budget(bundle_dir) -> None:

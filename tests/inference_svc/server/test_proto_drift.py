@@ -42,13 +42,24 @@ def test_field_numbers_are_stable() -> None:
     assert numbers(pb.SamplingParams) == {
         "max_new_tokens": 1, "temperature": 2, "top_k": 3, "top_p": 4, "min_p": 5, "seed": 6,
         "repetition_penalty": 7, "stop": 8, "stop_token_ids": 9, "ignore_eos": 10, "logprobs": 11,
+        "presence_penalty": 12, "frequency_penalty": 13, "logit_bias": 14, "min_tokens": 15, "top_logprobs": 16,
+        "prompt_logprobs": 17, "n": 18,
     }  # fmt: skip
     assert numbers(pb.Usage) == {"prompt_tokens": 1, "completion_tokens": 2, "cached_prompt_tokens": 3}
     assert numbers(pb.Timing) == {"queue_ms": 1, "ttft_ms": 2, "tpot_ms": 3, "total_ms": 4}
-    for msg in (pb.GenerateResponse, pb.GenerateStreamResponse):
-        assert numbers(msg) == {
-            "request_id": 1, "text": 2, "token_ids": 3, "finish_reason": 4, "usage": 5, "timing": 6, "logprobs": 7,
-        }  # fmt: skip
+    common = {
+        "request_id": 1, "text": 2, "token_ids": 3, "finish_reason": 4, "usage": 5, "timing": 6, "logprobs": 7,
+        "top_logprobs": 8, "prompt_logprobs": 9, "stop_string": 10, "stop_token_id": 11,
+    }  # fmt: skip
+    assert numbers(pb.GenerateResponse) == {**common, "choices": 12}
+    assert numbers(pb.GenerateStreamResponse) == {**common, "index": 12}
+    assert numbers(pb.Choice) == {
+        "index": 1, "text": 2, "token_ids": 3, "finish_reason": 4, "logprobs": 5, "top_logprobs": 6,
+        "stop_string": 7, "stop_token_id": 8,
+    }  # fmt: skip
+    assert numbers(pb.TokenLogprob) == {"token_id": 1, "logprob": 2}
+    assert numbers(pb.PositionLogprobs) == {"token_id": 1, "logprob": 2, "top": 3}
+    assert numbers(pb.ModelInfo)["http_port"] == 12 and numbers(pb.ModelInfo)["metrics_port"] == 13
     assert dict(pb.FinishReason.items()) == {
         "FINISH_REASON_UNSPECIFIED": 0, "FINISH_REASON_STOP": 1, "FINISH_REASON_LENGTH": 2,
         "FINISH_REASON_CANCELLED": 3,

@@ -101,7 +101,7 @@ def test_generate_cli_then_sigterm_drain(long_context_bundle: Path) -> None:
                     ):  # fmt: skip
                         tokens += len(msg.token_ids)
                         started[name].set()
-                        if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                        if msg.finish_reason is not None:
                             results[name] = ("done", tokens, msg.finish_reason)
                 except grpc.RpcError as exc:
                     results[name] = ("error", tokens, exc.code())
