@@ -29,11 +29,31 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from inference_svc.dataclass_flags import FlagSpec, add_flags, from_args
+from inference_svc.engine.config import ATTENTION_BACKENDS, EngineConfig
 from inference_svc.errors import InferenceError
 from inference_svc.settings import AdmissionLimits, ServerSettings, host_port
-from shared_model.ledger import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZATIONS
+from shared_model.ledger import INT4_GROUP_SIZES, QUANTIZATIONS
 
 log = logging.getLogger("tandem.serve")
+
+ENGINE_FLAGS = FlagSpec(
+    names={
+        "max_num_seqs": ["--max-running"],
+        "max_num_batched_tokens": ["--max-batched-tokens"],
+        "max_new_tokens_limit": ["--max-new-tokens"],
+        "enable_prefix_caching": ["--prefix-caching"],
+        "enable_chunked_prefill": ["--chunked-prefill"],
+    },
+    choices={
+        "dtype": ["auto", "float32", "bfloat16", "float16"],
+        "attention_backend": ATTENTION_BACKENDS,
+        "quantization": QUANTIZATIONS,
+        "quantization_group_size": INT4_GROUP_SIZES,
+    },
+)
+"""Every `EngineConfig` field is a `tandem serve` flag (`dataclass_flags`); these keep the names the flags had
+before they were derived (the dataclass's own spelling, e.g. `--max-num-seqs`, is an alias)."""
 
 
 # ---------------------------------------------------------------------------------------- serve
@@ -58,31 +78,8 @@ def _serve_parser() -> argparse.ArgumentParser:
         "--metrics-host", default="127.0.0.1", help="/metrics interface to bind, apart from --host (default: loopback)"
     )
     p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
-    g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
-    g.add_argument("--kv-cache-memory", default=None, help="KV-cache budget, e.g. 2GiB (default: engine's choice)")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion in tokens")
-    g.add_argument("--max-batched-tokens", type=int, default=2048, help="most tokens computed in one engine step")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument(
-        "--verify-checksums", action="store_true", help="check every bundle file against tandem_bundle.json at load"
-    )
-    g.add_argument(
-        "--quantization", default="none", choices=QUANTIZATIONS, help="weight-only quantization at load (LM head int8)"
-    )
-    g.add_argument(
-        "--quantization-group-size",
-        type=int,
-        default=DEFAULT_GROUP_SIZE,
-        choices=INT4_GROUP_SIZES,
-        help="inputs per int4 scale and zero",
-    )
-    g.add_argument("--threads", type=int, default=None, help="CPU threads for the model (default: one per core)")
+    add_flags(p.add_argument_group("engine (inference_svc.engine.config.EngineConfig)"), EngineConfig, ENGINE_FLAGS)
     lim = p.add_argument_group("limits")
-    lim.add_argument("--max-running", type=int, default=64, help="most requests decoding at once")
     lim.add_argument("--max-queue", type=int, default=256, help="most requests waiting for their first token")
     lim.add_argument("--max-queue-tokens", type=int, default=262144, help="most prompt tokens waiting, summed")
     lim.add_argument(
@@ -91,7 +88,6 @@ def _serve_parser() -> argparse.ArgumentParser:
         default=AdmissionLimits.max_tokenizing_chars,
         help="most characters of long texts being tokenized at once; more gets RESOURCE_EXHAUSTED",
     )
-    lim.add_argument("--max-new-tokens", type=int, default=4096, help="ceiling on a request's max_new_tokens")
     lim.add_argument("--max-request-bytes", type=int, default=1024 * 1024, help="largest serialized request")
     lim.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     sec = p.add_argument_group("security")
@@ -118,8 +114,6 @@ def _resolve_dtype(dtype: str, device: str) -> str:
 
 def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argparse.Namespace]:
     """Parse `tandem serve` flags; raises SystemExit(2) with the flag named on an invalid value."""
-    from inference_svc.engine.config import EngineConfig
-
     parser = _serve_parser()
     args = parser.parse_args(list(argv))
     try:
@@ -144,22 +138,7 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
             api_key_file=args.api_key_file,
             warmup=not args.no_warmup,
         )
-        engine_config = EngineConfig(
-            block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory,
-            max_num_seqs=args.max_running,
-            max_num_batched_tokens=args.max_batched_tokens,
-            enable_prefix_caching=not args.no_prefix_caching,
-            verify_checksums=args.verify_checksums,
-            attention_backend=args.attention_backend,
-            dtype=_resolve_dtype(args.dtype, args.device),
-            device=args.device,
-            max_model_len=args.max_model_len,
-            max_new_tokens_limit=args.max_new_tokens,
-            quantization=args.quantization,
-            quantization_group_size=args.quantization_group_size,
-            threads=args.threads,
-        )
+        engine_config = from_args(EngineConfig, args, dtype=_resolve_dtype(args.dtype, args.device))
     except (InferenceError, ValueError) as exc:
         parser.error(str(exc))
     return settings, engine_config, args
