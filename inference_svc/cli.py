@@ -11,10 +11,7 @@ Contract:
   It runs until SIGTERM or SIGINT, which drain gracefully (see `TandemServer.shutdown`).
   Exit code 0 after a drain, 1 if the model fails to load.
   `--dtype auto` means the folder's own dtype on GPU and float32 on CPU.
-- `generate_main` streams one completion to stdout as it is generated, then prints TTFT (client-side, from send to
-  the first token, and the server's own), time per output token and usage to stderr. Exit 0 on success, 1 with
-  the status code and message on an RPC error.
-- `stream_completion` is the function behind `tandem generate`, for scripts (e.g. the demo).
+- `tandem generate` lives in `generate_cli`.
 """
 
 from __future__ import annotations
@@ -22,16 +19,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
-import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any
 
 from inference_svc.dataclass_flags import FlagSpec, add_flags, from_args
 from inference_svc.engine.config import ATTENTION_BACKENDS, EngineConfig
 from inference_svc.errors import InferenceError
+from inference_svc.generate_cli import stream_completion
 from inference_svc.settings import AdmissionLimits, ServerSettings, host_port
 from shared_model.ledger import INT4_GROUP_SIZES, QUANTIZATIONS
 
@@ -189,122 +185,6 @@ def serve_main(argv: Sequence[str], *, fault_hook: Any = None) -> int:
 
 
 # ---------------------------------------------------------------------------------------- generate
-def _generate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem generate", description="Stream one completion from a Tandem server.")
-    p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the server")
-    p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=None, help="0 (default) is greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--timeout", type=float, default=120.0, help="deadline of the call in seconds")
-    p.add_argument("--tls", action="store_true", help="use TLS (system roots unless --tls-ca)")
-    p.add_argument("--tls-ca", default=None, help="PEM file of the CA (or self-signed cert) to trust")
-    p.add_argument("--tls-server-name", default=None, help="expected server name in its certificate")
-    p.add_argument("--api-key-file", default=None, help="file whose first key is sent as the API key")
-    p.add_argument("--api-key-env", default="TANDEM_API_KEY", help="environment variable holding the API key")
-    return p
-
-
-def stream_completion(
-    target: str,
-    prompt: str,
-    *,
-    out: TextIO | None = None,
-    err: TextIO | None = None,
-    timeout: float = 120.0,
-    client_kwargs: dict[str, Any] | None = None,
-    **sampling: Any,
-) -> dict[str, Any]:
-    """Stream `prompt`'s completion to `out`, then the latency/usage summary to `err`; return the figures."""
-    from inference_svc.client import TandemClient
-
-    out = out or sys.stdout
-    err = err or sys.stderr
-    with TandemClient(target, timeout=timeout, **(client_kwargs or {})) as client:
-        t0 = time.perf_counter()
-        first: float | None = None
-        last = None
-        n_tokens = 0
-        for msg in client.generate_stream(prompt, **sampling):
-            if msg.token_ids and first is None:
-                first = time.perf_counter()
-            n_tokens += len(msg.token_ids)
-            out.write(msg.text)
-            out.flush()
-            last = msg
-        t_end = time.perf_counter()
-    out.write("\n")
-    client_ttft = ((first or t_end) - t0) * 1000
-    client_tpot = (t_end - first) * 1000 / (n_tokens - 1) if first is not None and n_tokens > 1 else 0.0
-    assert last is not None
-    assert last.timing is not None and last.usage is not None  # the last chunk carries them
-    summary = {
-        "finish_reason": last.finish_reason.name if last.finish_reason is not None else "UNSPECIFIED",
-        "ttft_ms": client_ttft,
-        "tpot_ms": client_tpot,
-        "server_ttft_ms": last.timing.ttft_ms,
-        "server_tpot_ms": last.timing.tpot_ms,
-        "server_queue_ms": last.timing.queue_ms,
-        "total_ms": (t_end - t0) * 1000,
-        "prompt_tokens": last.usage.prompt_tokens,
-        "completion_tokens": last.usage.completion_tokens,
-        "cached_prompt_tokens": last.usage.cached_prompt_tokens,
-    }
-    err.write(
-        f"--- finish: {summary['finish_reason']} | TTFT {client_ttft:.1f} ms (server {last.timing.ttft_ms:.1f} ms, "
-        f"queue {last.timing.queue_ms:.1f} ms) | time per output token {client_tpot:.1f} ms "
-        f"(server {last.timing.tpot_ms:.1f} ms) | total {summary['total_ms']:.1f} ms\n"
-        f"--- usage: prompt {summary['prompt_tokens']} tokens ({summary['cached_prompt_tokens']} cached), "
-        f"completion {summary['completion_tokens']} tokens\n"
-    )
-    err.flush()
-    return summary
-
-
-def generate_main(argv: Sequence[str]) -> int:
-    import grpc
-
-    from inference_svc.settings import read_api_keys
-
-    args = _generate_parser().parse_args(list(argv))
-    api_key = os.environ.get(args.api_key_env) or None
-    if args.api_key_file:
-        api_key = read_api_keys(args.api_key_file)[0].decode()
-    root = None
-    if args.tls_ca:
-        with open(args.tls_ca, "rb") as f:
-            root = f.read()
-    client_kwargs = {
-        "api_key": api_key,
-        "tls": args.tls or root is not None,
-        "root_certificates": root,
-        "tls_server_name": args.tls_server_name,
-    }
-    sampling = {
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "min_p": args.min_p,
-        "seed": args.seed,
-        "repetition_penalty": args.repetition_penalty,
-        "stop": args.stop,
-        "stop_token_ids": args.stop_token_id,
-        "ignore_eos": args.ignore_eos or None,
-    }
-    try:
-        stream_completion(args.target, args.prompt, timeout=args.timeout, client_kwargs=client_kwargs, **sampling)
-    except grpc.RpcError as exc:
-        print(f"\ntandem generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
-    return 0
 
 
 # ---------------------------------------------------------------------------------------- demo helper

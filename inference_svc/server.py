@@ -558,7 +558,7 @@ class TandemServer:
             check_key=check,
             chat_template=ChatTemplate.from_folder(s.model, s.chat_template),
         )
-        http = HttpServer(build_app(self, options), s.host, s.http_port or 0)
+        http = HttpServer(build_app(self, options), s.host, s.http_port or 0, tls_cert=s.tls_cert, tls_key=s.tls_key)
         check_bindable(s.host, s.http_port or 0, "HTTP")
         self.http_port = await http.start()
         self._http = http

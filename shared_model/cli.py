@@ -47,7 +47,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "ledger": Subcommand("shared_model.ledger_cli:main", "print the memory ledger of a model", None, "foundation"),
     "serve": Subcommand("inference_svc.cli:serve_main", "serve a model over gRPC", "serve", "gRPC service"),
     "generate": Subcommand(
-        "inference_svc.cli:generate_main", "stream a completion from a server", "serve", "gRPC service"
+        "inference_svc.generate_cli:generate_main", "stream a completion from a server", "serve", "gRPC service"
     ),
     "bench": Subcommand(
         "inference_svc.bench.cli:main",

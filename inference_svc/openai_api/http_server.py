@@ -6,6 +6,7 @@ Contract:
   accepts connections. uvicorn installs no signal handlers: the CLI's SIGTERM handler drains gRPC and HTTP alike.
 - Connection limits: at most `max_connections` at once (uvicorn answers 503 beyond it), idle keep-alive
   connections are closed after `keep_alive` seconds, and h11 refuses request heads above 64 KiB.
+- TLS: with `tls_cert` and `tls_key` (the gRPC server's pair), HTTPS only.
 - `close(grace)` stops accepting, lets responses in progress finish for `grace` seconds, then cancels them.
 """
 
@@ -38,8 +39,19 @@ class _Uvicorn(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: Any, host: str, port: int, *, max_connections: int = 1024, keep_alive: float = 5.0) -> None:
+    def __init__(
+        self,
+        app: Any,
+        host: str,
+        port: int,
+        *,
+        max_connections: int = 1024,
+        keep_alive: float = 5.0,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> None:
         self.app = app
+        self.tls_cert, self.tls_key = tls_cert, tls_key
         self.host = host
         self.port = port
         self.max_connections = max_connections
@@ -58,6 +70,8 @@ class HttpServer:
             limit_concurrency=self.max_connections,
             h11_max_incomplete_event_size=_MAX_HEAD_BYTES,
             timeout_graceful_shutdown=1,
+            ssl_certfile=self.tls_cert,
+            ssl_keyfile=self.tls_key,
         )
         self._server = _Uvicorn(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))

@@ -9,10 +9,10 @@ import io
 import urllib.request
 
 from inference_svc import server as server_module
-from inference_svc.cli import generate_main, stream_completion
 from inference_svc.client import AsyncTandemClient
 from inference_svc.client_results import GenerateResult, StreamChunk
 from inference_svc.engine.types import FinishReason
+from inference_svc.generate_cli import generate_main, stream_completion
 from shared_model.tokenizer import Tokenizer
 from tests.inference_svc.server.conftest import MAX_CONTEXT, MAX_NEW_TOKENS_LIMIT, make_server, metric_value
 

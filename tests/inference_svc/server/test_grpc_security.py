@@ -103,3 +103,25 @@ def test_key_check_needs_the_bearer_scheme() -> None:
     assert not icpt.authorized([("x-api-key", KEY)])
     assert not icpt.authorized(None)
     assert not icpt.authorized([("authorization", "Bearer ")])
+
+
+def test_http_api_is_https_with_the_same_certificate_and_keys(bundle_dir, tls_files, tmp_path) -> None:
+    import ssl
+
+    import httpx2 as httpx
+
+    cert, key = tls_files
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY}\n")
+    srv = make_server(bundle_dir, tls_cert=str(cert), tls_key=str(key), api_key_file=str(keys), http_port=0)
+    try:
+        url = f"https://127.0.0.1:{srv.server.http_port}/v1/completions"
+        verify = ssl.create_default_context(cafile=str(cert))
+        body = {"prompt": "import os", "max_tokens": 2}
+        ok = httpx.post(url, json=body, headers={"Authorization": f"Bearer {KEY}"}, verify=verify, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+        assert httpx.post(url, json=body, verify=verify, timeout=30).status_code == 401
+        with pytest.raises(httpx.HTTPError):  # plaintext to a TLS port
+            httpx.post(url.replace("https", "http"), json=body, timeout=5)
+    finally:
+        srv.close()
