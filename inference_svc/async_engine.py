@@ -28,6 +28,9 @@ Contract:
   before it is delivered. Whatever it raises is treated exactly like a real failure while serving that request.
   It exists so the tests can prove the one-request-fails-alone path without mocking the model; production leaves
   it None.
+- Whether new work is taken is the `Lifecycle`'s to say (the server's, shared; or this engine's own when it runs
+  standalone, SERVING from `start()`): requests are refused with `EngineStoppedError` unless it is SERVING, and
+  the engine thread reports a broken engine to it (`State.BROKEN`) instead of anyone polling a flag.
 - `drain(grace)`: new requests get `EngineStoppedError`; in-flight ones may finish for `grace` seconds; the rest
   are aborted and their iterators raise `EngineStoppedError`. `stop()` ends the engine thread.
 """
@@ -54,6 +57,7 @@ from inference_svc.errors import (
     InvalidRequestError,
     RequestFailedError,
 )
+from inference_svc.lifecycle import Lifecycle, State
 from inference_svc.metrics import ServiceMetrics
 from inference_svc.settings import AdmissionLimits
 from inference_svc.tokenize_gate import TokenizeGate
@@ -122,8 +126,12 @@ class AsyncEngine:
         limits: AdmissionLimits | None = None,
         metrics: ServiceMetrics | None = None,
         fault_hook: FaultHook | None = None,
+        lifecycle: Lifecycle | None = None,
     ) -> None:
         self.engine = engine
+        self._owns_lifecycle = lifecycle is None
+        self.lifecycle = lifecycle or Lifecycle()
+        """Whether new work is taken: the server's (`TandemServer.lifecycle`), or this engine's own when standalone."""
         self.limits = limits or AdmissionLimits()
         self.metrics = metrics
         self.fault_hook = fault_hook
@@ -139,7 +147,6 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._queued_requests = 0
         self._queued_tokens = 0
-        self._draining = False
         self._idle = asyncio.Event()
         # engine-thread state
         self._live: dict[str, _Live] = {}
@@ -147,7 +154,7 @@ class AsyncEngine:
         # shared, written once
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self.healthy = True
+        self._broken = False  # written once by the engine thread; the lifecycle hears of it in the loop
 
     # ------------------------------------------------------------------ lifecycle
     def warmup(self, prompt_ids: list[int] | None = None) -> None:
@@ -157,8 +164,20 @@ class AsyncEngine:
         ids = prompt_ids or [int(self.engine.model_config.bos_token_id or 0)]
         self.engine.generate([ids], SamplingParams(max_new_tokens=2, ignore_eos=True))
 
+    @property
+    def healthy(self) -> bool:
+        """False once the engine thread declared the engine broken (read from any thread)."""
+        return not self._broken
+
+    def _mark_broken(self) -> None:
+        self._broken = True
+        self.lifecycle.to_threadsafe(State.BROKEN)
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.lifecycle.bind(self._loop)
+        if self._owns_lifecycle:
+            self.lifecycle.to(State.SERVING)
         self._idle.set()
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
@@ -174,7 +193,7 @@ class AsyncEngine:
 
     async def drain(self, grace: float) -> int:
         """Refuse new work, let in-flight requests finish for `grace` s, abort the rest; return how many were cut."""
-        self._draining = True
+        self.lifecycle.to(State.DRAINING)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout=grace)
         cut = list(self._streams)
@@ -193,7 +212,7 @@ class AsyncEngine:
 
     @property
     def draining(self) -> bool:
-        return self._draining
+        return self.lifecycle.draining
 
     @property
     def num_in_flight(self) -> int:
@@ -223,8 +242,8 @@ class AsyncEngine:
         `finished=True` (`RequestOutput.index` says which). Completions after the first run as engine requests
         `REQUEST_ID.i` with seed `seed + i` when a seed is set, so they differ and stay reproducible; they are
         admitted together or not at all, and leaving the iterator aborts every one still running."""
-        if self._draining or not self.healthy or self._thread is None:
-            raise EngineStoppedError("the server is shutting down" if self._draining else "the engine is not running")
+        if not self.lifecycle.accepting or self._broken or self._thread is None:
+            raise EngineStoppedError(self.lifecycle.refusal() or "the engine is not running")
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
             raise InvalidRequestError("n", f"must be an integer in [1, {MAX_N}], got {n!r}")
         rid = request_id or uuid.uuid4().hex
@@ -354,7 +373,7 @@ class AsyncEngine:
                     self._step()
         except Exception:  # pragma: no cover - a bug in this bridge; fail loudly, stop serving
             log.exception("engine thread crashed")
-            self.healthy = False
+            self._mark_broken()
             self._post([(rid, RequestFailedError("the engine thread crashed")) for rid in list(self._live)])
 
     def _handle_commands(self) -> bool:
@@ -486,7 +505,7 @@ class AsyncEngine:
         self._post(batch)
         if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
             log.critical("engine failed %d steps in a row: marking it broken", self._step_failures)
-            self.healthy = False
+            self._mark_broken()
             self._step_failures = 0
             if self.engine.has_unfinished_requests():
                 time.sleep(_IDLE_POLL_S)  # do not spin on a broken engine

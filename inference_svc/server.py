@@ -7,8 +7,10 @@ Contract:
   the request id, never to the client) and fails that request alone.
 - The servicer converts proto ↔ engine types and nothing else: validation lives in `SamplingParams` and
   `Engine.add_request`; scheduling, admission and cancellation in `AsyncEngine`.
-- Health (`grpc.health.v1`, overall "" and `tandem.inference.v1.Inference`): NOT_SERVING from the moment the port
-  is bound until the model is loaded and warmed up, SERVING then, NOT_SERVING again once draining starts.
+- Health (`grpc.health.v1`, overall "" and `tandem.inference.v1.Inference`) follows `self.lifecycle` (the one
+  owner of the state, shared with the async engine and the HTTP API): NOT_SERVING from the moment the port is
+  bound until the model is loaded and warmed up, SERVING then, NOT_SERVING again once draining starts or the
+  engine is declared broken (a transition, not a poll).
   Requests that arrive before SERVING or while draining get UNAVAILABLE.
 - API keys (optional): every RPC except `grpc.health.v1.Health/*` needs metadata `authorization: Bearer KEY`,
   else UNAUTHENTICATED. More than one `authorization` entry is ambiguous and refused (UNAUTHENTICATED saying so).
@@ -68,6 +70,7 @@ from inference_svc.errors import (
     MalformedRequestError,
     ServerStartError,
 )
+from inference_svc.lifecycle import Lifecycle, State
 from inference_svc.metrics import MetricsHTTPServer, ServiceMetrics
 from inference_svc.proto_convert import (
     model_info_to_proto,
@@ -108,10 +111,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     # -- helpers
     def _engine(self) -> AsyncEngine:
         engine = self._owner.engine
-        if engine is None or not self._owner.serving:
-            raise EngineStoppedError(
-                "the server is shutting down" if self._owner.draining else "the model is still loading"
-            )
+        lifecycle = self._owner.lifecycle
+        if engine is None or not lifecycle.accepting:
+            raise EngineStoppedError(lifecycle.refusal() or "the engine is not running")
         return engine
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: BaseException, rid: str = "") -> None:
@@ -455,14 +457,36 @@ class TandemServer:
         self.metrics_port: int | None = None
         self.http_port: int | None = None
         self._http: Any = None
-        self.serving = False
-        self.draining = False
+        self.lifecycle = Lifecycle()
+        """The one owner of LOADING / SERVING / DRAINING / STOPPED / BROKEN; health follows its transitions."""
+        self.lifecycle.on_change(self._health_follows)
+        self._health_tasks: set[asyncio.Future] = set()
         self._stopped = asyncio.Event()
-        self._watch_task: asyncio.Task | None = None
+
+    @property
+    def serving(self) -> bool:
+        return self.lifecycle.accepting
+
+    @property
+    def draining(self) -> bool:
+        return self.lifecycle.draining
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
             await self._health.set(name, status)
+
+    def _health_follows(self, state: State) -> None:
+        """Lifecycle listener: gRPC health is SERVING exactly while the lifecycle is (set in this loop iteration)."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if state is State.SERVING
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        if state is State.BROKEN:
+            log.error("the engine is broken: health NOT_SERVING, new requests UNAVAILABLE")
+        task = asyncio.ensure_future(self._set_health(status))
+        self._health_tasks.add(task)  # held until done (the loop keeps only weak references)
+        task.add_done_callback(self._health_tasks.discard)
 
     def _grpc_options(self) -> list[tuple[str, Any]]:
         transport_limit = 4 * self.settings.max_request_bytes
@@ -475,6 +499,7 @@ class TandemServer:
     async def start(self) -> None:
         """Bind the port (health NOT_SERVING), load + warm up the engine, then SERVING."""
         s = self.settings
+        self.lifecycle.bind(asyncio.get_running_loop())
         interceptors: list[grpc.aio.ServerInterceptor] = []
         keys_check: ApiKeyInterceptor | None = None
         if s.api_key_file is not None:
@@ -525,7 +550,9 @@ class TandemServer:
             from inference_svc.engine.engine import Engine
 
             engine = await asyncio.to_thread(Engine.from_bundle, s.model, self.engine_config)
-        async_engine = AsyncEngine(engine, s.admission, self.metrics, fault_hook=self._fault_hook)
+        async_engine = AsyncEngine(
+            engine, s.admission, self.metrics, fault_hook=self._fault_hook, lifecycle=self.lifecycle
+        )
         if s.warmup:
             t0 = time.perf_counter()
             await asyncio.to_thread(async_engine.warmup)
@@ -534,11 +561,10 @@ class TandemServer:
         self.metrics.observe_model(engine.info())
         await async_engine.start()
         self.engine = async_engine
-        if self.draining:  # SIGTERM while loading: shutdown() is already under way
+        if self.lifecycle.state is not State.LOADING:  # SIGTERM while loading: shutdown() is already under way
             return
-        self.serving = True
+        self.lifecycle.to(State.SERVING)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        self._watch_task = asyncio.create_task(self._watch_health())
         log.info("SERVING %s", s.model)
 
     async def _start_http(self, keys_check: ApiKeyInterceptor | None) -> None:
@@ -563,27 +589,13 @@ class TandemServer:
         self.http_port = await http.start()
         self._http = http
 
-    async def _watch_health(self) -> None:
-        while self.serving:
-            await self.refresh_health()
-            await asyncio.sleep(1.0)
-
-    async def refresh_health(self) -> None:
-        """NOT_SERVING if the engine has been declared broken."""
-        if self.engine is not None and not self.engine.healthy and self.serving:
-            self.serving = False
-            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-
     async def shutdown(self, grace: float | None = None) -> int:
         """Drain and stop; return how many in-flight requests were cut at the end of the grace period."""
         if self.draining:
             await self._stopped.wait()
             return 0
         grace = self.settings.shutdown_grace if grace is None else grace
-        self.draining = True
-        self.serving = False
-        if self._watch_task is not None:
-            self._watch_task.cancel()
+        self.lifecycle.to(State.DRAINING)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         cut = 0
         if self.engine is not None:
@@ -598,6 +610,7 @@ class TandemServer:
         if self._metrics_http is not None:
             with contextlib.suppress(Exception):
                 await self._metrics_http.close()
+        self.lifecycle.to(State.STOPPED)
         self._stopped.set()
         log.info("stopped (%d requests cut at the end of the grace period)", cut)
         return cut

@@ -2,8 +2,9 @@
 
 Contract:
 - Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as server-sent events
-  ending in `data: [DONE]`, and `stream_options.include_usage`), `GET /v1/models`, `GET /health` (200 serving,
-  503 loading or draining) and `GET /metrics` (the service's registry, served here only when this API listens on
+  ending in `data: [DONE]`, and `stream_options.include_usage`), `GET /v1/models`, `GET /health` (200 while the
+  server's `Lifecycle` is SERVING, else 503 with its state: loading, draining, stopped or broken) and
+  `GET /metrics` (the service's registry, served here only when this API listens on
   the same interface as the metrics server: `--metrics-host` decides who may read metrics, whichever port).
 - Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with the HTTP status of
   `inference_svc.status` (the table the gRPC codes come from); `code` is the gRPC status name, so an error reads
@@ -52,6 +53,7 @@ from inference_svc.errors import (
     RequestTimeoutError,
     RequestTooLargeError,
 )
+from inference_svc.lifecycle import Lifecycle, State
 from inference_svc.metrics import ServiceMetrics
 from inference_svc.openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse
 from inference_svc.status import status_of
@@ -65,8 +67,7 @@ class Owner(Protocol):
     """What the app needs from the server that runs it (`TandemServer`)."""
 
     engine: AsyncEngine | None
-    serving: bool
-    draining: bool
+    lifecycle: Lifecycle
     metrics: ServiceMetrics
 
 
@@ -140,10 +141,9 @@ class _Api:
 
     def _engine(self) -> AsyncEngine:
         engine = self.owner.engine
-        if engine is None or not self.owner.serving:
-            raise EngineStoppedError(
-                "the server is shutting down" if self.owner.draining else "the model is still loading"
-            )
+        lifecycle = self.owner.lifecycle
+        if engine is None or not lifecycle.accepting:
+            raise EngineStoppedError(lifecycle.refusal() or "the engine is not running")
         return engine
 
     async def _body(self, request: Request) -> Any:
@@ -192,10 +192,8 @@ class _Api:
 
     # ------------------------------------------------------------------ plain routes
     async def health(self, request: Request) -> Response:
-        if self.owner.serving and self.owner.engine is not None and self.owner.engine.healthy:
-            return JSONResponse({"status": "serving"})
-        state = "draining" if self.owner.draining else "loading"
-        return JSONResponse({"status": state}, status_code=503)
+        state = self.owner.lifecycle.state
+        return JSONResponse({"status": state.value}, status_code=200 if state is State.SERVING else 503)
 
     async def metrics(self, request: Request) -> Response:
         if not self.options.serve_metrics:

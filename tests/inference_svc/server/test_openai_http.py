@@ -333,17 +333,58 @@ def test_health_models_and_metrics(http_server: ServerThread) -> None:
     assert info.model_name == "chat-model"
 
 
-def test_health_is_503_while_draining(chat_bundle: Path) -> None:
+def test_health_is_503_while_draining_and_when_broken(chat_bundle: Path) -> None:
     srv = make_server(chat_bundle, http_port=0)
     base = _base(srv)
-    srv.server.draining, srv.server.serving = True, False  # the state shutdown() sets first
+    release, entered = threading.Event(), threading.Event()
+
+    def park() -> None:
+        entered.set()
+        release.wait(30)
+
     try:
+        assert srv.server.engine is not None
+        srv.submit(srv.server.engine.run_in_engine(park))  # the engine thread is parked: the request stays in flight
+        assert entered.wait(10)
+        in_flight = srv.submit(_post_async(base, {"prompt": "x", "max_tokens": 2}))
+        deadline = time.monotonic() + 30
+        while srv.server.engine.num_in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stopping = srv.submit(srv.server.shutdown(30.0))
+        while httpx.get(base + "/health", timeout=30).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.01)
         r = httpx.get(base + "/health", timeout=30)
         assert r.status_code == 503 and r.json() == {"status": "draining"}
         r = httpx.post(base + "/v1/completions", json={"prompt": "x"}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "UNAVAILABLE"
+        release.set()
+        assert in_flight.result(30) == 200  # the in-flight request finished within the grace period
+        assert stopping.result(30) == 0
     finally:
-        srv.server.draining = False
+        release.set()
+        srv.close()
+
+
+def test_a_broken_engine_turns_health_off_without_polling(chat_bundle: Path) -> None:
+    srv = make_server(chat_bundle, http_port=0)
+    try:
+        engine = srv.server.engine
+        assert engine is not None
+
+        def boom() -> list:
+            raise RuntimeError("injected step failure")
+
+        engine.engine.step = boom  # every step fails: after three in a row the engine is declared broken
+        r = httpx.post(_base(srv) + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+        deadline = time.monotonic() + 30
+        while srv.server.lifecycle.state.value != "broken" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        health = httpx.get(_base(srv) + "/health", timeout=30)
+        assert health.status_code == 503 and health.json() == {"status": "broken"}
+        with srv.client() as c:
+            assert c.health() == "NOT_SERVING"
+    finally:
         srv.close()
 
 

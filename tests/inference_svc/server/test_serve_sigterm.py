@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from inference_svc.client import NO_RETRY, TandemClient
-from inference_svc.proto_gen import inference_pb2 as pb
+from inference_svc.engine.types import FinishReason
 from shared_model.bundle import save_bundle
 from shared_model.model import build_model
 from tests.conftest import free_port, tiny_config
@@ -130,7 +130,7 @@ def test_generate_cli_then_sigterm_drain(long_context_bundle: Path) -> None:
         long_t.join(30)
         assert proc.wait(timeout=30) == 0
         elapsed = time.monotonic() - t_sig
-        assert results["short"] == ("done", 4, pb.FINISH_REASON_LENGTH), results
+        assert results["short"] == ("done", 4, FinishReason.LENGTH), results
         outcome, tokens, code = results["long"]  # type: ignore[misc]
         assert (outcome, code) == ("error", grpc.StatusCode.UNAVAILABLE), results
         assert 0 < tokens < LONG_TOKENS
