@@ -2,25 +2,40 @@
 
 Contract:
 - `main(argv) -> int` (called by `shared_model.cli`). Exit 0 when every level completed at least one request,
-  1 when the server could not be reached or a level completed none, 2 on invalid flags (argparse).
-- One run: wait for health SERVING (`--wait`), read the model's context from GetModelInfo, build a token pool
-  from the default corpus with the server's Tokenize RPC, draw `--num-requests` requests (same set for every
-  level), send `--warmup` requests that are not measured, then run each level of the sweep
+  1 when the server could not be reached or a level completed none, 2 on invalid flags (argparse) or a bad
+  `--dataset` file (one line naming the file and the line).
+- Backends (`--backend`), the same workload and the same report for both:
+  - `grpc` (the default): a Tandem server at `--target HOST:PORT`, through `AsyncTandemClient`.
+  - `openai`: any OpenAI-compatible server (Tandem's HTTP API, vLLM, llama.cpp's server) at `--target` given as a
+    base URL (`http://HOST:PORT`, with or without `/v1`), through streamed `/v1/completions`
+    (`openai_backend`). `--model` names the `model` field (default: the first id of `GET /v1/models`); the
+    context is that card's `max_model_len` when the server gives one.
+- One run: wait for the server to be ready (`--wait`: gRPC health SERVING, or HTTP `GET /health` 200), read the
+  model's context (GetModelInfo / the model card), build the prompts, draw `--num-requests` requests (same set for
+  every level), send `--warmup` requests that are not measured, then run each level of the sweep
   (`--concurrency 1,4,16` — the default — or `--request-rate 2,8,inf`), each bounded by `--num-requests` and
   `--duration` (+ `--drain-timeout` for the requests in flight). Defaults finish within about two minutes.
-- Around each level the server's Prometheus metrics (`--metrics-url`, default http://HOST:9090/metrics) are
-  scraped and compared with the client's figures (`server_metrics.cross_check`); a server without metrics only
-  loses that check (`--no-server-metrics` skips it).
-- Results go to `--out` (default ./bench-results/<UTC timestamp>/): `results.json` (meta with date and command,
-  per-level summary, server cross-check and per-request records), `throughput_latency.png` and `latency_cdf.png`.
-  A table is printed at the end, with a progress bar on stderr while running.
-- The client never retries (refusals are measured as errors by status code, not hidden).
+- Prompts: windows of the default corpus as token ids, tokenized by the server (gRPC Tokenize; over HTTP the
+  server's `/tokenize`, or a local `--tokenizer`), so prompt lengths are exact in the served model's tokens; or,
+  with `--dataset FILE`, the text prompts of a JSONL file (`workload.read_dataset`), sent as text.
+- Around each level the server's Prometheus metrics are scraped and compared with the client's figures
+  (`server_metrics.cross_check`). The endpoint is `--metrics-url`; without it, the gRPC backend takes the port the
+  server reports in GetModelInfo (`metrics_port`; http://HOST:PORT/metrics, HOST from `--target`) and the openai
+  backend has none (the check is skipped, saying so in one line). A server without metrics, or an endpoint with no
+  `tandem_` series, only loses that check (`--no-server-metrics` skips it).
+- Results go to `--out` (default ./bench-results/<UTC timestamp>/): `results.json` (meta with date, command and
+  backend, per-level summary, server cross-check and per-request records), `throughput_latency.png` and
+  `latency_cdf.png`. A table is printed at the end, with a progress bar on stderr while running.
+- The client never retries (refusals are measured as errors by status code, not hidden). The API key
+  (`--api-key-file`, else the `--api-key-env` variable) goes as gRPC metadata or as `Authorization: Bearer`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -29,20 +44,35 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from inference_svc.bench.loadgen import Level, RequestRecord, probe_rtt, run_level
+from inference_svc.bench.loadgen import Backend, GrpcBackend, Level, RequestRecord, probe_rtt, run_level
 from inference_svc.bench.progress import Progress
 from inference_svc.bench.server_metrics import ScrapeError, cross_check, scrape, server_delta
 from inference_svc.bench.stats import distribution, summarize
-from inference_svc.bench.workload import LengthSpec, RequestSpec, WorkloadError, make_requests, token_pool
+from inference_svc.bench.workload import (
+    DatasetEntry,
+    DatasetError,
+    LengthSpec,
+    RequestSpec,
+    WorkloadError,
+    dataset_requests,
+    make_requests,
+    read_dataset,
+    token_pool,
+)
 
 DEFAULT_CONCURRENCY = "1,4,16"
+BACKENDS = ("grpc", "openai")
+DEFAULT_TARGETS = {"grpc": "127.0.0.1:50051", "openai": "http://127.0.0.1:8000"}
+UNKNOWN_CONTEXT = 10**9
+"""The context assumed when an OpenAI-compatible server does not say (no `max_model_len` on its model card)."""
 
 
 def _floats(text: str) -> list[float]:
@@ -58,9 +88,22 @@ def _floats(text: str) -> list[float]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tandem bench",
-        description="Load-test a Tandem server: TTFT, time per output token, inter-token latency, throughput.",
+        description="Load-test a Tandem server (gRPC) or any OpenAI-compatible server (HTTP): TTFT, time per output "
+        "token, inter-token latency, throughput.",
     )
-    p.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the gRPC server")
+    p.add_argument(
+        "--backend",
+        default="grpc",
+        choices=BACKENDS,
+        help="grpc: a Tandem server; openai: streamed /v1/completions of any OpenAI-compatible server",
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        help=f"grpc: HOST:PORT (default {DEFAULT_TARGETS['grpc']}); openai: base URL http(s)://HOST:PORT, with or "
+        f"without /v1 (default {DEFAULT_TARGETS['openai']})",
+    )
+    p.add_argument("--model", default=None, help="openai: the request's model (default: the first of /v1/models)")
     sweep = p.add_mutually_exclusive_group()
     sweep.add_argument(
         "--concurrency",
@@ -82,6 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--len-dist", default="uniform", choices=["fixed", "uniform", "lognormal"])
     w.add_argument("--range-ratio", type=float, default=0.5, help="uniform: ±fraction of the mean; lognormal: sigma")
     w.add_argument("--corpus-docs", type=int, default=64, help="documents of the default corpus to cut prompts from")
+    w.add_argument(
+        "--dataset",
+        default=None,
+        help='JSONL file of text prompts, one {"prompt": ..., "max_tokens": ...} per line (max_tokens optional: '
+        "else --output-len); replaces the corpus prompts and --input-len",
+    )
+    w.add_argument(
+        "--tokenizer",
+        default=None,
+        help="openai: tokenizer.json (or the model's folder) to cut corpus prompts with (default: the server's "
+        "/tokenize)",
+    )
     w.add_argument("--seed", type=int, default=0)
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="results folder (default ./bench-results/<UTC timestamp>)")
@@ -89,13 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true")
     m = p.add_argument_group("server metrics cross-check")
-    m.add_argument("--metrics-url", default=None, help="Prometheus endpoint (default http://HOST:9090/metrics)")
+    m.add_argument(
+        "--metrics-url",
+        default=None,
+        help="Prometheus endpoint of the Tandem server (default: grpc: the metrics port GetModelInfo reports, on "
+        "HOST; openai: none, no cross-check)",
+    )
     m.add_argument("--no-server-metrics", action="store_true", help="skip the scrape and the cross-check")
     c = p.add_argument_group("connection")
     c.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the server to report SERVING")
-    c.add_argument("--tls", action="store_true", help="use TLS (system roots unless --tls-ca)")
+    c.add_argument("--tls", action="store_true", help="grpc: use TLS (system roots unless --tls-ca); openai: https://")
     c.add_argument("--tls-ca", default=None, help="PEM file of the CA to trust")
-    c.add_argument("--tls-server-name", default=None, help="expected server name in its certificate")
+    c.add_argument("--tls-server-name", default=None, help="grpc: expected server name in its certificate")
     c.add_argument("--api-key-file", default=None, help="file whose first key is sent as the API key")
     c.add_argument("--api-key-env", default="TANDEM_API_KEY", help="environment variable holding the API key")
     return p
@@ -108,13 +168,17 @@ def _levels(args: argparse.Namespace) -> list[Level]:
     return [Level("concurrency", v) for v in values]
 
 
-def _client_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    from inference_svc.client import NO_RETRY
+def _api_key(args: argparse.Namespace) -> str | None:
     from inference_svc.settings import read_api_keys
 
-    api_key = os.environ.get(args.api_key_env) or None
     if args.api_key_file:
-        api_key = read_api_keys(args.api_key_file)[0].decode()
+        return read_api_keys(args.api_key_file)[0].decode()
+    return os.environ.get(args.api_key_env) or None
+
+
+def _client_kwargs(args: argparse.Namespace, api_key: str | None) -> dict[str, Any]:
+    from inference_svc.client import NO_RETRY
+
     root = Path(args.tls_ca).read_bytes() if args.tls_ca else None
     return {
         "api_key": api_key,
@@ -125,30 +189,67 @@ def _client_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _prepare(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[RequestSpec], float]:
-    """Blocking set-up: health, model info, token pool, requests, round-trip time."""
-    from inference_svc.bench.workload import corpus_text
-    from inference_svc.client import TandemClient
+@dataclasses.dataclass
+class Prepared:
+    """What the set-up found: the model, the requests, the idle round trip, and how to open the backend."""
 
-    with TandemClient(args.target, timeout=60.0, **kwargs) as client:
-        client.wait_until_serving(args.wait)
-        info = client.model_info()
-        rtts = []
-        for _ in range(5):
-            t = time.perf_counter()
-            client.health()
-            rtts.append((time.perf_counter() - t) * 1000)
-        text = corpus_text(max_documents=args.corpus_docs)
-        pool = token_pool(lambda s: list(client.tokenize(s).token_ids), text)
-    max_context = int(info.max_context)
+    model: dict[str, Any]
+    requests: list[RequestSpec]
+    rtt_ms: float
+    metrics_port: int | None
+    """The metrics port the server reports (gRPC GetModelInfo; 0: none), None when it cannot say."""
+    open_backend: Callable[[], AbstractAsyncContextManager[Backend]]
+
+
+def _build_requests(
+    args: argparse.Namespace,
+    dataset: list[DatasetEntry] | None,
+    max_context: int | None,
+    tokenize: Callable[[str], Sequence[int]],
+) -> tuple[list[RequestSpec], int | None]:
+    """The run's requests and the corpus pool's size (None with a dataset)."""
+    from inference_svc.bench.workload import corpus_text
+
+    output_len = LengthSpec(args.output_len, args.len_dist, args.range_ratio)
+    if dataset is not None:
+        return dataset_requests(dataset, args.num_requests, output_len, max_context, seed=args.seed), None
+    pool = token_pool(tokenize, corpus_text(max_documents=args.corpus_docs))
     requests = make_requests(
         pool,
         args.num_requests,
         LengthSpec(args.input_len, args.len_dist, args.range_ratio),
-        LengthSpec(args.output_len, args.len_dist, args.range_ratio),
-        max_context=max_context,
+        output_len,
+        max_context=max_context or UNKNOWN_CONTEXT,
         seed=args.seed,
     )
+    return requests, len(pool)
+
+
+def _rtt_ms(call: Callable[[], object], n: int = 5) -> float:
+    rtts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        call()
+        rtts.append((time.perf_counter() - t) * 1000)
+    return statistics.median(rtts)
+
+
+def _prepare_grpc(
+    args: argparse.Namespace,
+    api_key: str | None,
+    dataset: list[DatasetEntry] | None,
+    tokenize: Callable[[str], Sequence[int]] | None = None,
+) -> Prepared:
+    """Blocking set-up over gRPC: health, model info, token pool, requests, round-trip time."""
+    from inference_svc.client import AsyncTandemClient, TandemClient
+
+    kwargs = _client_kwargs(args, api_key)
+    with TandemClient(args.target, timeout=60.0, **kwargs) as client:
+        client.wait_until_serving(args.wait)
+        info = client.model_info()
+        rtt = _rtt_ms(client.health)
+        max_context = int(info.max_context)
+        requests, pool = _build_requests(args, dataset, max_context, lambda s: list(client.tokenize(s).token_ids))
     model = {
         "model_name": info.model_name,
         "model_type": info.config.model_type,
@@ -157,28 +258,98 @@ def _prepare(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[dict[str
         "attention_backend": info.attention_backend,
         "kv_capacity_tokens": int(info.kv_capacity_tokens),
         "max_context": max_context,
-        "corpus_pool_tokens": len(pool),
+        "corpus_pool_tokens": pool,
     }
-    return model, requests, statistics.median(rtts)
+
+    @contextlib.asynccontextmanager
+    async def open_backend() -> AsyncIterator[Backend]:
+        async with AsyncTandemClient(args.target, timeout=None, **kwargs) as aclient:
+            yield GrpcBackend(aclient)
+
+    return Prepared(model, requests, rtt, int(info.metrics_port), open_backend)
+
+
+def _prepare_openai(
+    args: argparse.Namespace,
+    api_key: str | None,
+    dataset: list[DatasetEntry] | None,
+    tokenize: Callable[[str], Sequence[int]] | None = None,
+) -> Prepared:
+    """Blocking set-up over HTTP: readiness, the model card, token pool, requests, round-trip time."""
+    from inference_svc.bench.openai_backend import OpenAIBackend, OpenAIServer, verify_option
+
+    verify = verify_option(args.tls_ca)
+    with OpenAIServer(args.target, api_key=api_key, verify=verify) as server:
+        health_url = server.wait_ready(args.wait)
+        cards = server.models()
+        name = args.model or cards[0]["id"]
+        card = next((c for c in cards if c["id"] == name), {})
+        context = card.get("max_model_len")
+        max_context = context if type(context) is int and context > 0 else None
+        rtt = _rtt_ms(lambda: server.http.get(health_url, timeout=5.0))
+        requests, pool = _build_requests(args, dataset, max_context, tokenize or (lambda s: server.tokenize(s, name)))
+    model = {
+        "model_name": name,
+        "model_type": None,
+        "dtype": None,
+        "device": None,
+        "attention_backend": None,
+        "kv_capacity_tokens": None,
+        "max_context": max_context,
+        "corpus_pool_tokens": pool,
+    }
+
+    @contextlib.asynccontextmanager
+    async def open_backend() -> AsyncIterator[Backend]:
+        async with OpenAIBackend(args.target, name, api_key=api_key, verify=verify, health_url=health_url) as b:
+            yield b
+
+    return Prepared(model, requests, rtt, None, open_backend)
+
+
+def _grpc_host(target: str) -> str:
+    """The host part of a gRPC target (HOST:PORT, [v6]:PORT, dns:///HOST:PORT, ipv4:HOST:PORT)."""
+    for prefix in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if target.startswith(prefix):
+            target = target[len(prefix) :]
+            break
+    return target.rsplit(":", 1)[0] if ":" in target else target
+
+
+def _metrics_url(args: argparse.Namespace, prepared: Prepared) -> str | None:
+    """The Prometheus endpoint to cross-check against, or None (saying why in one line)."""
+    if args.no_server_metrics:
+        return None
+    if args.metrics_url:
+        return args.metrics_url
+    if args.backend == "openai":
+        print(
+            "tandem bench: no --metrics-url given for --backend openai; skipping the server cross-check",
+            file=sys.stderr,
+        )
+        return None
+    if not prepared.metrics_port:
+        msg = "the server serves no metrics (GetModelInfo metrics_port 0); skipping the server cross-check"
+        print(f"tandem bench: {msg}", file=sys.stderr)
+        return None
+    return f"http://{_grpc_host(args.target)}:{prepared.metrics_port}/metrics"
 
 
 async def _sweep(
     args: argparse.Namespace,
-    kwargs: dict[str, Any],
+    open_backend: Callable[[], AbstractAsyncContextManager[Backend]],
     levels: list[Level],
     requests: list[RequestSpec],
     metrics_url: str | None,
     rtt_ms: float,
     percentiles: list[float],
 ) -> list[dict[str, Any]]:
-    from inference_svc.client import AsyncTandemClient
-
     results: list[dict[str, Any]] = []
-    async with AsyncTandemClient(args.target, timeout=None, **kwargs) as client:
+    async with open_backend() as backend:
         if args.warmup > 0:
             warm = Level("concurrency", float(min(args.warmup, 4)))
-            specs = [RequestSpec(-1 - i, r.prompt_token_ids, r.max_new_tokens) for i, r in enumerate(requests)]
-            await run_level(client, specs[: args.warmup], warm, duration=60.0, drain_timeout=30.0)
+            specs = [dataclasses.replace(r, index=-1 - i) for i, r in enumerate(requests)]
+            await run_level(backend, specs[: args.warmup], warm, duration=60.0, drain_timeout=30.0)
         for level in levels:
             before = _try_scrape(metrics_url)
             bar = Progress(len(requests), level.label, enabled=not args.no_progress)
@@ -187,10 +358,10 @@ async def _sweep(
                 bar.update(rec.ok)
 
             stop = asyncio.Event()
-            probe = asyncio.create_task(probe_rtt(client, stop))
+            probe = asyncio.create_task(probe_rtt(backend, stop))
             try:
                 records, wall = await run_level(
-                    client,
+                    backend,
                     requests,
                     level,
                     duration=args.duration,
@@ -248,10 +419,15 @@ def _try_scrape(url: str | None) -> dict[str, float] | None:
     if url is None:
         return None
     try:
-        return scrape(url)
+        snapshot = scrape(url)
     except ScrapeError as exc:
         print(f"tandem bench: server metrics unavailable ({exc}); skipping the cross-check", file=sys.stderr)
         return None
+    if not any(k.startswith("tandem_") for k in snapshot):
+        msg = f"{url} has no tandem_ series (not a Tandem server's metrics); skipping the cross-check"
+        print(f"tandem bench: {msg}", file=sys.stderr)
+        return None
+    return snapshot
 
 
 def _fmt(value: float | None, width: int = 8, digits: int = 1) -> str:
@@ -307,36 +483,73 @@ def main(argv: Sequence[str]) -> int:
         LengthSpec(args.input_len, args.len_dist, args.range_ratio)
     except (argparse.ArgumentTypeError, ValueError) as exc:
         parser.error(str(exc))
-    host = args.target.rsplit(":", 1)[0]
-    metrics_url = None if args.no_server_metrics else (args.metrics_url or f"http://{host}:9090/metrics")
+    args.target = args.target or DEFAULT_TARGETS[args.backend]
+    prepare_errors: tuple[type[BaseException], ...] = (grpc.RpcError, TimeoutError, WorkloadError)
+    if args.backend == "openai":
+        try:
+            from inference_svc.bench.openai_backend import OpenAIError, base_urls
+        except ImportError as exc:
+            print(f"tandem bench: --backend openai needs httpx2 (pip install httpx2): {exc}", file=sys.stderr)
+            return 2
+        prepare_errors += (OpenAIError,)
+        try:
+            base_urls(args.target)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if args.tls and not args.target.startswith("https://"):
+            parser.error("--backend openai speaks TLS to an https:// --target; --tls is for --backend grpc")
+        if args.tls_server_name:
+            parser.error("--tls-server-name is for --backend grpc")
+    else:
+        for flag, value in (("--model", args.model), ("--tokenizer", args.tokenizer)):
+            if value is not None:
+                parser.error(f"{flag} is for --backend openai (a gRPC server names its model and tokenizes)")
+    from shared_model.errors import TokenizerError
+
+    dataset = tokenize = None
+    try:
+        api_key = _api_key(args)
+        if args.dataset:
+            dataset = read_dataset(args.dataset)
+        if args.tokenizer:
+            from shared_model.tokenizer import Tokenizer
+
+            tokenize = Tokenizer.load(args.tokenizer).encode
+    except (DatasetError, TokenizerError, OSError, ValueError) as exc:
+        print(f"tandem bench: {exc}", file=sys.stderr)
+        return 2
     stamp = datetime.now(timezone.utc)
     out_dir = Path(args.out) if args.out else Path.cwd() / "bench-results" / stamp.strftime("%Y%m%d-%H%M%S")
 
-    kwargs = _client_kwargs(args)
+    prepare = _prepare_openai if args.backend == "openai" else _prepare_grpc
     try:
-        model, requests, rtt_ms = _prepare(args, kwargs)
-    except (grpc.RpcError, TimeoutError, WorkloadError) as exc:
+        prepared = prepare(args, api_key, dataset, tokenize)
+    except prepare_errors as exc:
         msg = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
         print(f"tandem bench: cannot prepare the run against {args.target}: {msg}", file=sys.stderr)
         return 1
+    model, requests, rtt_ms = prepared.model, prepared.requests, prepared.rtt_ms
+    metrics_url = _metrics_url(args, prepared)
+    about = [v for v in (model["device"], model["dtype"]) if v]
+    about.append(f"context {model['max_context']}" if model["max_context"] else "context not reported")
     print(
-        f"tandem bench: {model['model_name']} on {args.target} ({model['device']}, {model['dtype']}, "
-        f"context {model['max_context']}); {len(requests)} requests/level, sweep "
-        f"{', '.join(lv.label for lv in levels)}; round trip {rtt_ms:.2f} ms",
+        f"tandem bench: {model['model_name']} on {args.target} over {args.backend} ({', '.join(about)}); "
+        f"{len(requests)} requests/level, sweep {', '.join(lv.label for lv in levels)}; round trip {rtt_ms:.2f} ms",
         file=sys.stderr,
     )
     t0 = time.perf_counter()
-    results = asyncio.run(_sweep(args, kwargs, levels, requests, metrics_url, rtt_ms, percentiles))
+    results = asyncio.run(_sweep(args, prepared.open_backend, levels, requests, metrics_url, rtt_ms, percentiles))
     pct = f"{percentiles[-1]:g}"
     report = {
         "meta": {
             "date": stamp.isoformat(timespec="seconds"),
             "command": "tandem bench " + shlex.join(list(argv)),
+            "backend": args.backend,
             "target": args.target,
             "machine": {"host": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform()},
             "model": model,
             "workload": {
-                "input_len": args.input_len,
+                "input_len": None if dataset is not None else args.input_len,
                 "output_len": args.output_len,
                 "len_dist": args.len_dist,
                 "range_ratio": args.range_ratio,
@@ -344,6 +557,7 @@ def main(argv: Sequence[str]) -> int:
                 "duration_s": args.duration,
                 "warmup": args.warmup,
                 "seed": args.seed,
+                "dataset": str(Path(args.dataset).resolve()) if dataset is not None else None,
             },
             "rtt_ms": rtt_ms,
             "metrics_url": metrics_url,
@@ -358,7 +572,8 @@ def main(argv: Sequence[str]) -> int:
         from inference_svc.bench.plots import plot_cdf, plot_tradeoff
 
         name = Path(model["model_name"]).name or model["model_name"]
-        title = f"{name} · {model['device']} · {args.input_len}→{args.output_len} tokens"
+        shape = f"{Path(args.dataset).name} prompts" if dataset is not None else f"{args.input_len}"
+        title = f"{name} · {model['device'] or args.backend} · {shape}→{args.output_len} tokens"
         written.append(plot_tradeoff(results, out_dir / "throughput_latency.png", title).name)
         written.append(plot_cdf(results, out_dir / "latency_cdf.png", title).name)
     print(format_table(results, pct))

@@ -1,19 +1,24 @@
 """When the benchmark sends: Poisson arrivals at a fixed rate, or a fixed number of concurrent clients.
 
 Contract:
-- `run_level(client, requests, level, ...)` sends `requests` (in order) through `client.generate_stream` — the
-  service's own `AsyncTandemClient`, built by the caller with no retries, so refusals show up as errors — and
-  returns one `RequestRecord` per request it started, plus the level's wall time.
+- `run_level(backend, requests, level, ...)` sends `requests` (in order) through `backend.send(spec, timeout,
+  request_id)` and returns one `RequestRecord` per request it started, plus the level's wall time. A backend is
+  `GrpcBackend` (the service's own `AsyncTandemClient`, built by the caller with no retries, so refusals show up
+  as errors) or `openai_backend.OpenAIBackend` (streamed `/v1/completions` of any OpenAI-compatible server); both
+  record the same fields the same way, and never raise for a failed request (it is recorded in `status`).
 - `Level(mode="rate", value=r)`: arrivals form a Poisson process of rate r requests/s (exponential gaps; r = inf sends
   everything at once), optionally capped by `max_concurrency`. `Level(mode="concurrency", value=c)`: c clients,
   each sending its next request when the previous one ends (closed loop).
 - Bounds: at most `len(requests)` requests and no new request after `duration` seconds; a request still running at
-  `duration + drain_timeout` is cut by its gRPC deadline and recorded as DEADLINE_EXCEEDED. So a level never runs
+  `duration + drain_timeout` is cut by its deadline and recorded as DEADLINE_EXCEEDED. So a level never runs
   longer than duration + drain_timeout (plus one RPC teardown).
 - Times are `time.perf_counter()` seconds on the client. TTFT runs from the call to the first message that carries
-  tokens; ITL is the gap between consecutive token-carrying messages; e2e runs to the last message.
+  tokens (a gRPC stream message, or an SSE event); ITL is the gap between consecutive token-carrying messages; e2e
+  runs to the last message. Output tokens are the ids received (gRPC) or the server's usage count (OpenAI).
+  Prompt tokens are the prompt's ids, or for a text prompt the server's usage count (0 until it reports one).
+- Sampling: greedy (`temperature` 0), `ignore_eos`, `max_new_tokens` of the spec.
 - `on_done(record)` is called once per finished request (progress bars); it must not block.
-- `probe_rtt(client, stop)` measures the round trip of health checks every `interval` seconds until `stop` is set:
+- `probe_rtt(backend, stop)` measures the round trip of health checks every `interval` seconds until `stop` is set:
   the network-and-event-loop delay under the same load, which bounds how far client and server timings may differ.
 """
 
@@ -26,7 +31,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -78,11 +83,18 @@ class RequestRecord:
     """perf_counter() of each token-carrying message."""
     output_tokens: int = 0
     status: str = "OK"
-    """'OK' or the gRPC status code name."""
+    """'OK', or why it failed: the gRPC status code name; over HTTP the error's `code` when it is a status name
+    (Tandem's are gRPC's), else `HTTP_<status>`, and UNAVAILABLE / DEADLINE_EXCEEDED / INCOMPLETE for a dropped
+    connection, the level's deadline, or a stream that ended before its end."""
     detail: str = ""
     server_ttft_ms: float | None = None
     server_tpot_ms: float | None = None
     server_queue_ms: float | None = None
+
+    @classmethod
+    def starting(cls, spec: RequestSpec) -> RequestRecord:
+        """The record of `spec`, started now."""
+        return cls(spec.index, len(spec.prompt_token_ids), spec.max_new_tokens, start=time.perf_counter())
 
     @property
     def ok(self) -> bool:
@@ -129,12 +141,20 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
 
 
+class Backend(Protocol):
+    """What `run_level` and `probe_rtt` drive."""
+
+    async def send(self, spec: RequestSpec, timeout: float, request_id: str = "") -> RequestRecord: ...
+
+    async def health(self, timeout: float = 5.0) -> object: ...
+
+
 async def send_one(client: Any, spec: RequestSpec, timeout: float, request_id: str = "") -> RequestRecord:
-    """Stream one request; never raises for an RPC failure (it is recorded in `status`)."""
-    rec = RequestRecord(spec.index, len(spec.prompt_token_ids), spec.max_new_tokens, start=time.perf_counter())
+    """Stream one request over gRPC; never raises for an RPC failure (it is recorded in `status`)."""
+    rec = RequestRecord.starting(spec)
     try:
         async for msg in client.generate_stream(
-            list(spec.prompt_token_ids),
+            spec.prompt,
             request_id=request_id,
             timeout=max(0.001, timeout),
             max_new_tokens=spec.max_new_tokens,
@@ -151,6 +171,8 @@ async def send_one(client: Any, spec: RequestSpec, timeout: float, request_id: s
                 rec.server_ttft_ms = msg.timing.ttft_ms
                 rec.server_tpot_ms = msg.timing.tpot_ms
                 rec.server_queue_ms = msg.timing.queue_ms
+            if msg.usage is not None and spec.prompt_text is not None:
+                rec.prompt_tokens = msg.usage.prompt_tokens
         rec.end = time.perf_counter()
     except grpc.aio.AioRpcError as err:
         rec.end = time.perf_counter()
@@ -159,15 +181,30 @@ async def send_one(client: Any, spec: RequestSpec, timeout: float, request_id: s
     return rec
 
 
-async def probe_rtt(client: Any, stop: asyncio.Event, interval: float = 0.1) -> list[float]:
-    """Round trips (ms) of health checks sent every `interval` s while the level runs."""
+class GrpcBackend:
+    """The Tandem gRPC service through an `AsyncTandemClient` (built by the caller, with no retries)."""
+
+    name = "grpc"
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    async def send(self, spec: RequestSpec, timeout: float, request_id: str = "") -> RequestRecord:
+        return await send_one(self.client, spec, timeout, request_id)
+
+    async def health(self, timeout: float = 5.0) -> object:
+        return await self.client.health(timeout=timeout)
+
+
+async def probe_rtt(backend: Backend, stop: asyncio.Event, interval: float = 0.1) -> list[float]:
+    """Round trips (ms) of health checks sent every `interval` s while the level runs (failed checks are skipped)."""
     rtts: list[float] = []
     while not stop.is_set():
         t = time.perf_counter()
         try:
-            await client.health(timeout=5.0)
+            await backend.health(timeout=5.0)
             rtts.append((time.perf_counter() - t) * 1000)
-        except grpc.aio.AioRpcError:
+        except Exception:  # a probe that fails measures nothing; the level goes on
             pass
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), interval)
@@ -175,7 +212,7 @@ async def probe_rtt(client: Any, stop: asyncio.Event, interval: float = 0.1) -> 
 
 
 async def run_level(
-    client: Any,
+    backend: Backend,
     requests: Sequence[RequestSpec],
     level: Level,
     *,
@@ -191,7 +228,7 @@ async def run_level(
     records: list[RequestRecord] = []
 
     async def one(spec: RequestSpec) -> None:
-        rec = await send_one(client, spec, hard_stop - time.perf_counter(), request_id=f"bench-{spec.index}")
+        rec = await backend.send(spec, hard_stop - time.perf_counter(), request_id=f"bench-{spec.index}")
         records.append(rec)
         if on_done is not None:
             on_done(rec)

@@ -9,7 +9,7 @@ Contract:
   and out, errors by code, and the mean TTFT / TPOT / e2e / ITL (ms) from the histograms' sum and count.
 - `cross_check(client_summary, delta, rtt_ms, records)` compares the two views. The server times TTFT from the
   request's arrival in its engine, the client from the call, so client TTFT = server TTFT + the trip from client
-  to engine and of the first token back (network, gRPC, both event loops). `rtt_ms` is the p99 round trip of
+  to engine and of the first token back (network, gRPC or HTTP, both event loops). `rtt_ms` is the p99 round trip of
   health checks measured under the same load: that delay. They agree when the client's mean TTFT exceeds the
   Prometheus mean by at least −1 ms and at most 2 ms + 2 × rtt_ms + 5 % of the client's mean (the 2× covers a
   burst of first tokens leaving one engine step together, which a periodic probe samples only now and then).

@@ -4,7 +4,8 @@ Contract:
 - `summarize(records, wall_s, percentiles)` returns a plain dict (JSON-ready; milliseconds for latencies):
   request throughput (completed requests / wall seconds), output and total token throughput, and for TTFT, TPOT,
   ITL and end-to-end latency the mean, median, std and each requested percentile (default: p99) over the
-  requests that completed; errors are counted by gRPC status code.
+  requests that completed; errors are counted by status (the gRPC code name, or over HTTP the record's status:
+  see `loadgen.RequestRecord.status`).
 - TPOT is per request: (e2e − TTFT) / (output tokens − 1), requests with one output token excluded. ITL pools every
   gap between consecutive token-carrying stream messages of every completed request.
 - Percentiles interpolate linearly between order statistics (numpy's default), so the median of [1, 2] is 1.5.

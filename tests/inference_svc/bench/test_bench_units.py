@@ -167,3 +167,114 @@ def test_tandem_bench_is_wired_into_the_dispatcher(capsys: pytest.CaptureFixture
         main(["bench", "--help"])
     assert exc.value.code == 0
     assert "--request-rate" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------- datasets, flags, URLs
+def test_dataset_reads_prompts_and_their_max_tokens(tmp_path) -> None:
+    from inference_svc.bench.workload import dataset_requests, read_dataset
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        '{"prompt": "hello world", "max_tokens": 7}\n'
+        "\n"
+        '{"text": "vLLM spells it text", "extra": 1}\n'
+        '{"prompt": "third", "text": "ignored when prompt is there"}\n'
+    )
+    entries = read_dataset(path)
+    assert [(e.prompt, e.max_tokens, e.line) for e in entries] == [
+        ("hello world", 7, 1),
+        ("vLLM spells it text", None, 3),
+        ("third", None, 4),
+    ]
+    reqs = dataset_requests(entries, 5, LengthSpec(4, "fixed"), max_context=100)
+    assert [r.prompt for r in reqs] == [
+        "hello world",
+        "vLLM spells it text",
+        "third",
+        "hello world",
+        "vLLM spells it text",
+    ]
+    assert [r.max_new_tokens for r in reqs] == [7, 4, 4, 7, 4] and [r.index for r in reqs] == [0, 1, 2, 3, 4]
+    assert all(r.prompt_token_ids == () for r in reqs)
+    assert [r.max_new_tokens for r in dataset_requests(entries, 2, LengthSpec(4, "fixed"), max_context=6)] == [5, 4]
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ("{not json", "not a JSON object"),
+        ('["a list"]', "expected a JSON object"),
+        ('{"max_tokens": 3}', "no 'prompt'"),
+        ('{"prompt": ""}', "non-empty string"),
+        ('{"prompt": [1, 2, 3]}', "non-empty string"),
+        ('{"prompt": "x", "max_tokens": 0}', "'max_tokens' must be an integer >= 1"),
+        ('{"prompt": "x", "max_tokens": true}', "'max_tokens' must be an integer >= 1"),
+        ('{"prompt": "x", "max_tokens": 2.5}', "'max_tokens' must be an integer >= 1"),
+    ],
+)
+def test_dataset_bad_line_is_named(tmp_path, line: str, why: str) -> None:
+    from inference_svc.bench.workload import DatasetError, read_dataset
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "fine"}\n\n' + line + "\n")
+    with pytest.raises(DatasetError) as exc:
+        read_dataset(path)
+    assert str(exc.value).startswith(f"{path}:3: ") and why in str(exc.value)
+
+
+def test_bad_dataset_exits_2_with_one_line(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from inference_svc.bench.cli import main
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"prompt": 5}\n')
+    assert main(["--dataset", str(path), "--out", str(tmp_path)]) == 2  # before any connection
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"tandem bench: {path}:2: 'prompt' must be a non-empty string"]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n \n")
+    assert main(["--dataset", str(empty)]) == 2
+    assert "holds no prompt" in capsys.readouterr().err
+    assert main(["--dataset", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl: cannot read" in capsys.readouterr().err
+
+
+def test_openai_base_urls() -> None:
+    from inference_svc.bench.openai_backend import base_urls
+
+    for target in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
+        assert base_urls(target) == ("http://h:8000", "http://h:8000/v1")
+    assert base_urls("https://gw.example/llm/v1") == ("https://gw.example/llm", "https://gw.example/llm/v1")
+    for bad in ("127.0.0.1:8000", "ftp://h/", "http://"):
+        with pytest.raises(ValueError):
+            base_urls(bad)
+
+
+def test_backend_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from inference_svc.bench.cli import main
+
+    for argv in (
+        ["--backend", "openai", "--target", "127.0.0.1:8000"],  # not a URL
+        ["--backend", "openai", "--tls"],  # TLS over HTTP is an https:// target
+        ["--model", "m"],  # grpc: the server names its model
+        ["--tokenizer", "t.json"],
+        ["--backend", "vllm"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2, argv
+    capsys.readouterr()
+    from inference_svc.bench.cli import build_parser
+
+    assert "9090" not in build_parser().format_help()
+
+
+def test_stream_error_statuses() -> None:
+    from inference_svc.bench.openai_backend import _error_of, _status_of
+
+    tandem = {
+        "error": {"message": "queue full", "type": "rate_limit_error", "param": None, "code": "RESOURCE_EXHAUSTED"}
+    }
+    assert _status_of(_error_of(tandem), "HTTP_429") == ("RESOURCE_EXHAUSTED", "queue full")
+    vllm_old = {"object": "error", "message": "too long", "type": "BadRequestError", "code": 400}
+    assert _status_of(_error_of(vllm_old), "HTTP_400") == ("HTTP_400", "too long")
+    assert _error_of({"choices": [], "usage": None}) is None
