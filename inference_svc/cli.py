@@ -69,6 +69,9 @@ def _serve_parser() -> argparse.ArgumentParser:
         "--served-model-name", default=None, help="the model's name in requests and responses (default: folder name)"
     )
     p.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the folder's own)")
+    p.add_argument(
+        "--http-body-timeout", type=float, default=30.0, help="seconds an HTTP request body may take to arrive (408)"
+    )
     p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port (0: any free port)")
     p.add_argument(
         "--metrics-host", default="127.0.0.1", help="/metrics interface to bind, apart from --host (default: loopback)"
@@ -122,6 +125,7 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
             http_port=None if args.no_http else args.http_port,
             served_model_name=args.served_model_name,
             chat_template=args.chat_template,
+            http_body_timeout=args.http_body_timeout,
             admission=AdmissionLimits(
                 max_queued_requests=args.max_queue,
                 max_queued_tokens=args.max_queue_tokens,

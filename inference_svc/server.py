@@ -580,6 +580,7 @@ class TandemServer:
         options = ApiOptions(
             model_name=s.model_name,
             max_request_bytes=s.max_request_bytes,
+            body_timeout=s.http_body_timeout,
             serve_metrics=s.metrics_port is not None and bare_host(s.host) == bare_host(s.metrics_host),
             check_key=check,
             chat_template=ChatTemplate.from_folder(s.model, s.chat_template),

@@ -102,6 +102,8 @@ class ServerSettings:
     """OpenAI-compatible HTTP API port on `host`; None disables it; 0 picks a free port."""
     chat_template: str | None = None
     """A Jinja chat template file used instead of the model folder's own (`chat_template`)."""
+    http_body_timeout: float = 30.0
+    """Seconds an HTTP request body may take to arrive; a slower (or stalled) client gets 408 and is dropped."""
     metrics_host: str = "127.0.0.1"
     """Interface the /metrics HTTP server binds, independent of `host`: loopback unless told otherwise, because
     /metrics is plaintext and unauthenticated. Set it (e.g. 0.0.0.0 inside a container) only where the scraper
@@ -150,6 +152,8 @@ class ServerSettings:
         _check_int("metrics_max_connections", self.metrics_max_connections, 1)
         if not isinstance(self.metrics_timeout, (int, float)) or not self.metrics_timeout > 0:
             raise SettingsError("metrics_timeout", f"must be seconds > 0, got {self.metrics_timeout!r}")
+        if not isinstance(self.http_body_timeout, (int, float)) or not self.http_body_timeout > 0:
+            raise SettingsError("http_body_timeout", f"must be seconds > 0, got {self.http_body_timeout!r}")
         if not isinstance(self.admission, AdmissionLimits):
             raise SettingsError("admission", "must be an AdmissionLimits")
         _check_int("max_request_bytes", self.max_request_bytes, 1024)

@@ -482,3 +482,40 @@ def test_64_sse_streams_with_disconnects_and_grpc_alongside(http_server: ServerT
             assert alone[p].startswith(text), (p, text, alone[p])
     assert grpc_texts == [alone[i] for i in range(len(LOAD_PROMPTS))]
     _wait_idle(http_server)
+
+
+# ---------------------------------------------------------------------------------------- hostile clients
+def test_a_stalled_body_gets_408_and_the_server_goes_on(bundle_dir: Path) -> None:
+    import socket
+
+    srv = make_server(bundle_dir, http_port=0, http_body_timeout=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.server.http_port), timeout=30) as sock:
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(head + b"Content-Length: 100\r\n\r\n" + b'{"prompt": ')  # 11 of 100 bytes, then silence
+            reply = b""
+            while b"\r\n\r\n" not in reply:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        ok = httpx.post(_base(srv) + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
+        assert ok.status_code == 200
+    finally:
+        srv.close()
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_tokenizing(http_server: ServerThread) -> None:
+    engine = http_server.server.engine
+    assert engine is not None
+    gate = engine._tokenizer_gate
+    before = gate.encoded_chars
+    text = "x" * (engine.max_prompt_chars + 1)
+    r = httpx.post(_base(http_server) + "/v1/completions", json={"prompt": text}, timeout=60)
+    assert r.status_code == 400 and "refused before tokenizing" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "prompt"
+    chat = {"messages": [{"role": "user", "content": text}]}
+    r = httpx.post(_base(http_server) + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert gate.encoded_chars == before  # nothing reached the tokenizer

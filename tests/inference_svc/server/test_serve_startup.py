@@ -18,7 +18,7 @@ from inference_svc.client import NO_RETRY, TandemClient
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[3]
-COMMON = ["--device", "cpu", "--kv-cache-memory", "2MiB", "--no-warmup", "--log-level", "WARNING", "--no-http"]
+COMMON = ["--device", "cpu", "--kv-cache-memory", "2MiB", "--no-warmup", "--log-level", "WARNING"]
 
 
 def free_port6() -> int:
@@ -37,7 +37,8 @@ def _has_ipv6_loopback() -> bool:
 
 
 def _serve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "shared_model.cli", "serve", *args, *COMMON]
+    http = [] if "--http-port" in args else ["--http-port", "0"]
+    return [sys.executable, "-m", "shared_model.cli", "serve", *args, *http, *COMMON]
 
 
 def _run_to_exit(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -74,12 +75,18 @@ def test_busy_metrics_port_is_one_line(bundle_dir: Path, busy_port: int) -> None
     assert line.startswith("tandem serve: ") and f"127.0.0.1:{busy_port}" in line and "metrics" in line, line
 
 
+def test_busy_http_port_is_one_line(bundle_dir: Path, busy_port: int) -> None:
+    cmd = _serve("--model", str(bundle_dir), "--port", str(free_port()), "--no-metrics", "--http-port", str(busy_port))
+    line = _one_line(_run_to_exit(cmd))
+    assert line.startswith("tandem serve: ") and f"127.0.0.1:{busy_port}" in line and "HTTP" in line, line
+
+
 @pytest.mark.parametrize("host", ["::1", "[::1]"])
 def test_ipv6_loopback_for_grpc_and_metrics(bundle_dir: Path, host: str) -> None:
     if not _has_ipv6_loopback():
         pytest.skip("this machine has no IPv6 loopback")
-    port, metrics_port = free_port6(), free_port6()
-    cmd = _serve("--model", str(bundle_dir), "--host", host, "--port", str(port))
+    port, metrics_port, http_port = free_port6(), free_port6(), free_port6()
+    cmd = _serve("--model", str(bundle_dir), "--host", host, "--port", str(port), "--http-port", str(http_port))
     cmd += ["--metrics-host", host, "--metrics-port", str(metrics_port)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -89,6 +96,8 @@ def test_ipv6_loopback_for_grpc_and_metrics(bundle_dir: Path, host: str) -> None
             assert client.tokenize("hello").token_ids
         with urllib.request.urlopen(f"http://[::1]:{metrics_port}/metrics", timeout=30) as r:
             assert "tandem_kv_blocks_total" in r.read().decode()
+        with urllib.request.urlopen(f"http://[::1]:{http_port}/health", timeout=30) as r:
+            assert r.read() == b'{"status":"serving"}'
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=60)
