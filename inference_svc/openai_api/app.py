@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: an ASGI app (Starlette) over the same `AsyncEngine` the gRPC server uses.
 
 Contract:
-- Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as server-sent events
+- Routes: `POST /tokenize` and `POST /detokenize` (vLLM's: text or chat messages ↔ token ids),
+  `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as server-sent events
   ending in `data: [DONE]`, and `stream_options.include_usage`), `GET /v1/models`, `GET /health` (200 while the
   server's `Lifecycle` is SERVING, else 503 with its state: loading, draining, stopped or broken) and
   `GET /metrics` (the service's registry, served here only when this API listens on
@@ -55,7 +56,13 @@ from inference_svc.errors import (
 )
 from inference_svc.lifecycle import Lifecycle, State
 from inference_svc.metrics import ServiceMetrics
-from inference_svc.openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse
+from inference_svc.openai_api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse,
+)
 from inference_svc.status import status_of
 
 log = logging.getLogger(__name__)
@@ -90,6 +97,8 @@ def build_app(owner: Owner, options: ApiOptions) -> Starlette:
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
@@ -182,6 +191,7 @@ class _Api:
     async def _handle(
         self, request: Request, run: Callable[[AsyncEngine, Any], Awaitable[Response]], names: dict[str, str]
     ) -> Response:
+        """Key, lifecycle, body, then `run(engine, body)`; any error in OpenAI's shape (see the module docstring)."""
         try:
             self._authorize(request)
             engine = self._engine()
@@ -245,6 +255,37 @@ class _Api:
         done = await self._collect(request, streams, req.n)
         return JSONResponse(view.whole(done))
 
+    # ------------------------------------------------------------------ tokenizer (vLLM's routes)
+    async def tokenize(self, request: Request) -> Response:
+        return await self._handle(request, self._tokenize, {})
+
+    async def _tokenize(self, engine: AsyncEngine, body: Any) -> Response:
+        req: TokenizeRequest = parse(TokenizeRequest, body)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequestError("prompt", "send either prompt (text) or messages")
+        if req.messages is not None:
+            ids = await self._chat_ids(engine, req.messages, req.add_generation_prompt)
+        else:
+            text = req.prompt or ""
+            ids = await engine.tokenize_with(
+                len(text), lambda: engine.engine.tokenizer.encode(text, req.add_special_tokens), "prompt"
+            )
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len})
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._handle(request, self._detokenize, {})
+
+    async def _detokenize(self, engine: AsyncEngine, body: Any) -> Response:
+        req: DetokenizeRequest = parse(DetokenizeRequest, body)
+        self._check_model(req.model)
+        vocab = engine.engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError("tokens", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        text = await engine.tokenize_with(len(req.tokens), lambda: engine.engine.tokenizer.decode(req.tokens), "tokens")
+        return JSONResponse({"prompt": text})
+
     # ------------------------------------------------------------------ chat
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, lambda engine, body: self._chat(request, engine, body), _CHAT_NAMES)
@@ -252,20 +293,9 @@ class _Api:
     async def _chat(self, request: Request, engine: AsyncEngine, body: Any) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
         self._check_model(req.model)
-        template = self.options.chat_template
-        if template is None:
-            raise InvalidRequestError(
-                "messages",
-                "this model folder has no chat template (tokenizer_config.json chat_template or chat_template.jinja); "
-                "start the server with --chat-template FILE, or use /v1/completions",
-            )
         sampling = req.to_sampling(engine.engine.config.max_new_tokens_limit)
-        messages = [{**m.model_dump(exclude_none=True), "content": m.content or ""} for m in req.messages]
-        chars = sum(len(json.dumps(m)) for m in messages)
+        ids = await self._chat_ids(engine, req.messages, req.add_generation_prompt)
         tok = engine.engine.tokenizer
-        _, ids = await engine.tokenize_with(
-            chars, lambda: template.encode(messages, tok, add_generation_prompt=req.add_generation_prompt)
-        )
         rid = _request_id(request, "chatcmpl")
         deadline = None if req.timeout is None else time.monotonic() + req.timeout
         streams = [engine.generate(ids, sampling, request_id=rid, deadline=deadline, n=req.n)]
@@ -276,6 +306,23 @@ class _Api:
             )
         done = await self._collect(request, streams, req.n)
         return JSONResponse(view.whole(done))
+
+    async def _chat_ids(self, engine: AsyncEngine, messages: list[Any], add_generation_prompt: bool) -> list[int]:
+        """The messages rendered by the chat template and encoded (content never a control token), metered."""
+        template = self.options.chat_template
+        if template is None:
+            raise InvalidRequestError(
+                "messages",
+                "this model folder has no chat template (tokenizer_config.json chat_template or chat_template.jinja); "
+                "start the server with --chat-template FILE, or use /v1/completions",
+            )
+        plain = [{**m.model_dump(exclude_none=True), "content": m.content or ""} for m in messages]
+        chars = sum(len(json.dumps(m)) for m in plain)
+        tok = engine.engine.tokenizer
+        _, ids = await engine.tokenize_with(
+            chars, lambda: template.encode(plain, tok, add_generation_prompt=add_generation_prompt)
+        )
+        return ids
 
     # ------------------------------------------------------------------ running requests
     async def _collect(self, request: Request, streams: list[AsyncIterator[RequestOutput]], n: int) -> list[Completion]:

@@ -161,6 +161,24 @@ class ChatCompletionRequest(_Common):
         return self.sampling(max_new, self.logprobs, self.top_logprobs or 0)
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's `POST /tokenize`: a text (or chat messages, rendered by the chat template) → its token ids."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+    """Prepend BOS to a text prompt (chat messages get what their template writes)."""
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
 def _with(params: SamplingParams, **changes: Any) -> SamplingParams:
     return dataclasses.replace(params, **changes)
 

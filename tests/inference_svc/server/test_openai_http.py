@@ -519,3 +519,18 @@ def test_a_prompt_longer_than_the_context_is_refused_before_tokenizing(http_serv
     r = httpx.post(_base(http_server) + "/v1/chat/completions", json=chat, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     assert gate.encoded_chars == before  # nothing reached the tokenizer
+
+
+def test_tokenize_and_detokenize_routes(http_server: ServerThread) -> None:
+    base = _base(http_server)
+    with http_server.client() as c:
+        ids = list(c.tokenize(PROMPT).token_ids)
+    r = httpx.post(base + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()
+    assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] > 0
+    assert httpx.post(base + "/detokenize", json={"tokens": ids}, timeout=30).json() == {"prompt": PROMPT}
+    chat = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30).json()
+    engine = http_server.server.engine
+    assert engine is not None
+    assert chat["tokens"] == engine.engine.tokenizer.encode("<|bos|>user: hi\nassistant:")
+    bad = httpx.post(base + "/detokenize", json={"tokens": [10**9]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
