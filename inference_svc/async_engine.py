@@ -49,6 +49,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from inference_svc.engine.engine import check_encoded, check_text_prompt
 from inference_svc.engine.types import MAX_N, EngineInfo, FinishReason, RequestOutput, SamplingParams
 from inference_svc.errors import (
     CapacityError,
@@ -305,8 +306,7 @@ class AsyncEngine:
         tokenized through the gate; token ids as given (the engine checks them)."""
         if not isinstance(prompt, str):
             return list(prompt)
-        if not prompt:
-            raise InvalidRequestError("prompt", "the prompt is empty")
+        check_text_prompt(prompt)
         if len(prompt) > self.max_prompt_chars:
             self._tokenizer_gate.trim_soon()  # the refused request's buffers are freed when its RPC ends
             raise InvalidRequestError(
@@ -314,7 +314,7 @@ class AsyncEngine:
                 f"{len(prompt)} characters cannot fit this engine's context of {self.engine.max_model_len} tokens "
                 f"(at most {self.max_prompt_chars} characters with this tokenizer); refused before tokenizing",
             )
-        return await self.tokenize(prompt)
+        return check_encoded(await self.tokenize(prompt))
 
     def _admit(self, rids: list[str], num_tokens: int, items: asyncio.Queue) -> dict[str, _Stream]:
         """Reserve queue room for `len(rids)` requests of `num_tokens` prompt tokens each, all or none."""

@@ -216,12 +216,8 @@ class Engine:
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "the prompt is empty")
-            encoded = self.tokenizer.encode(prompt)
-            if not encoded:
-                raise InvalidRequestError("prompt", "the prompt encodes to no tokens")
-            return encoded
+            check_text_prompt(prompt)
+            return check_encoded(self.tokenizer.encode(prompt))
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt_token_ids", "the prompt has no tokens")
@@ -360,6 +356,19 @@ class Engine:
             )
             for rid in ids
         ]
+
+
+def check_text_prompt(text: str) -> None:
+    """The checks a text prompt gets before it is tokenized (the engine's and the async engine's, one place)."""
+    if not text:
+        raise InvalidRequestError("prompt", "the prompt is empty")
+
+
+def check_encoded(ids: list[int]) -> list[int]:
+    """The check a text prompt gets once tokenized."""
+    if not ids:
+        raise InvalidRequestError("prompt", "the prompt encodes to no tokens")
+    return ids
 
 
 def _timing(seq: Sequence) -> Timing:
