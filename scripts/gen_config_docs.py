@@ -15,35 +15,16 @@ Usage:  python scripts/gen_config_docs.py            write docs/configuration.md
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
-import itertools
 import re
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
+from inference_svc.dataclass_flags import field_docs  # the one reader of field docstrings
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "configuration.md"
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """{field: docstring} from the string literal written under each annotated field of `cls`."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for stmt, nxt in itertools.pairwise(body):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(stmt.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[stmt.target.id] = " ".join(nxt.value.value.split())
-    return docs
 
 
 def _default(f: dataclasses.Field) -> Any:
