@@ -41,7 +41,6 @@ COMPLETIONS_MAX_LOGPROBS = 5
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):
