@@ -22,6 +22,7 @@ from torch import nn
 
 from lt_plugins.config import OptimSection
 from shared_model.config import ModelConfig
+from shared_model.evaluate import token_nll
 from shared_model.model import build_model
 
 STATE_PREFIX = "model."
@@ -62,7 +63,9 @@ class LitCausalLM(pl.LightningModule):
         self._last_step_time = None  # do not count validation time as training throughput
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch).float()
+        inputs, targets = batch[:, :-1], batch[:, 1:]  # [B, T] each
+        nll, count = token_nll(self.model(inputs), targets)  # the scoring function `tandem eval` uses
+        loss = nll / count
         self.log("val_loss", loss, prog_bar=True, sync_dist=True, on_epoch=True)
         self.log("val_ppl", torch.exp(loss.clamp(max=30.0)), sync_dist=True, on_epoch=True)
         return loss

@@ -49,6 +49,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "generate": Subcommand(
         "inference_svc.generate_cli:generate_main", "stream a completion from a server", "serve", "gRPC service"
     ),
+    "eval": Subcommand(
+        "inference_svc.eval_cli:main",
+        "held-out perplexity and bits per byte, offline and through a server",
+        "serve",
+        "evaluation",
+    ),
     "bench": Subcommand(
         "inference_svc.bench.cli:main",
         "load-test a server and plot latency/throughput",
