@@ -28,6 +28,8 @@ Contract:
   `latency_cdf.png`. A table is printed at the end, with a progress bar on stderr while running.
 - The client never retries (refusals are measured as errors by status code, not hidden). The API key
   (`--api-key-file`, else the `--api-key-env` variable) goes as gRPC metadata or as `Authorization: Bearer`.
+- `--compare` anywhere before a `--` hands the rest of argv to `bench.compare.main`: it starts its own servers,
+  one per serve configuration of one bundle, and compares them (its own flags: `tandem bench --compare --help`).
 """
 
 from __future__ import annotations
@@ -104,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"without /v1 (default {DEFAULT_TARGETS['openai']})",
     )
     p.add_argument("--model", default=None, help="openai: the request's model (default: the first of /v1/models)")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="compare serve configurations of one bundle, starting each server itself (perplexity, latency, "
+        "throughput, peak memory side by side; see `tandem bench --compare --help`)",
+    )
     sweep = p.add_mutually_exclusive_group()
     sweep.add_argument(
         "--concurrency",
@@ -468,6 +476,13 @@ def format_table(levels: list[dict[str, Any]], pct: str) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
+    argv = list(argv)
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    if "--compare" in own:
+        from inference_svc.bench.compare import main as compare_main
+
+        at = argv.index("--compare")
+        return compare_main(argv[:at] + argv[at + 1 :])
     import grpc
 
     parser = build_parser()
