@@ -156,6 +156,10 @@ def model_info_to_proto(
     typed = {k: mc[k] for k in pb.ModelConfig.DESCRIPTOR.fields_by_name if k in mc and k != "config_json"}
     config = pb.ModelConfig(**typed, num_parameters=info.num_parameters, config_json=json.dumps(mc, sort_keys=True))
     extra = {"peak_workspace_bytes": float(info.peak_workspace_bytes), **_ledger_figures(info, model_name)}
+    if info.device.startswith("cuda"):  # the allocator's own peak (`tandem bench --compare` reads it)
+        import torch
+
+        extra["peak_allocated_bytes"] = float(torch.cuda.max_memory_allocated(info.device))
     ledger = pb.MemoryLedger(
         weight_bytes=info.weight_bytes,
         kv_bytes_per_token=info.kv_bytes_per_token,
