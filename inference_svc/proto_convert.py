@@ -8,7 +8,7 @@ Contract:
   GenerateResponse from the `Completion`s the engine's increments accumulated into (one per choice).
 - Prompt logprobs go out as one `PositionLogprobs` per prompt token after the first (the first has none).
 - `model_info_to_proto` names the model by its served name (the folder's own name by default), never a path.
-- Pure functions; no I/O, no engine state.
+- Pure functions of their arguments (on CUDA, `model_info_to_proto` also reads the allocator's peak); no I/O.
 """
 
 from __future__ import annotations
