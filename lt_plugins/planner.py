@@ -9,6 +9,8 @@ Contract:
   that shrinks that term.
 - The recommendation is the fitting configuration with the lowest estimated step time (ties: fewer GPU bytes).
   `Plan.scaling` gives the recommendation for other GPU counts (1, 2, 4, 8 by default).
+- `train_overrides` gives the `tandem train` key=value overrides (lt_plugins/config.py keys) that apply a
+  configuration; `Plan.to_dict` includes them for every candidate, the recommendation and each GPU count.
 - Imports only shared_model and lt_plugins.memory_model: `tandem plan` starts without Lightning or DeepSpeed.
 """
 
@@ -36,7 +38,7 @@ from lt_plugins.memory_model import (
     step_flops,
     step_seconds,
 )
-from shared_model.config import ModelConfig
+from shared_model.config import PRESETS, ModelConfig
 
 LEVERS: dict[str, str] = {
     WEIGHTS: "shard the weights (stage 3) or offload them (offload_params)",
@@ -46,6 +48,9 @@ LEVERS: dict[str, str] = {
     ACTIVATIONS: "checkpoint activations (ops, then full) or lower the micro-batch / sequence length",
     BUCKETS: "lower strategy.bucket_size",
 }
+
+DEFAULT_BUCKET = 50_000_000
+"""strategy.bucket_size's default (elements)."""
 
 OFFLOADS: dict[int, tuple[tuple[bool, bool], ...]] = {
     0: ((False, False),),
@@ -66,7 +71,8 @@ class PlanRequest:
     """Host memory per node in bytes; None: not checked."""
     precisions: tuple[str, ...] = PRECISIONS
     modes: tuple[str, ...] = CHECKPOINT_MODES
-    bucket_elements: int = 50_000_000
+    bucket_elements: int = DEFAULT_BUCKET
+    """strategy.bucket_size."""
 
     def __post_init__(self) -> None:
         for name in ("gpus", "micro_batch", "seq_len", "bucket_elements"):
@@ -96,6 +102,10 @@ class Candidate:
     limiting: str | None = None
     """For a configuration that does not fit: the largest term on the GPU (or 'host memory')."""
     lever: str | None = None
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    gpus: int = 1
+    """Data-parallel GPUs this configuration was evaluated for."""
 
     @property
     def name(self) -> str:
@@ -114,6 +124,12 @@ class Plan:
     recommended: Candidate | None
     scaling: dict[int, Candidate | None] = field(default_factory=dict)
 
+    def overrides(self, c: Candidate) -> list[str]:
+        return train_overrides(c, self.request, self.model)
+
+    def _dict(self, c: Candidate | None) -> dict | None:
+        return None if c is None else {**c.to_dict(), "overrides": self.overrides(c)}
+
     def to_dict(self) -> dict:
         req = asdict(self.request)
         return {
@@ -121,10 +137,40 @@ class Plan:
             "num_params": self.num_params,
             "request": req,
             "usable_gpu_bytes": self.request.hardware.usable,
-            "recommended": None if self.recommended is None else self.recommended.to_dict(),
-            "scaling": {str(g): None if c is None else c.to_dict() for g, c in self.scaling.items()},
-            "candidates": [c.to_dict() for c in self.candidates],
+            "recommended": self._dict(self.recommended),
+            "scaling": {str(g): self._dict(c) for g, c in self.scaling.items()},
+            "candidates": [self._dict(c) for c in self.candidates],
         }
+
+
+GPUS_PER_NODE = 8
+"""GPUs per node the planner assumes (host memory is checked per node of 8; larger multiples of 8 span nodes)."""
+
+
+def train_overrides(c: Candidate, request: PlanRequest, model: str | None = None) -> list[str]:
+    """The `tandem train` overrides (lt_plugins/config.py keys) that train with configuration `c` on `c.gpus` GPUs
+    at the request's micro-batch and sequence length; `model.preset` when `model` is a preset name."""
+    out = [f"model.preset={model}"] if model in PRESETS else []
+    out.append("trainer.accelerator=cuda")
+    if c.gpus > GPUS_PER_NODE and c.gpus % GPUS_PER_NODE == 0:
+        out += [f"trainer.devices={GPUS_PER_NODE}", f"trainer.num_nodes={c.gpus // GPUS_PER_NODE}"]
+    else:
+        out.append(f"trainer.devices={c.gpus}")
+    out += [
+        f"trainer.precision={c.precision}",
+        "strategy.name=zero",
+        f"strategy.stage={c.stage}",
+        f"strategy.offload_optimizer={str(c.offload_optimizer).lower()}",
+        f"strategy.offload_params={str(c.offload_params).lower()}",
+    ]
+    if request.bucket_elements != DEFAULT_BUCKET:
+        out.append(f"strategy.bucket_size={request.bucket_elements}")
+    out += [
+        f"checkpointing.mode={c.checkpointing}",
+        f"data.batch_size={request.micro_batch}",
+        f"data.block_size={request.seq_len}",
+    ]
+    return out
 
 
 def evaluate(
@@ -163,6 +209,9 @@ def evaluate(
         comm_bytes=comm["network"],
         pcie_bytes=comm["pcie"],
         step_s=sum(seconds.values()),
+        offload_optimizer=layout.offload_optimizer,
+        offload_params=layout.offload_params,
+        gpus=layout.world,
     )
     if not fits:
         if total <= hw.usable:

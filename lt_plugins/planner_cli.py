@@ -3,14 +3,20 @@
 Contract: `main(argv) -> exit code`. Reads only the model config (a preset or a model folder), never weights, and
 imports neither Lightning nor DeepSpeed. Prints a table (or `--json`): the full-fine-tuning state against one GPU,
 the recommendation, every configuration with its per-GPU terms, fit, relative compute and communication and the
-limiting term of those that do not fit, and the best choice on 1, 2, 4 and 8 GPUs. Exit code 0 when something
-fits, 1 when nothing does, 2 on bad arguments.
+limiting term of those that do not fit, and the best choice on 1, 2, 4 and 8 GPUs, each recommendation with the
+`tandem train` overrides that apply it (also in `--json`). Exit code 0 when something fits, 1 when nothing does, 2 on
+bad arguments (one line on stderr).
+
+Memory sizes need a unit (`80GB` = 80·10⁹ bytes, `80GiB` = 80·2³⁰): a bare number is refused. The table is in
+decimal units, GB (or MB when every figure shown is below 1 GB), and says which. `--seq-len` defaults to 4,096
+tokens, or the model's max_position_embeddings when that is smaller.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -18,29 +24,52 @@ from collections.abc import Sequence
 from lt_plugins.memory_model import CHECKPOINT_MODES, PRECISIONS, TERMS, Hardware
 from lt_plugins.planner import Candidate, Plan, PlanRequest, plan, short
 from shared_model.errors import SharedModelError
-from shared_model.ledger import GB, TRAINING_BYTES_PER_PARAM
+from shared_model.ledger import (
+    DEFAULT_CONTEXT,
+    GB,
+    TRAINING_BYTES_PER_PARAM,
+    decimal_bytes,
+    default_context,
+    human_count,
+)
 from shared_model.ledger_cli import resolve_model
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20}
+MB = 10**6
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20}
 _UNITS |= {"gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(text: str) -> float:
-    """'80GB' → 80e9, '80GiB' → 80·2³⁰, '8e10' → 8e10 (decimal units as in the lecture)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+def parse_bytes(text: str, flag: str = "memory size") -> float:
+    """'80GB' → 80e9, '80GiB' → 80·2³⁰, '1.5e9B' → 1.5e9 (decimal units as in the lecture). A unit is required: a
+    bare number raises ValueError suggesting `<number>GB`, as does anything else that is not a size > 0."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if m and not m.group(2):
+        n = m.group(1)
+        raise ValueError(f"{flag} {n} has no unit: write {n}GB (10^9 bytes per GB) or {n}GiB (2^30 bytes per GiB)")
     if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (examples: 80GB, 141GB, 24GiB)")
-    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+        raise ValueError(f"{flag} {text!r} is not a memory size (examples: 80GB, 141GB, 24GiB)")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"{flag} must be > 0, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem plan", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="preset name or model folder (config.json)")
     p.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs")
-    p.add_argument("--gpu-memory", type=parse_bytes, default=80e9, help="memory of one GPU, e.g. 80GB")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--gpu-memory", default="80GB", help="memory of one GPU with its unit, e.g. 80GB or 80GiB")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help=f"tokens per sequence; default {DEFAULT_CONTEXT}, or the model's max_position_embeddings if smaller",
+    )
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-step")
-    p.add_argument("--cpu-memory", type=parse_bytes, default=None, help="host memory per node (checked if given)")
+    p.add_argument(
+        "--cpu-memory", default=None, help="host memory per node with its unit, e.g. 512GB (checked if given)"
+    )
     p.add_argument("--reserve", type=float, default=0.1, help="share of GPU memory kept free (default 0.1)")
     p.add_argument("--tflops", type=float, default=312.0, help="16-bit dense peak TFLOP/s of one GPU")
     p.add_argument("--interconnect", type=float, default=100.0, help="GB/s per GPU in collectives")
@@ -51,30 +80,62 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _gb(x: float) -> str:
-    return f"{x / GB:.1f}"
+def _size(x: float) -> str:
+    """One figure outside the table, in decimal units."""
+    return decimal_bytes(x)
 
 
-def _row(c: Candidate) -> str:
-    terms = "".join(f"{_gb(c.gpu_bytes[t]):>9}" for t in TERMS)
-    fits = "yes" if c.fits else "no"
-    why = "" if c.fits else f"  {short(c.limiting or '')}"
-    return (
-        f"{c.stage:>5} {c.offload:>10} {c.precision:>10} {c.checkpointing:>9}{terms}{_gb(c.total):>9}{fits:>5}"
-        f"{c.compute:>8.2f}{_gb(c.comm_bytes):>8}{c.step_s:>8.2f}{why}"
-    )
+def _table(headers: list[str], rows: list[list[str]], left: int) -> list[str]:
+    """Columns as wide as their widest cell or header (never cut); the first `left` columns left-aligned, the last
+    column left-aligned and unpadded, the others right-aligned; two spaces between columns."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    last = len(headers) - 1
+
+    def line(cells: list[str]) -> str:
+        out = []
+        for i, (cell, w) in enumerate(zip(cells, widths, strict=True)):
+            out.append(cell if i == last else cell.ljust(w) if i < left else cell.rjust(w))
+        return "  ".join(out).rstrip()
+
+    return [line(headers)] + [line(r) for r in rows]
+
+
+def _candidate_table(rows: list[Candidate]) -> tuple[str, list[str]]:
+    """The unit (GB, or MB when every figure is below 1 GB) and the table lines."""
+    biggest = max([c.total for c in rows] + [c.comm_bytes for c in rows] + [0.0])
+    unit, size = ("GB", GB) if biggest >= GB else ("MB", MB)
+    fastest = min([c.step_s for c in rows if c.step_s > 0] + [1.0])
+    digits = min(6, max(2, 2 - math.floor(math.log10(fastest))))  # three significant digits for the fastest
+    headers = ["stage", "offload", "precision", "ckpt", *(short(t) for t in TERMS)]
+    headers += ["total", "fits", "compute", f"comm {unit}", "s/step", "limited by"]
+    body = [
+        [
+            str(c.stage),
+            c.offload,
+            c.precision,
+            c.checkpointing,
+            *(f"{c.gpu_bytes[t] / size:.1f}" for t in TERMS),
+            f"{c.total / size:.1f}",
+            "yes" if c.fits else "no",
+            f"{c.compute:.2f}",
+            f"{c.comm_bytes / size:.1f}",
+            f"{c.step_s:.{digits}f}",
+            "" if c.fits else short(c.limiting or ""),
+        ]
+        for c in rows
+    ]
+    return unit, _table(headers, body, left=4)
 
 
 def format_plan(p: Plan, top: int) -> str:
     req, hw = p.request, p.request.hardware
     state = p.num_params * TRAINING_BYTES_PER_PARAM
     lines = [
-        f"Training plan: {p.model}, {p.num_params / 1e9:.2f}B parameters, {req.gpus} GPU(s) x "
-        f"{hw.gpu_memory / GB:.0f} GB ({hw.usable / GB:.1f} GB usable), micro-batch {req.micro_batch} x "
-        f"{req.seq_len} tokens",
-        f"Full fine-tuning state, mixed-precision AdamW ({TRAINING_BYTES_PER_PARAM} B/param): {state / GB:.1f} GB "
+        f"Training plan: {p.model}, {human_count(p.num_params)} parameters ({p.num_params:,}), {req.gpus} GPU(s) x "
+        f"{_size(hw.gpu_memory)} ({_size(hw.usable)} usable), micro-batch {req.micro_batch} x {req.seq_len} tokens",
+        f"Full fine-tuning state, mixed-precision AdamW ({TRAINING_BYTES_PER_PARAM} B/param): {_size(state)} "
         + ("> " if state > hw.usable else "<= ")
-        + f"{hw.usable / GB:.1f} GB usable on one GPU"
+        + f"{_size(hw.usable)} usable on one GPU"
         + (": it does not fit one GPU without sharding or offload." if state > hw.usable else "."),
         "",
     ]
@@ -82,25 +143,27 @@ def format_plan(p: Plan, top: int) -> str:
     if best is None:
         lines.append(f"Nothing fits on {req.gpus} GPU(s). See below for more GPUs.")
     else:
-        lines.append(
-            f"Recommended: {best.name}: {_gb(best.total)} GB per GPU, compute x{best.compute:.2f}, "
-            f"{_gb(best.comm_bytes)} GB network per step, ~{best.step_s:.2f} s/step (estimate)"
-        )
-    header = f"{'stage':>5} {'offload':>10} {'precision':>10} {'ckpt':>9}"
-    header += "".join(f"{short(t)[:8]:>9}" for t in TERMS)
-    header += f"{'total':>9}{'fits':>5}{'compute':>8}{'commGB':>8}{'s/step':>8}  limited by"
+        lines += [
+            f"Recommended: {best.name}: {_size(best.total)} per GPU, compute x{best.compute:.2f}, "
+            f"{_size(best.comm_bytes)} network per step, ~{best.step_s:.3g} s/step (estimate)",
+            "  tandem train [--config FILE] " + " ".join(p.overrides(best)),
+        ]
     rows = p.candidates if top <= 0 else p.candidates[:top]
+    unit, table = _candidate_table(rows)
     lines += [
         "",
-        "Per-GPU GB by term (activations at their recompute peak), sorted: fitting by step time first",
-        header,
+        f"Per-GPU {unit} by term (decimal: 1 {unit} = 10^{9 if unit == 'GB' else 6} bytes; activations at their "
+        "recompute peak), sorted: fitting by step time first",
+        *table,
     ]
-    lines += [_row(c) for c in rows]
     if len(rows) < len(p.candidates):
         lines.append(f"  ... {len(p.candidates) - len(rows)} more (--top 0 shows all)")
-    lines += ["", "Best choice by GPU count:"]
+    lines += ["", "Best choice by GPU count, with the tandem train overrides that apply it:"]
     for g, c in p.scaling.items():
-        lines.append(f"  {g:>2} GPU(s): " + ("nothing fits" if c is None else f"{c.name} ({_gb(c.total)} GB/GPU)"))
+        if c is None:
+            lines.append(f"  {g:>2} GPU(s): nothing fits")
+        else:
+            lines += [f"  {g:>2} GPU(s): {c.name} ({_size(c.total)}/GPU)", "             " + " ".join(p.overrides(c))]
     lines += [
         "",
         f"Estimates assume {hw.bf16_tflops:.0f} TFLOP/s 16-bit peak at {hw.mfu:.0%} MFU (fp32 at half), "
@@ -115,9 +178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        gpu_memory = parse_bytes(args.gpu_memory, "--gpu-memory")
+        cpu_memory = None if args.cpu_memory is None else parse_bytes(args.cpu_memory, "--cpu-memory")
         config, name, _ = resolve_model(args.model)
         hw = Hardware(
-            gpu_memory=args.gpu_memory,
+            gpu_memory=gpu_memory,
             bf16_tflops=args.tflops,
             interconnect_gbps=args.interconnect,
             reserve=args.reserve,
@@ -125,9 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         request = PlanRequest(
             gpus=args.gpus,
             micro_batch=args.micro_batch,
-            seq_len=args.seq_len,
+            seq_len=default_context(config) if args.seq_len is None else args.seq_len,
             hardware=hw,
-            cpu_memory=args.cpu_memory,
+            cpu_memory=cpu_memory,
             precisions=tuple(args.precision or PRECISIONS),
             modes=tuple(args.checkpointing or CHECKPOINT_MODES),
         )

@@ -9,7 +9,10 @@ Contract:
 - Training (mixed-precision AdamW, the lecture's accounting): per parameter 2 (16-bit weights) + 4 (fp32 master)
   + 4 (fp32 gradients) + 8 (two fp32 Adam moments) = 18 bytes, and how ZeRO stages 1/2/3 divide those terms over
   N GPUs (1: optimizer state = master + moments; 2: + gradients; 3: + 16-bit weights).
-- `ledger_report` gathers these for one model into a `LedgerReport` that renders as a table or JSON.
+- `ledger_report` gathers these for one model into a `LedgerReport` that renders as a table or JSON. Its default
+  context is `default_context(config)`: 4,096 tokens, or the model's `max_position_embeddings` when that is smaller.
+- The table (`format_report`) uses decimal units throughout (B, kB, MB, GB: powers of 10, as the lecture does);
+  `human_count` writes parameter counts at any scale (5.25M, 101M, 8.19B).
 """
 
 from __future__ import annotations
@@ -32,6 +35,14 @@ BYTES_PER_ELEMENT: dict[str, int] = {
 GB = 10**9
 """The lecture's unit for training state (decimal gigabytes)."""
 MiB = 2**20
+
+DEFAULT_CONTEXT = 4096
+"""Tokens per sequence the ledger assumes unless told, capped at the model's own maximum (`default_context`)."""
+
+
+def default_context(config: ModelConfig) -> int:
+    """4,096 tokens, or the model's max_position_embeddings when that is smaller."""
+    return min(DEFAULT_CONTEXT, config.max_position_embeddings)
 
 
 def element_bytes(dtype: str) -> int:
@@ -153,6 +164,15 @@ class LedgerReport:
     training_state: list[dict[str, float | str | None]] = field(default_factory=list)
     zero: dict[str, float | int] = field(default_factory=dict)
     quantization: str = "none"
+    context: int = DEFAULT_CONTEXT
+    batch: int = 1
+    max_position_embeddings: int | None = None
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    weight_dtype_source: str = "default"
+    """Where the weight dtype came from: 'default', or e.g. '--weight-dtype', 'config.json torch_dtype'."""
+    context_is_default: bool = False
+    """The context was not given: `default_context(config)`."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -162,7 +182,7 @@ def ledger_report(
     config: ModelConfig,
     name: str,
     nominal_params: float | None = None,
-    context: int = 4096,
+    context: int | None = None,
     batch: int = 1,
     gpus: int = 1,
     zero_stage: int = 0,
@@ -170,12 +190,28 @@ def ledger_report(
     weight_dtype: str = "bf16",
     quantization: str = "none",
     group_size: int = DEFAULT_GROUP_SIZE,
+    weight_dtype_source: str = "default",
 ) -> LedgerReport:
+    """The ledger of one model; `context` None means `default_context(config)`."""
+    context_is_default = context is None
+    if context is None:
+        context = default_context(config)
     for label, value in (("context", context), ("batch", batch), ("gpus", gpus)):
         if value < 1:
             raise ValueError(f"{label} must be >= 1, got {value}")
     n = config.num_parameters()
-    rep = LedgerReport(model=name, num_params=n, nominal_params=nominal_params)
+    rep = LedgerReport(
+        model=name,
+        num_params=n,
+        nominal_params=nominal_params,
+        context=context,
+        batch=batch,
+        max_position_embeddings=config.max_position_embeddings,
+        weight_dtype=weight_dtype,
+        kv_dtype=kv_dtype,
+        weight_dtype_source=weight_dtype_source,
+        context_is_default=context_is_default,
+    )
     b_kv = element_bytes(kv_dtype)
     rep.inference = {
         "weight_dtype_bytes": element_bytes(weight_dtype),
@@ -221,34 +257,68 @@ def ledger_report(
     return rep
 
 
-def _gb(x: float) -> str:
-    """Decimal units as in the lecture: GB from 1 GB up, MB below."""
-    return f"{x / GB:,.1f} GB" if x >= GB else f"{x / 1e6:,.1f} MB"
+COUNT_SUFFIXES: tuple[tuple[str, float], ...] = (("", 1.0), ("K", 1e3), ("M", 1e6), ("B", 1e9), ("T", 1e12))
 
 
-def _binary(x: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", MiB), ("KiB", 2**10)):
-        if x >= size:
+def human_count(n: float) -> str:
+    """A count with three significant digits and a K/M/B/T suffix: 512, 5.25M, 101M, 8.19B."""
+    i = 0
+    while i + 1 < len(COUNT_SUFFIXES) and abs(n) >= COUNT_SUFFIXES[i + 1][1]:
+        i += 1
+    if i + 1 < len(COUNT_SUFFIXES) and abs(float(f"{n / COUNT_SUFFIXES[i][1]:.3g}")) >= 1000:
+        i += 1  # 999,999 is 1M, not 1e+03K
+    suffix, size = COUNT_SUFFIXES[i]
+    v = n / size
+    return (f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}") + suffix
+
+
+DECIMAL_UNITS: tuple[tuple[str, int], ...] = (("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
+
+
+def decimal_bytes(x: float) -> str:
+    """Bytes in decimal units (the lecture's): GB from 1 GB up, then MB, kB, B."""
+    for unit, size in DECIMAL_UNITS:
+        if abs(x) >= size:
             return f"{x / size:,.1f} {unit}"
     return f"{x:,.0f} B"
 
 
-def format_report(rep: LedgerReport, context: int, batch: int) -> str:
-    """A plain-text rendering: inference terms, context growth, the training-state table, the ZeRO split."""
-    lines = [f"Memory ledger: {rep.model}"]
-    params = f"{rep.num_params:,} parameters"
+def format_report(rep: LedgerReport, context: int | None = None, batch: int | None = None) -> str:
+    """A plain-text rendering: inference terms, context growth, the training-state table, the ZeRO split. One unit
+    system throughout (decimal: 1 kB = 10^3 B, 1 MB = 10^6 B, 1 GB = 10^9 B). `context` and `batch` default to
+    the report's own."""
+    context = rep.context if context is None else context
+    batch = rep.batch if batch is None else batch
+    lines = [f"Memory ledger: {rep.model}  (decimal units: 1 kB = 10^3 B, 1 MB = 10^6 B, 1 GB = 10^9 B)"]
+    params = f"{rep.num_params:,} parameters ({human_count(rep.num_params)})"
     if rep.nominal_params is not None:
-        params += f" (model card: {rep.nominal_params / 1e9:.2g}B)"
-    lines += [f"  {params}", ""]
+        params += f", model card: {rep.nominal_params / 1e9:.2g}B"
+    lines.append(f"  {params}")
+    max_pos = rep.max_position_embeddings
+    line = f"  context L = {context:,} tokens, batch B = {batch}"
+    if max_pos is not None and rep.context_is_default:
+        line += f" (default: the smaller of {DEFAULT_CONTEXT:,} and the model's max_position_embeddings, {max_pos:,})"
+    elif max_pos is not None and context > max_pos:
+        line += f" (more than the model's max_position_embeddings, {max_pos:,})"
+    elif max_pos is not None:
+        line += f" (the model's max_position_embeddings is {max_pos:,})"
+    lines.append(line)
+    lines.append("")
     kv = rep.kv_cache
     kv_formula = f"2 x {kv['layers']} layers x {kv['kv_width']} x {kv['dtype_bytes']} B"
+    wb = int(rep.inference["weight_dtype_bytes"])
+    source = "by default" if rep.weight_dtype_source == "default" else f"from {rep.weight_dtype_source}"
+    weights_label = f"weights ({rep.weight_dtype} {source}, {wb} B/param)"
+    rows = [
+        (weights_label, rep.inference["weight_bytes"]),
+        (f"weights as served ({rep.quantization})", rep.inference["served_weight_bytes"]),
+        (f"K/V per token ({kv_formula})", kv["bytes_per_token"]),
+        (f"K/V cache (B={batch}, L={context}, {rep.kv_dtype})", kv["bytes"]),
+    ]
+    width = max(46, *(len(label) + 2 for label, _ in rows))
+    lines.append("Inference")
+    lines += [f"  {label:<{width}}{decimal_bytes(x):>12}" for label, x in rows]
     lines += [
-        "Inference",
-        f"  {'weights (' + str(int(rep.inference['weight_dtype_bytes'])) + ' B/param)':<46}"
-        f"{_gb(rep.inference['weight_bytes']):>12}",
-        f"  {'weights as served (' + rep.quantization + ')':<46}{_gb(rep.inference['served_weight_bytes']):>12}",
-        f"  {'K/V per token (' + kv_formula + ')':<46}{_binary(kv['bytes_per_token']):>12}",
-        f"  {'K/V cache (B=' + str(batch) + ', L=' + str(context) + ')':<46}{_binary(kv['bytes']):>12}",
         "",
         f"If the context doubles ({context} -> {2 * context})",
     ]
@@ -258,7 +328,7 @@ def format_report(rep: LedgerReport, context: int, batch: int) -> str:
         f"  ({ap['prefill_dense_at_2x_context'] / ap['prefill_dense']:.0f}x)",
         f"  cached decode pairs    {ap['decode_step']:,} -> {ap['decode_step_at_2x_context']:,}"
         f"  ({ap['decode_step_at_2x_context'] / ap['decode_step']:.0f}x)",
-        f"  K/V cache bytes        {_binary(kv['bytes'])} -> {_binary(kv['bytes_at_2x_context'])}"
+        f"  K/V cache bytes        {decimal_bytes(kv['bytes'])} -> {decimal_bytes(kv['bytes_at_2x_context'])}"
         f"  ({kv['bytes_at_2x_context'] / kv['bytes']:.0f}x)",
         "",
         "Training state, mixed-precision AdamW",
@@ -272,13 +342,13 @@ def format_report(rep: LedgerReport, context: int, batch: int) -> str:
     for row in rep.training_state:
         line = f"  {row['term']:<38}{row['bytes_per_param']:>8}"
         if nominal:
-            line += f"{_gb(float(row['bytes_at_nominal'] or 0)):>12}"
-        line += f"{_gb(float(row['bytes'] or 0)):>12}"
+            line += f"{decimal_bytes(float(row['bytes_at_nominal'] or 0)):>12}"
+        line += f"{decimal_bytes(float(row['bytes'] or 0)):>12}"
         lines.append(line)
     z = rep.zero
     stage_name = "plain data parallel" if z["stage"] == 0 else f"ZeRO-{z['stage']}"
     lines += ["", f"Per GPU with {stage_name} over {z['gpus']} GPU(s) (exact parameter count)"]
     for term in TRAINING_STATE:
-        lines.append(f"  {term.name:<38}{_gb(float(z[term.name])):>12}")
-    lines.append(f"  {'total':<38}{_gb(float(z['total_per_gpu'])):>12}")
+        lines.append(f"  {term.name:<38}{decimal_bytes(float(z[term.name])):>12}")
+    lines.append(f"  {'total':<38}{decimal_bytes(float(z['total_per_gpu'])):>12}")
     return "\n".join(lines)

@@ -1,6 +1,11 @@
 """`tandem ledger`: print the memory ledger of a preset or a model folder, as a table or as JSON.
 
-Contract: reads only the config (never the weights), so it runs on any machine for any model size.
+Contract: reads only the config (never the weights, and without importing torch), so it runs on any machine for any
+model size. `--model` is a preset name first, else a folder holding a config.json. Defaults:
+- context: 4,096 tokens, or the model's max_position_embeddings when that is smaller (presets and folders alike);
+- weight dtype: a folder's own `torch_dtype` (or `dtype`) from config.json, else bf16; K/V dtype: the weight dtype
+  (the engine keeps K/V in the weights' dtype).
+The table is in decimal units (kB, MB, GB) throughout.
 """
 
 from __future__ import annotations
@@ -9,12 +14,14 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from shared_model.config import PRESETS, ModelConfig
-from shared_model.errors import SharedModelError
+from shared_model.errors import BundleError, ConfigError, SharedModelError
 from shared_model.ledger import (
     BYTES_PER_ELEMENT,
+    DEFAULT_CONTEXT,
     DEFAULT_GROUP_SIZE,
     INT4_GROUP_SIZES,
     QUANTIZATIONS,
@@ -22,29 +29,86 @@ from shared_model.ledger import (
     ledger_report,
 )
 
+CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What `--model` names: its config, display name, model-card parameter count (presets) and, for a folder,
+    the dtype its config.json declares (torch_dtype, or dtype in the transformers 5 layout)."""
+
+    config: ModelConfig
+    name: str
+    nominal_params: float | None = None
+    folder_dtype: str | None = None
+    is_folder: bool = False
+
+
+def _read_folder_config(folder: Path) -> tuple[ModelConfig, str | None]:
+    """config.json of a folder → (config, declared dtype); the same errors as `bundle.read_config`, without torch."""
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise BundleError(f"missing file: {path}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise BundleError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise BundleError(f"{path} must hold a JSON object")
+    try:
+        config = ModelConfig.from_hf_dict(raw)
+    except ConfigError as exc:
+        raise BundleError(f"{path}: {exc}") from exc
+    dtype = raw.get("torch_dtype") or raw.get("dtype")
+    return config, dtype if isinstance(dtype, str) else None
+
+
+def resolve_spec(spec: str) -> ModelSpec:
+    """A preset name, else a model folder (config.json); anything else is an error naming both."""
+    if spec in PRESETS:
+        preset = PRESETS[spec]
+        return ModelSpec(preset.config, spec, preset.nominal_params)
+    path = Path(spec)
+    if path.is_dir():
+        config, dtype = _read_folder_config(path)
+        return ModelSpec(config, str(path), None, dtype, is_folder=True)
+    raise SharedModelError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a folder")
+
 
 def resolve_model(spec: str) -> tuple[ModelConfig, str, float | None]:
     """A preset name or a model folder → (config, display name, nominal parameter count)."""
-    if spec in PRESETS:
-        preset = PRESETS[spec]
-        return preset.config, spec, preset.nominal_params
-    path = Path(spec)
-    if path.is_dir():
-        from shared_model.bundle import read_config
+    m = resolve_spec(spec)
+    return m.config, m.name, m.nominal_params
 
-        return read_config(path), str(path), None
-    raise SharedModelError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a folder")
+
+def default_weight_dtype(m: ModelSpec) -> tuple[str, str]:
+    """(dtype, where it comes from): a folder's declared dtype when the ledger knows it, else bf16."""
+    if m.folder_dtype is not None and m.folder_dtype in BYTES_PER_ELEMENT:
+        return m.folder_dtype, f"{CONFIG_FILE} torch_dtype"
+    return "bf16", "default"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem ledger", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="preset name or model folder")
-    p.add_argument("--context", type=int, default=4096, help="tokens per sequence (L)")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help=f"tokens per sequence (L); default {DEFAULT_CONTEXT}, or the model's max_position_embeddings if smaller",
+    )
     p.add_argument("--batch", type=int, default=1, help="sequences held at once (B)")
     p.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs (N for ZeRO)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
-    p.add_argument("--kv-dtype", default="bf16", choices=sorted(BYTES_PER_ELEMENT))
-    p.add_argument("--weight-dtype", default="bf16", choices=sorted(BYTES_PER_ELEMENT))
+    p.add_argument(
+        "--kv-dtype", default=None, choices=sorted(BYTES_PER_ELEMENT), help="K/V cache dtype; default: the weight dtype"
+    )
+    p.add_argument(
+        "--weight-dtype",
+        default=None,
+        choices=sorted(BYTES_PER_ELEMENT),
+        help="default: a model folder's torch_dtype (config.json), else bf16",
+    )
     p.add_argument(
         "--quantization", default="none", choices=QUANTIZATIONS, help="weight-only quantization, as `tandem serve`"
     )
@@ -56,19 +120,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        config, name, nominal = resolve_model(args.model)
+        m = resolve_spec(args.model)
+        if args.weight_dtype is None:
+            weight_dtype, source = default_weight_dtype(m)
+        else:
+            weight_dtype, source = args.weight_dtype, "--weight-dtype"
         report = ledger_report(
-            config,
-            name,
-            nominal_params=nominal,
+            m.config,
+            m.name,
+            nominal_params=m.nominal_params,
             context=args.context,
             batch=args.batch,
             gpus=args.gpus,
             zero_stage=args.zero_stage,
-            kv_dtype=args.kv_dtype,
-            weight_dtype=args.weight_dtype,
+            kv_dtype=args.kv_dtype or weight_dtype,
+            weight_dtype=weight_dtype,
             quantization=args.quantization,
             group_size=args.quantization_group_size,
+            weight_dtype_source=source,
         )
     except (SharedModelError, ValueError) as exc:
         print(f"tandem ledger: {exc}", file=sys.stderr)
@@ -76,5 +145,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        print(format_report(report, args.context, args.batch))
+        print(format_report(report))
     return 0

@@ -82,12 +82,19 @@ def test_cli_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--model", "qwen3-8b", "--gpu-memory", "4GB", "--precision", "32-true"]) == 1
     assert "Nothing fits on 1 GPU(s)" in capsys.readouterr().out
     assert main(["--model", "no-such-model"]) == 2
-    with pytest.raises(SystemExit):
-        main(["--model", "tiny", "--gpu-memory", "eighty"])
+    capsys.readouterr()
+    assert main(["--model", "tiny", "--gpu-memory", "eighty"]) == 2
+    assert capsys.readouterr().err == (
+        "tandem plan: --gpu-memory 'eighty' is not a memory size (examples: 80GB, 141GB, 24GiB)\n"
+    )
 
 
 def test_parse_bytes() -> None:
-    assert parse_bytes("80GB") == 80e9 and parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("1.5e9") == 1.5e9
+    assert parse_bytes("80GB") == 80e9 and parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("1.5e9B") == 1.5e9
+    assert parse_bytes("80 gb") == 80e9 and parse_bytes("0.5TB") == 5e11
+    for bad in ("80", "1.5e9", "0GB", "80GX", ""):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
 
 
 def test_tandem_plan_imports_neither_lightning_nor_deepspeed() -> None:

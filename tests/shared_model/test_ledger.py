@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -91,3 +92,70 @@ def test_cli_reports_weights_as_served_under_each_quantization(capsys):
     assert served["int4"] < 0.4 * served["none"]
     assert ledger_main(["--model", "qwen3-8b", "--quantization", "int4"]) == 0
     assert "weights as served (int4)" in capsys.readouterr().out
+
+
+def _folder(tmp_path, torch_dtype: str | None, max_positions: int = 512):
+    """A model folder holding only a config.json (the ledger never reads weights)."""
+    folder = tmp_path / f"model-{torch_dtype}-{max_positions}"
+    folder.mkdir()
+    config = get_preset("tiny").replace(max_position_embeddings=max_positions)
+    (folder / "config.json").write_text(json.dumps(config.to_hf_dict(torch_dtype=torch_dtype)))
+    return folder
+
+
+def test_the_table_uses_decimal_units_throughout_and_says_so(capsys):
+    assert ledger_main(["--model", "qwen3-8b"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        out.splitlines()[0] == "Memory ledger: qwen3-8b  (decimal units: 1 kB = 10^3 B, 1 MB = 10^6 B, 1 GB = 10^9 B)"
+    )
+    assert "KiB" not in out and "MiB" not in out and "GiB" not in out
+    lines = [line.rstrip() for line in out.splitlines()]
+    assert any(re.fullmatch(r"  K/V per token \(2 x 36 layers x 1024 x 2 B\) +147\.5 kB", line) for line in lines)
+    assert any(re.fullmatch(r"  K/V cache \(B=1, L=4096, bf16\) +604\.0 MB", line) for line in lines)
+    assert "  K/V cache bytes        604.0 MB -> 1.2 GB  (2x)" in lines
+    assert "  8,190,735,360 parameters (8.19B), model card: 8.2B" in lines
+    assert ledger_main(["--model", "tiny"]) == 0
+    assert "  5,245,696 parameters (5.25M)" in capsys.readouterr().out.splitlines()
+
+
+def test_default_context_is_the_models_own_maximum_when_smaller(capsys, tmp_path):
+    folder = _folder(tmp_path, "bfloat16", max_positions=512)
+    assert ledger_main(["--model", str(folder), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["context"] == 512 and data["kv_cache"]["bytes"] == 512 * data["kv_cache"]["bytes_per_token"]
+    assert ledger_main(["--model", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "  context L = 512 tokens, batch B = 1 (default: the smaller of 4,096 and the model's "
+        "max_position_embeddings, 512)"
+    ) in out.splitlines()
+    assert "If the context doubles (512 -> 1024)" in out
+    # presets follow the same rule: tiny stops at 2,048, qwen3-8b (40,960) keeps the 4,096 default
+    assert ledger_main(["--model", "tiny", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 2048
+    assert ledger_main(["--model", "qwen3-8b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 4096
+    # an explicit context is kept, and flagged when the model cannot reach it
+    assert ledger_main(["--model", str(folder), "--context", "1024"]) == 0
+    assert (
+        "L = 1,024 tokens, batch B = 1 (more than the model's max_position_embeddings, 512)" in capsys.readouterr().out
+    )
+
+
+def test_a_model_folder_defaults_to_its_own_torch_dtype(capsys, tmp_path):
+    n = get_preset("tiny").num_parameters()
+    fp32 = _folder(tmp_path, "float32")
+    assert ledger_main(["--model", str(fp32), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["weight_dtype"] == "float32" and data["inference"]["weight_bytes"] == 4 * n
+    assert data["kv_cache"]["dtype_bytes"] == 4  # the engine keeps K/V in the weights' dtype
+    assert ledger_main(["--model", str(fp32)]) == 0
+    assert re.search(
+        r"\n  weights \(float32 from config\.json torch_dtype, 4 B/param\) +21\.0 MB\n", capsys.readouterr().out
+    )
+    assert ledger_main(["--model", str(fp32), "--weight-dtype", "bf16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inference"]["weight_bytes"] == 2 * n
+    assert ledger_main(["--model", str(_folder(tmp_path, None)), "--json"]) == 0  # no torch_dtype: bf16
+    data = json.loads(capsys.readouterr().out)
+    assert data["weight_dtype"] == "bf16" and data["weight_dtype_source"] == "default"

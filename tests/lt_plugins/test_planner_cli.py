@@ -1,0 +1,122 @@
+"""`tandem plan` as a new user meets it: units are required, counts read at every scale, headers are whole, and
+each recommendation comes with the `tandem train` overrides that apply it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lt_plugins.planner_cli import main
+
+QWEN_8 = ["--model", "qwen3-8b", "--gpus", "8", "--gpu-memory", "80GB", "--seq-len", "4096", "--micro-batch", "1"]
+TINY_8 = ["--model", "tiny", "--gpus", "8", "--gpu-memory", "80GB", "--seq-len", "4096", "--micro-batch", "1"]
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml"
+HEADERS = ["stage", "offload", "precision", "ckpt", "weights", "master", "grads", "moments", "activations"]
+HEADERS += ["buckets", "total", "fits", "compute", "comm {unit}", "s/step", "limited by"]
+
+
+def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("flag,value", [("--gpu-memory", "80"), ("--gpu-memory", "141"), ("--cpu-memory", "512")])
+def test_a_bare_number_is_a_one_line_error_that_suggests_gb(capsys, flag, value) -> None:
+    code, out, err = _run(capsys, ["--model", "qwen3-8b", flag, value])
+    assert code == 2 and out == ""
+    assert err == (
+        f"tandem plan: {flag} {value} has no unit: write {value}GB (10^9 bytes per GB) or {value}GiB "
+        "(2^30 bytes per GiB)\n"
+    )
+
+
+def test_units_are_read_as_written(capsys) -> None:
+    _, out, _ = _run(capsys, ["--model", "qwen3-8b", "--gpu-memory", "80GB"])
+    assert "1 GPU(s) x 80.0 GB (72.0 GB usable)" in out
+    _, out, _ = _run(capsys, ["--model", "qwen3-8b", "--gpu-memory", "80GiB"])
+    assert "1 GPU(s) x 85.9 GB (77.3 GB usable)" in out  # 80 * 2^30 bytes, printed in decimal GB
+
+
+@pytest.mark.parametrize(
+    "model,expected",
+    [("tiny", "5.25M parameters (5,245,696)"), ("small", "101M parameters (100,684,032)"),
+     ("qwen3-0.6b", "596M parameters (596,049,920)"), ("qwen3-8b", "8.19B parameters (8,190,735,360)")],
+)  # fmt: skip
+def test_parameter_counts_are_human_readable_at_every_scale(capsys, model, expected) -> None:
+    _, out, _ = _run(capsys, ["--model", model, "--gpu-memory", "80GB"])
+    assert out.splitlines()[0].startswith(f"Training plan: {model}, {expected}, 1 GPU(s)")
+
+
+def test_human_count() -> None:
+    from shared_model.ledger import human_count
+
+    assert [human_count(n) for n in (0, 512, 999_999, 5_245_696, 100_684_032, 8_190_735_360, 1.5e12)] == [
+        "0", "512", "1M", "5.25M", "101M", "8.19B", "1.5T",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv,unit", [(QWEN_8, "GB"), (TINY_8, "MB")])
+def test_every_header_is_whole_and_columns_line_up(capsys, argv, unit) -> None:
+    _, out, _ = _run(capsys, [*argv, "--top", "0"])
+    lines = out.splitlines()
+    i = next(k for k, line in enumerate(lines) if line.startswith("stage"))
+    assert lines[i - 1].startswith(f"Per-GPU {unit} by term (decimal: 1 {unit} = 10^")
+    header, rows = lines[i], lines[i + 1 : i + 65]
+    names = [h.format(unit=unit) for h in HEADERS]
+    assert [part.strip() for part in header.split("  ") if part.strip()] == names  # whole, in order, none cut
+    starts = []
+    pos = 0
+    for name in names:
+        pos = header.index(name, pos)
+        starts.append(pos)
+        pos += len(name)
+    assert len(rows) == 64 and all(r.split()[0] in "0123" for r in rows)
+    for name, start in zip(names[4:15], starts[4:15], strict=True):  # numeric columns end under their header
+        end = start + len(name)
+        for r in rows:
+            assert r[end - 1] != " " and (end == len(r) or r[end] == " "), (name, r)
+
+
+def test_recommendations_print_and_return_the_train_overrides_that_apply_them(capsys) -> None:
+    _, out, _ = _run(capsys, QWEN_8)
+    rec = (
+        "model.preset=qwen3-8b trainer.accelerator=cuda trainer.devices=8 trainer.precision=bf16-mixed "
+        "strategy.name=zero strategy.stage=2 strategy.offload_optimizer=false strategy.offload_params=false "
+        "checkpointing.mode=none data.batch_size=1 data.block_size=4096"
+    )
+    assert f"\n  tandem train [--config FILE] {rec}\n" in out
+    one_gpu = rec.replace("devices=8", "devices=1").replace("stage=2", "stage=1")
+    one_gpu = one_gpu.replace("offload_optimizer=false", "offload_optimizer=true")
+    assert "\n   1 GPU(s): stage 1, offload optimizer, bf16-mixed, checkpointing none (50.8 GB/GPU)\n" in out
+    assert f"\n             {one_gpu}\n" in out
+
+    _, out, _ = _run(capsys, [*QWEN_8, "--json"])
+    data = json.loads(out)
+    assert data["recommended"]["overrides"] == rec.split()
+    assert data["scaling"]["1"]["overrides"] == one_gpu.split() and data["scaling"]["8"]["overrides"] == rec.split()
+    assert all(c["overrides"] for c in data["candidates"])
+
+    _, out, _ = _run(capsys, [*QWEN_8[:3], "16", *QWEN_8[4:], "--json"])
+    assert "trainer.devices=8" in (o := json.loads(out)["recommended"]["overrides"]) and "trainer.num_nodes=2" in o
+
+
+def test_the_overrides_load_into_the_training_config(capsys) -> None:
+    from lt_plugins.config import load_config
+
+    _, out, _ = _run(capsys, [*QWEN_8[:3], "1", *QWEN_8[4:], "--json"])
+    best = json.loads(out)["recommended"]
+    cfg = load_config(CONFIG, best["overrides"])
+    assert (cfg.strategy.name, cfg.strategy.stage, cfg.strategy.offload_optimizer) == ("zero", best["stage"], True)
+    assert cfg.checkpointing.mode == best["checkpointing"] and cfg.trainer.precision == best["precision"]
+    assert (cfg.model.preset, cfg.trainer.devices, cfg.trainer.accelerator) == ("qwen3-8b", 1, "cuda")
+    assert (cfg.data.batch_size, cfg.data.block_size) == (1, 4096)
+
+
+def test_default_sequence_length_is_capped_by_the_model(capsys) -> None:
+    _, out, _ = _run(capsys, ["--model", "tiny", "--gpu-memory", "80GB"])
+    assert "micro-batch 1 x 2048 tokens" in out  # tiny's max_position_embeddings; 4096 is the default otherwise
+    _, out, _ = _run(capsys, ["--model", "qwen3-8b", "--gpu-memory", "80GB"])
+    assert "micro-batch 1 x 4096 tokens" in out
