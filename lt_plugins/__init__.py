@@ -1,14 +1,185 @@
 """Lightning plugins for Tandem: DeepSpeed ZeRO on CPU and CUDA, a precision policy, selective activation
 checkpointing, a measured memory ledger, a planner, and export to a bundle.
 
-Contract: importing `lt_plugins` is cheap (no DeepSpeed import); the strategy, callbacks and the example module live
-in their own files: `strategy.ZeroStrategy`, `precision.PrecisionPolicy`, `checkpointing.SelectiveCheckpointing`,
-`ledger_callback.MemoryLedger`, `planner` (+ `auto_strategy` for `strategy.name: auto`), `export.ExportBundle`,
-`lit_module.LitCausalLM`, `data.CorpusDataModule`, `config.TrainConfig`, `cli.train_main` / `cli.export_main`.
+Contract:
+- Importing `lt_plugins` is cheap: it imports neither Lightning nor DeepSpeed. The public classes live in their own
+  files and are also reachable from here, imported on first use (`from lt_plugins import ZeroStrategy`):
+  `strategy.ZeroStrategy` / `ZeroConfig`, `precision.PrecisionPolicy` / `PrecisionPolicyCallback`,
+  `checkpointing.SelectiveCheckpointing` / `CheckpointingConfig`, `ledger_callback.MemoryLedger`,
+  `finite.NonFiniteLossGuard`, `checkpoint_io.PeriodicCheckpoint`, `export.ExportBundle` / `export_bundle`,
+  `lit_module.LitCausalLM`, `data.CorpusDataModule`, `config.TrainConfig` / `load_config`,
+  `cli.train_main` / `cli.export_main`; `planner` (+ `auto_strategy` for `strategy.name: auto`) are modules.
+- Importing `lt_plugins` registers ZeroStrategy's names in Lightning's `StrategyRegistry` (`STRATEGY_NAMES`:
+  `Trainer(strategy="tandem_zero_stage_3")`), lazily: at once if Lightning is already imported, otherwise when
+  `lightning.pytorch.strategies` is first imported. The registered entry imports `lt_plugins.strategy` only when a
+  Trainer asks for the name.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
+import warnings
+from collections.abc import Callable
+from importlib.abc import MetaPathFinder
+from typing import TYPE_CHECKING, Any
+
 from lt_plugins.errors import CheckpointError, PrecisionError, StrategyError, TrainingConfigError, TrainingError
 
-__all__ = ["CheckpointError", "PrecisionError", "StrategyError", "TrainingConfigError", "TrainingError"]
+if TYPE_CHECKING:  # what the lazy attributes below resolve to, for type checkers and IDEs
+    from lt_plugins.checkpoint_io import PeriodicCheckpoint
+    from lt_plugins.checkpointing import CheckpointingConfig, SelectiveCheckpointing
+    from lt_plugins.cli import export_main, train_main
+    from lt_plugins.config import TrainConfig, load_config
+    from lt_plugins.data import CorpusDataModule
+    from lt_plugins.export import ExportBundle, export_bundle
+    from lt_plugins.finite import NonFiniteLossGuard
+    from lt_plugins.ledger_callback import MemoryLedger
+    from lt_plugins.lit_module import LitCausalLM
+    from lt_plugins.precision import PrecisionPolicy, PrecisionPolicyCallback
+    from lt_plugins.strategy import ZeroConfig, ZeroStrategy
+
+_LAZY: dict[str, str] = {
+    "ZeroStrategy": "lt_plugins.strategy",
+    "ZeroConfig": "lt_plugins.strategy",
+    "PrecisionPolicy": "lt_plugins.precision",
+    "PrecisionPolicyCallback": "lt_plugins.precision",
+    "SelectiveCheckpointing": "lt_plugins.checkpointing",
+    "CheckpointingConfig": "lt_plugins.checkpointing",
+    "MemoryLedger": "lt_plugins.ledger_callback",
+    "NonFiniteLossGuard": "lt_plugins.finite",
+    "PeriodicCheckpoint": "lt_plugins.checkpoint_io",
+    "ExportBundle": "lt_plugins.export",
+    "export_bundle": "lt_plugins.export",
+    "LitCausalLM": "lt_plugins.lit_module",
+    "CorpusDataModule": "lt_plugins.data",
+    "TrainConfig": "lt_plugins.config",
+    "load_config": "lt_plugins.config",
+    "train_main": "lt_plugins.cli",
+    "export_main": "lt_plugins.cli",
+}
+"""Public name → the module that defines it (imported on first access)."""
+
+__all__ = [
+    "STRATEGY_NAMES",
+    "CheckpointError",
+    "CheckpointingConfig",
+    "CorpusDataModule",
+    "ExportBundle",
+    "LitCausalLM",
+    "MemoryLedger",
+    "NonFiniteLossGuard",
+    "PeriodicCheckpoint",
+    "PrecisionError",
+    "PrecisionPolicy",
+    "PrecisionPolicyCallback",
+    "SelectiveCheckpointing",
+    "StrategyError",
+    "TrainConfig",
+    "TrainingConfigError",
+    "TrainingError",
+    "ZeroConfig",
+    "ZeroStrategy",
+    "export_bundle",
+    "export_main",
+    "load_config",
+    "register_strategies",
+    "train_main",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lt_plugins' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+# ---------------------------------------------------------------------------------------- strategy registry
+STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
+    "tandem_zero": ("Tandem ZeroStrategy: DeepSpeed ZeRO on CPU (gloo) or CUDA, stage 2", {}),
+    "tandem_zero_stage_1": ("Tandem ZeroStrategy, ZeRO stage 1 (optimizer state sharded)", {"stage": 1}),
+    "tandem_zero_stage_2": ("Tandem ZeroStrategy, ZeRO stage 2 (+ gradients sharded)", {"stage": 2}),
+    "tandem_zero_stage_2_offload": (
+        "Tandem ZeroStrategy, ZeRO stage 2, optimizer state offloaded to CPU memory",
+        {"stage": 2, "offload_optimizer": True},
+    ),
+    "tandem_zero_stage_3": ("Tandem ZeroStrategy, ZeRO stage 3 (+ parameters sharded)", {"stage": 3}),
+    "tandem_zero_stage_3_offload": (
+        "Tandem ZeroStrategy, ZeRO stage 3, optimizer state and parameters offloaded to CPU memory",
+        {"stage": 3, "offload_optimizer": True, "offload_params": True},
+    ),
+}
+"""The names `Trainer(strategy=...)` accepts for ZeroStrategy: name → (description, ZeroStrategy arguments)."""
+
+
+def _zero_strategy(**kwargs: Any) -> Any:
+    """The registry's entry for the names above: imports the strategy (and Lightning, DeepSpeed) only when used."""
+    from lt_plugins.strategy import ZeroStrategy
+
+    return ZeroStrategy(**kwargs)
+
+
+def register_strategies(registry: Any, strategy: Callable[..., Any] | None = None, *, override: bool = False) -> None:
+    """Add `STRATEGY_NAMES` to a Lightning `StrategyRegistry`. Names already there are kept unless `override`."""
+    for name, (description, params) in STRATEGY_NAMES.items():
+        if name in registry and not override:
+            continue
+        registry.register(name, strategy or _zero_strategy, description=description, override=True, **params)
+
+
+_LIGHTNING_STRATEGIES = "lightning.pytorch.strategies"
+
+
+class _RegisterWhenImported(MetaPathFinder):
+    """One-shot import hook: once `lightning.pytorch.strategies` has run, register our names in its registry."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _LIGHTNING_STRATEGIES:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None:  # pragma: no cover - every standard loader has exec_module
+            return spec
+
+        def exec_then_register(module: Any) -> None:
+            exec_module(module)
+            _register_in(module)
+
+        loader.exec_module = exec_then_register  # type: ignore[union-attr]  (this spec's own loader instance)
+        return spec
+
+
+def _register_in(module: Any) -> None:
+    try:
+        register_strategies(module.StrategyRegistry)
+    except Exception as exc:  # never break Lightning's import over our names
+        warnings.warn(f"lt_plugins could not register its strategy names with Lightning: {exc}", stacklevel=2)
+
+
+def _register_with_lightning() -> None:
+    module = sys.modules.get(_LIGHTNING_STRATEGIES)
+    if module is not None:
+        if hasattr(module, "StrategyRegistry"):
+            _register_in(module)
+        return
+    if not any(isinstance(f, _RegisterWhenImported) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterWhenImported())
+
+
+_register_with_lightning()

@@ -20,13 +20,14 @@ Contract:
   through DeepSpeed's submodule hooks; a target holding parameters directly is refused when `ops`/`full` is used
   with `allow_direct_params=False`.
 - `SelectiveCheckpointing` is the Lightning callback: it applies the config to the LightningModule in `setup`, or at
-  fit start when the module builds its layers in `configure_model`; it undoes it at teardown.
+  fit start when the module builds its layers in `configure_model`; it undoes it at teardown. What it wrapped is
+  reported once on rank 0 through Lightning's own logger (shown with Lightning's default logging, like "GPU
+  available: ...") and kept after fit in `wrapped` (qualified names) and `num_wrapped`.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -56,7 +58,6 @@ DEFAULT_SAVE_OPS: tuple[str, ...] = (
 """Matmuls (the projections) and fused attention outputs: the expensive ops. Pointwise ops are recomputed."""
 
 _ORIGINAL = "_tandem_checkpoint_original_forward"
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -261,13 +262,21 @@ def apply_checkpointing(module: nn.Module, config: CheckpointingConfig) -> list[
 
 
 class SelectiveCheckpointing(Callback):
-    """Applies a `CheckpointingConfig` to any LightningModule at `setup`, before the strategy wraps the model."""
+    """Applies a `CheckpointingConfig` to any LightningModule at `setup`, before the strategy wraps the model.
+
+    `wrapped` holds the qualified names of the modules whose forward it wrapped (in the last fit, kept after it ends:
+    the wrapping itself is undone at teardown) and `num_wrapped` their count."""
 
     def __init__(self, config: CheckpointingConfig | None = None, **fields: Any) -> None:
         super().__init__()
         self.config = config if config is not None else CheckpointingConfig(**fields)
         self.wrapped: list[str] = []
         self._deferred = False
+
+    @property
+    def num_wrapped(self) -> int:
+        """How many modules the last fit checkpointed."""
+        return len(self.wrapped)
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         try:
@@ -284,15 +293,15 @@ class SelectiveCheckpointing(Callback):
 
     def _apply(self, trainer: Any, pl_module: Any) -> None:
         self.wrapped = apply_checkpointing(pl_module, self.config)
-        if self.wrapped and trainer.is_global_zero:
-            log.info(
-                "checkpointing mode=%s wraps %d module(s): %s%s",
-                self.config.mode,
-                len(self.wrapped),
-                ", ".join(self.wrapped[:4]),
-                ", ..." if len(self.wrapped) > 4 else "",
-            )
+        if trainer.is_global_zero:
+            rank_zero_info(self.summary())
+
+    def summary(self) -> str:
+        """One line: the mode and the modules wrapped (the first few by name)."""
+        if not self.wrapped:
+            return f"Activation checkpointing (mode={self.config.mode}): no module wrapped"
+        names = ", ".join(self.wrapped[:4]) + (f", ... ({len(self.wrapped) - 4} more)" if len(self.wrapped) > 4 else "")
+        return f"Activation checkpointing (mode={self.config.mode}): {len(self.wrapped)} module(s) wrapped: {names}"
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        remove_checkpointing(pl_module)
-        self.wrapped = []
+        remove_checkpointing(pl_module)  # the forwards are restored; `wrapped` still says what was checkpointed

@@ -12,8 +12,10 @@ Contract:
   or lie inside what the export reads (the checkpoint, the checkpoints folder holding it, `model_meta/`), nor be or
   contain the run folder or the path given as `ckpt_dir`; paths are compared resolved (symlinks followed). A new
   folder inside the run beside those (the default `<run>/bundle`) is allowed. With `overwrite`, an existing
-  `out_dir` must be empty or a Tandem bundle (`shared_model.bundle.check_bundle_target`). Any refusal is a
-  one-line `CheckpointError` and nothing is written or deleted.
+  `out_dir` must be empty or a Tandem bundle (`shared_model.bundle.check_bundle_target`). Without it, an existing
+  `out_dir` is refused with what is in the way and whether `--overwrite` would replace it. Any refusal is a
+  one-line `CheckpointError` starting "refusing to ..." and nothing is written or deleted; a target that changes
+  while the shards are read is refused the same way (never blamed on the checkpoint).
 - `ExportBundle` is the callback form: when training ends, rank 0 exports the newest checkpoint; all ranks wait.
 """
 
@@ -28,7 +30,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lt_plugins.checkpoint_io import latest_checkpoint, verify_checkpoint
 from lt_plugins.errors import CheckpointError
 from lt_plugins.lit_module import STATE_PREFIX
-from shared_model.bundle import check_bundle_target, read_config, save_bundle
+from shared_model.bundle import MANIFEST_FILE, check_bundle_target, read_config, save_bundle
 from shared_model.errors import SharedModelError
 from shared_model.tokenizer import Tokenizer
 
@@ -86,6 +88,37 @@ def check_export_target(out_dir: str | Path, ckpt_dir: Path, meta_dir: Path, giv
             raise CheckpointError(f"refusing to export to {out_dir}: it lies inside {what} ({folder})")
 
 
+def check_bundle_out(out_dir: str | Path, overwrite: bool) -> None:
+    """Raise CheckpointError unless a bundle may be written to `out_dir`: it does not exist, or `overwrite` is set
+    and it is an empty folder or a Tandem bundle. Without `overwrite` the message says what is in the way and
+    whether `--overwrite` would replace it."""
+    out = Path(out_dir)
+    if not out.exists() and not out.is_symlink():
+        return
+    try:
+        check_bundle_target(out, overwrite=True)  # may --overwrite replace it?
+    except SharedModelError as exc:
+        if overwrite:
+            raise CheckpointError(str(exc)) from exc
+        reason = str(exc).removeprefix(f"refusing to overwrite {out}: ")
+        raise CheckpointError(
+            f"refusing to export to {out_dir}: it already exists, and --overwrite would not replace it either: "
+            f"{reason}; choose another folder"
+        ) from exc
+    if overwrite:
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        what = "is an empty folder"
+    else:
+        shown = ", ".join(entries[:3]) + (", …" if len(entries) > 3 else "")
+        kind = "a Tandem bundle" if MANIFEST_FILE in entries else "a bundle written before manifests"
+        what = f"holds {kind} ({shown})"
+    raise CheckpointError(
+        f"refusing to export to {out_dir}: it already exists and {what}; pass --overwrite to replace it"
+    )
+
+
 def consolidate(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     """One fp32 state dict from the shards of a verified DeepSpeed checkpoint."""
     ckpt_dir = Path(ckpt_dir)
@@ -111,10 +144,7 @@ def export_bundle(
     given, ckpt_dir = ckpt_dir, resolve_checkpoint(ckpt_dir)
     meta = Path(meta_dir) if meta_dir is not None else find_model_meta(ckpt_dir)
     check_export_target(out_dir, ckpt_dir, meta, given)
-    try:
-        check_bundle_target(out_dir, overwrite)
-    except SharedModelError as exc:
-        raise CheckpointError(str(exc)) from exc
+    check_bundle_out(out_dir, overwrite)
     try:
         config = read_config(meta)
         tokenizer = Tokenizer.load(meta) if (meta / "tokenizer.json").is_file() else None
@@ -130,6 +160,7 @@ def export_bundle(
     try:
         out = save_bundle(out_dir, config, state, tokenizer, dtype=dtype, overwrite=overwrite)
     except SharedModelError as exc:
+        check_bundle_out(out_dir, overwrite)  # the target changed while the shards were read: say so, not "mismatch"
         raise CheckpointError(f"{ckpt_dir} does not match the model in {meta}: {exc}") from exc
     return out.resolve()
 

@@ -19,6 +19,8 @@ Contract:
   vocab_size, a missing, unexpected or misshapen tensor (both shapes named), a NaN/Inf weight. With
   `verify_checksums=True` every manifest entry is checked (size, SHA-256) and every file the loader reads must be
   listed; a folder without a manifest is then refused (nothing to verify against).
+- Every file of a bundle gets the mode open() gives, 0666 minus the umask (0644 under the usual 022), the weights
+  too (safetensors itself would leave them 0600).
 - `sha256_file` is the one file-hashing helper (lt_plugins' checkpoint manifest uses it too).
 """
 
@@ -452,15 +454,35 @@ def _write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_shard_byt
         shards[-1][name] = t
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+        _save_safetensors(shards[0], folder / WEIGHTS_FILE)
         return
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards, start=1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        _save_safetensors(shard, folder / fname)
         weight_map.update(dict.fromkeys(shard, fname))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     _write_json(folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors writes a private temporary file (mode 0600) and renames it into place: give the weights the mode
+    every other file of the bundle gets from open(), 0666 minus the umask (0644 under the usual 022)."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where the OS allows (Linux: /proc/self/status)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _with_tokenizer_ids(config: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:

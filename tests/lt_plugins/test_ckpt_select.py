@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -141,9 +143,31 @@ def test_callback_on_a_plain_strategy_trains_identically(mode: str) -> None:
     reference = _fit([])
     callback = SelectiveCheckpointing(mode=mode)
     checkpointed = _fit([callback])
-    assert callback.wrapped == [] and "forward" not in checkpointed.net.model.layers[0].__dict__  # undone at teardown
+    assert "forward" not in checkpointed.net.model.layers[0].__dict__  # undone at teardown ...
+    assert callback.wrapped == ["net.model.layers.0", "net.model.layers.1"] and callback.num_wrapped == 2  # ... kept
     assert checkpointed.wrapped_during_step == [True] * 3 and reference.wrapped_during_step == [False] * 3
     assert checkpointed.losses == pytest.approx(reference.losses, rel=1e-6)
+
+
+def test_callback_reports_what_it_wrapped_on_lightnings_logger() -> None:
+    # Lightning's default logging shows its "lightning.pytorch" logger (INFO, its own handler when the root logger has
+    # none, like "GPU available: ..."): the report must reach it, and stay readable on the callback after fit.
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    lightning_logger.addHandler(handler)
+    try:
+        callback = SelectiveCheckpointing(mode="full")
+        _fit([callback])
+    finally:
+        lightning_logger.removeHandler(handler)
+    assert lightning_logger.getEffectiveLevel() <= logging.INFO
+    lines = [r.getMessage() for r in records if "checkpointing" in r.getMessage()]
+    assert lines == [
+        "Activation checkpointing (mode=full): 2 module(s) wrapped: net.model.layers.0, net.model.layers.1"
+    ], lines
+    assert callback.summary() == lines[0] and callback.num_wrapped == 2
 
 
 class _LateLit(_Lit):

@@ -24,6 +24,8 @@ from lt_plugins.strategy import ZeroConfig, ZeroStrategy, merge_deepspeed_config
         (["trainer.precision=16-true"], "trainer.precision"),
         (["optim.lr=-1"], "optim.lr"),
         (["strategy.extra.zero_optimization.stage=1"], "strategy.stage"),
+        (["strategy.extra.zero_optimization.sub_group_sise=1"], "zero_optimization.sub_group_sise"),
+        (["strategy.extra.steps_per_prnt=1"], "steps_per_prnt"),
         (["nonsense=1"], "nonsense"),
     ],
 )
@@ -41,9 +43,12 @@ def test_config_files_load_and_round_trip(tmp_path) -> None:  # type: ignore[no-
 
 
 def test_extra_may_add_keys_but_not_change_owned_ones() -> None:
-    merged = merge_deepspeed_config(ZeroConfig(stage=3), {"zero_optimization": {"sub_group_size": 7}, "wall": 1})
+    extra = {"zero_optimization": {"sub_group_size": 7}, "wall_clock_breakdown": True}
+    merged = merge_deepspeed_config(ZeroConfig(stage=3), extra)
     assert merged["zero_optimization"]["stage"] == 3
-    assert merged["zero_optimization"]["sub_group_size"] == 7 and merged["wall"] == 1
+    assert merged["zero_optimization"]["sub_group_size"] == 7 and merged["wall_clock_breakdown"] is True
+    with pytest.raises(TrainingConfigError, match=r"strategy\.extra: unknown DeepSpeed config key 'wall'"):
+        merge_deepspeed_config(ZeroConfig(stage=3), {"wall": 1})  # DeepSpeed itself would ignore it
     with pytest.raises(TrainingConfigError, match=r"zero_optimization\.stage.*strategy\.stage"):
         ZeroStrategy(stage=2, extra={"zero_optimization": {"stage": 3}})
     with pytest.raises(TrainingConfigError, match="unknown argument"):

@@ -153,3 +153,21 @@ def test_tokenizer_larger_than_vocab_refused(tmp_path, small_tokenizer):
     cfg = tiny_config(vocab_size=300)
     with pytest.raises(BundleError, match="tokenizer has 512 tokens but the model's vocab_size is 300"):
         save_bundle(tmp_path / "b", cfg, build_model(cfg), small_tokenizer)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_bundle_file_gets_the_umask_mode(tmp_path, small_tokenizer, umask):
+    # safetensors writes its weights through a 0600 temporary file; the bundle's files must all read like the
+    # config (0644 under umask 022), single-file and sharded alike
+    import os
+
+    cfg = tiny_config()
+    old = os.umask(umask)
+    try:
+        one = save_bundle(tmp_path / "one", cfg, build_model(cfg), small_tokenizer)
+        sharded = save_bundle(tmp_path / "sharded", cfg, build_model(cfg), small_tokenizer, max_shard_bytes=100_000)
+    finally:
+        os.umask(old)
+    for path in (one, sharded):
+        modes = {p.name: oct(p.stat().st_mode & 0o777) for p in path.iterdir()}
+        assert len(modes) >= 6 and set(modes.values()) == {oct(0o666 & ~umask)}, modes
