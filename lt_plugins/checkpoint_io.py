@@ -117,7 +117,9 @@ class PeriodicCheckpoint(Callback):
     def _save(self, trainer: Trainer, pl_module: LightningModule) -> None:
         path = self.dirpath / f"step-{trainer.global_step:06d}"
         check_finite_before_save(trainer, pl_module, path.name, self._last_loss)  # raises: nothing is written
-        trainer.save_checkpoint(path)
+        # weights_only=False said explicitly (it is the default): left unset, Lightning logs "`weights_only` was not
+        # set, defaulting to `False`." on every rank at every save.
+        trainer.save_checkpoint(path, weights_only=False)
         self._last_saved = trainer.global_step
         self.saved.append(path)
         if trainer.is_global_zero:

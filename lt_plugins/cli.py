@@ -56,6 +56,34 @@ def _quiet() -> None:
     import logging
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # Lightning's "💡 Tip: … try installing litlogger/litmodels" advertisements have no switch of their own; they go
+    # through lightning_utilities' rank-zero logger (the module attribute Lightning points at its own logger).
+    import lightning.pytorch  # noqa: F401  (sets rank_zero.log)
+    from lightning_utilities.core import rank_zero
+
+    rank_zero.log.addFilter(_no_lightning_tips)
+
+
+def _no_lightning_tips(record: Any) -> bool:
+    return not str(record.msg).startswith("💡 Tip:")
+
+
+def _progress_bar() -> Any:
+    """Lightning's default bar with a train description that fits a max_steps run: such a run has max_epochs=-1,
+    which RichProgressBar prints as "Epoch 0/-2"; here it reads "Epoch 0" (the bar itself counts the steps)."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+    if not _RICH_AVAILABLE:
+        return TQDMProgressBar()  # its description has no max_epochs
+
+    class StepRunProgressBar(RichProgressBar):
+        def _get_train_description(self, current_epoch: int) -> str:
+            if self.trainer.max_epochs is not None and self.trainer.max_epochs >= 0:
+                return super()._get_train_description(current_epoch)
+            return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
+
+    return StepRunProgressBar()
 
 
 def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[Any] | None = None) -> Any:
@@ -79,6 +107,8 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[Any] | None =
         *(callbacks or []),
         *training_callbacks(cfg, run_dir),
     ]
+    if t.enable_progress_bar:
+        all_callbacks.append(_progress_bar())
     if cfg.strategy.name == "zero":
         strategy = ZeroStrategy(cfg.strategy.zero_config(), extra=cfg.strategy.extra)
         all_callbacks.append(
