@@ -28,7 +28,10 @@ Contract:
 from __future__ import annotations
 
 import functools
+import os
 import re
+import sys
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +41,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _CachedTorchDispatchMode,
+    _CachingTorchDispatchMode,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from lt_plugins.activation_meter import note_cached
 from lt_plugins.errors import TrainingConfigError
@@ -206,7 +215,65 @@ def select_targets(module: nn.Module, config: CheckpointingConfig) -> list[tuple
 
 
 # ----------------------------------------------------------------------------------------------- wrapping
+_PASS_THROUGH = (
+    os.path.dirname(torch.__file__) + os.sep,  # torch itself: dispatch, torch.distributed, hooks, checkpoint
+    os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "typing_extensions.py"),  # @deprecated wrappers
+)
+_STDLIB = os.path.dirname(functools.__file__) + os.sep  # decorators, context managers
+
+
+def _passed_over(filename: str) -> bool:
+    if filename.startswith(_PASS_THROUGH):
+        return True
+    return filename.startswith(_STDLIB) and "site-packages" not in filename and "dist-packages" not in filename
+
+
+_ZERO_LINEAR = os.path.join("deepspeed", "runtime", "zero", "linear.py")
+_DEEPSPEED = os.sep + "deepspeed" + os.sep
+
+
+def _issued_by_deepspeed() -> bool:
+    """Whether the op being dispatched was called by DeepSpeed code (its ZeRO-3 hooks gathering, prefetching or
+    releasing parameters) rather than by the model: the first caller outside torch is in `deepspeed/`
+    (ZeRO-3's replacement of `F.linear`, `zero/linear.py`, is the model's own matmul and counts as the model).
+    Frames of torch, the standard library and typing_extensions' wrappers are passed over."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not _passed_over(filename):
+            return _DEEPSPEED in filename and not filename.endswith(_ZERO_LINEAR)
+        frame = frame.f_back
+    return False
+
+
+class _ZeroAwareCaching(_CachingTorchDispatchMode):
+    """The forward half of torch's selective checkpoint, blind to the ops DeepSpeed's hooks issue."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _issued_by_deepspeed():
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _ZeroAwareCached(_CachedTorchDispatchMode):
+    """The recompute half of torch's selective checkpoint, blind to the ops DeepSpeed's hooks issue."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _issued_by_deepspeed():
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def _ops_context_fn(save: frozenset) -> Callable[[], Any]:
+    """torch's selective checkpoint contexts, except that ops called by DeepSpeed are neither cached nor looked up.
+
+    Under ZeRO-3, DeepSpeed's submodule hooks gather, prefetch and release parameters inside a checkpointed block,
+    and what they do depends on its state (the recorded module trace, prefetch, which parameters are available or
+    persistent), not on the block: the forward and the recompute issue different ops (after the validation sanity
+    check's forward, for one), and torch refuses the recompute ("aten.empty.memory_format encountered during
+    backward but not found in storage"). Those ops run as they come, in both passes; the model's own are
+    cached or recomputed by the policy."""
+
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if op in save:
             if not ctx.is_recompute:
@@ -214,7 +281,12 @@ def _ops_context_fn(save: frozenset) -> Callable[[], Any]:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    return functools.partial(create_selective_checkpoint_contexts, policy)
+    def contexts() -> tuple[Any, Any]:
+        create_selective_checkpoint_contexts(policy)  # torch's own argument checks
+        storage: dict[Any, dict[int, Any]] = defaultdict(dict)
+        return _ZeroAwareCaching(policy, storage), _ZeroAwareCached(None, storage)
+
+    return contexts
 
 
 def _wrap(sub: nn.Module, context_fn: Callable[[], Any] | None) -> None:
