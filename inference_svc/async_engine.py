@@ -293,13 +293,19 @@ class AsyncEngine:
     async def tokenize_with(self, chars: int, work: Callable[[], Any], field: str = "messages") -> Any:
         """`work()` (tokenizer work on about `chars` characters, e.g. a chat's rendering and encoding) through the
         metered `TokenizeGate`, refused unread like a text prompt when `chars` cannot fit the context."""
+        self._refuse_unread_if_too_long(chars, field)
+        return await self._tokenizer_gate.run(chars, work, field)
+
+    def _refuse_unread_if_too_long(self, chars: int, field: str) -> None:
+        """InvalidRequestError naming `field` when `chars` characters cannot fit the context, whatever they encode
+        to (nothing is tokenized)."""
         if chars > self.max_prompt_chars:
+            self._tokenizer_gate.trim_soon()  # the refused request's buffers are freed when its RPC ends
             raise InvalidRequestError(
                 field,
                 f"{chars} characters cannot fit this engine's context of {self.engine.max_model_len} tokens "
                 f"(at most {self.max_prompt_chars} characters with this tokenizer); refused before tokenizing",
             )
-        return await self._tokenizer_gate.run(chars, work, field)
 
     async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """The token ids `generate` would run for `prompt`: text refused unread when it cannot fit, else
@@ -307,13 +313,7 @@ class AsyncEngine:
         if not isinstance(prompt, str):
             return list(prompt)
         check_text_prompt(prompt)
-        if len(prompt) > self.max_prompt_chars:
-            self._tokenizer_gate.trim_soon()  # the refused request's buffers are freed when its RPC ends
-            raise InvalidRequestError(
-                "prompt",
-                f"{len(prompt)} characters cannot fit this engine's context of {self.engine.max_model_len} tokens "
-                f"(at most {self.max_prompt_chars} characters with this tokenizer); refused before tokenizing",
-            )
+        self._refuse_unread_if_too_long(len(prompt), "prompt")
         return check_encoded(await self.tokenize(prompt))
 
     def _admit(self, rids: list[str], num_tokens: int, items: asyncio.Queue) -> dict[str, _Stream]:

@@ -66,8 +66,6 @@ class EngineStats:
     kv_blocks_free: int
     kv_blocks_cached: int
     """Blocks holding a registered prefix (in use or evictable)."""
-    prefix_cache_hit_rate: float
-    """Prompt tokens served from the prefix cache / prompt tokens looked up, over all admissions."""
     prefix_cache_hit_tokens: int
     """Prompt tokens found in the prefix cache, over all lookups (a counter)."""
     prefix_cache_queried_tokens: int
@@ -76,6 +74,13 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     cached_prompt_tokens_total: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens looked up, over all admissions."""
+        return (
+            self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens if self.prefix_cache_queried_tokens else 0.0
+        )
 
 
 @dataclass(frozen=True)
@@ -293,7 +298,6 @@ class Engine:
             kv_blocks_used=bm.num_used,
             kv_blocks_free=bm.num_free,
             kv_blocks_cached=bm.num_cached,
-            prefix_cache_hit_rate=bm.hit_tokens / bm.queried_tokens if bm.queried_tokens else 0.0,
             prefix_cache_hit_tokens=bm.hit_tokens,
             prefix_cache_queried_tokens=bm.queried_tokens,
             num_preemptions=c.num_preemptions,

@@ -26,7 +26,6 @@ def _stats(**overrides: float) -> EngineStats:
         kv_blocks_used=16,
         kv_blocks_free=48,
         kv_blocks_cached=4,
-        prefix_cache_hit_rate=0.0,
         prefix_cache_hit_tokens=0,
         prefix_cache_queried_tokens=0,
         num_preemptions=0,
