@@ -14,12 +14,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from inference_svc.engine.types import MAX_SPECULATIVE_TOKENS
 from inference_svc.errors import InferenceError
 from shared_model.ledger import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZATIONS
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 DEFAULT_CPU_KV_BYTES = 256 * 1024**2
+SPECULATIVE_METHODS = ("off", "ngram")
 
 _UNITS = {
     "": 1,
@@ -107,6 +109,21 @@ class EngineConfig:
     """Inputs per int4 scale and zero: 32, 64, 128 or 256."""
     threads: int | None = None
     """CPU threads for the model's ops (torch intra-op threads); None: torch's default, one per core."""
+    speculative: str = "off"
+    """Speculative decoding by default: 'off', or 'ngram' (drafts by prompt lookup, verified in one batched
+    forward; greedy output unchanged, sampled output in distribution). A request may turn it on or off for itself
+    with `num_speculative_tokens`."""
+    num_speculative_tokens: int = 4
+    """Most drafted tokens verified per step when speculating (1..16)."""
+    speculative_ngram_min: int = 1
+    """Shortest suffix of a sequence that prompt lookup matches against its earlier tokens."""
+    speculative_ngram_max: int = 4
+    """Longest suffix that prompt lookup tries first."""
+    speculative_verify_cost: float = 0.1
+    """Cost of one extra verified row relative to a whole decode step: the back-off's cost model speculates only
+    while the expected tokens per step beat it (see `inference_svc.engine.speculative`)."""
+    speculative_max_batch: int | None = 8
+    """No drafts in a step with more decoding sequences than this (a wide batch is compute-bound); None: no cap."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
@@ -124,6 +141,7 @@ class EngineConfig:
             )
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
+        self._check_speculative()
         if not isinstance(self.gpu_memory_fraction, (int, float)) or not 0 < self.gpu_memory_fraction <= 1:
             raise EngineConfigError("gpu_memory_fraction", f"must be in (0, 1], got {self.gpu_memory_fraction!r}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "verify_checksums"):
@@ -137,6 +155,30 @@ class EngineConfig:
             raise EngineConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             raise EngineConfigError("device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise EngineConfigError(
+                "speculative",
+                f"must be one of {SPECULATIVE_METHODS}, got {self.speculative!r} (drafting with a second model is "
+                "not supported: prompt lookup needs no draft weights)",
+            )
+        for name in ("num_speculative_tokens", "speculative_ngram_min", "speculative_ngram_max"):
+            _positive_int(name, getattr(self, name))
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise EngineConfigError(
+                "num_speculative_tokens", f"must be at most {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
+            )
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise EngineConfigError(
+                "speculative_ngram_min",
+                f"{self.speculative_ngram_min} is above speculative_ngram_max={self.speculative_ngram_max}",
+            )
+        cost = self.speculative_verify_cost
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < 1:
+            raise EngineConfigError("speculative_verify_cost", f"must be a number in [0, 1), got {cost!r}")
+        if self.speculative_max_batch is not None:
+            _positive_int("speculative_max_batch", self.speculative_max_batch)
 
     @property
     def kv_cache_bytes(self) -> int | None:

@@ -30,10 +30,12 @@ import torch
 from inference_svc.engine.block_manager import BlockManager
 from inference_svc.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from inference_svc.engine.detokenizer import IncrementalDetokenizer
-from inference_svc.engine.model_runner import BackendFactory, ModelRunner
-from inference_svc.engine.sampler import Sampler, SampleRequest, Samples
+from inference_svc.engine.model_runner import BackendFactory, ModelRunner, ScheduledSeq
+from inference_svc.engine.rejection import verify
+from inference_svc.engine.sampler import Emitted, Sampler, SampleRequest
 from inference_svc.engine.scheduler import Scheduler, StepEvent
 from inference_svc.engine.sequence import Sequence
+from inference_svc.engine.speculative import NgramProposer, SpeculationPolicy, Speculator
 from inference_svc.engine.types import (
     Completion,
     EngineInfo,
@@ -74,6 +76,22 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     cached_prompt_tokens_total: int
+    spec_verify_steps_total: int = 0
+    """Sequence-steps that verified drafts (speculative decoding)."""
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_emitted_tokens_total: int = 0
+    """Tokens the verify steps produced: kept drafts plus the token each added."""
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Kept drafts / drafts, over all verify steps."""
+        return self.spec_accepted_tokens_total / self.spec_draft_tokens_total if self.spec_draft_tokens_total else 0.0
+
+    @property
+    def spec_tokens_per_step(self) -> float:
+        """Tokens per verify step (1 would mean speculation never kept a draft)."""
+        return self.spec_emitted_tokens_total / self.spec_verify_steps_total if self.spec_verify_steps_total else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -140,7 +158,7 @@ class Engine:
             num_blocks * bs,
         )
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, _speculator(config))
         self.runner = ModelRunner(model, self.model_config, num_blocks, bs, self.dtype, device, backend)
         self.sampler = Sampler()
         self._eos_ids = frozenset(self.model_config.eos_token_ids) | (
@@ -251,15 +269,8 @@ class Engine:
         batch = self.scheduler.schedule(now)
         if batch:
             logits = self.runner.run(batch)
-            sampling = [b for b in batch if b.samples]
-            requests = [
-                SampleRequest(b.seq.sampling, b.seq.token_ids, b.seq.generator, b.seq.num_prompt_tokens, self._eos_ids)
-                for b in sampling
-            ]
-            samples = self.sampler.sample(logits.sample, requests) if requests else Samples([], None, [])
-            for j in samples.failed:
-                log.error("request %s: the model's logits are not finite; failing it alone", sampling[j].seq.request_id)
-            events += self.scheduler.postprocess(batch, samples, time.monotonic(), logits.prompt)
+            emitted = self._sample([b for b in batch if b.samples], logits.sample)
+            events += self.scheduler.postprocess(batch, emitted, time.monotonic(), logits.prompt)
             scrub = [b for e in events for b in e.scrub_blocks]
             if scrub:
                 self.runner.zero_blocks(scrub)
@@ -269,9 +280,51 @@ class Engine:
                 self._requests.pop(e.seq.request_id, None)
         return outputs
 
+    def _sample(self, items: list[ScheduledSeq], rows: torch.Tensor) -> list[Emitted]:
+        """One `Emitted` per sampling item: plain rows sampled together, each verify item's K + 1 rows verified.
+        rows: [R, V] fp32, `num_sample_rows` per item in order."""
+        out: list[Emitted | None] = [None] * len(items)
+        plain: list[int] = []
+        plain_rows: list[int] = []
+        r = 0
+        for j, b in enumerate(items):
+            seq = b.seq
+            if b.draft:
+                history = [*seq.token_ids, *b.draft]
+                requests = [
+                    SampleRequest(seq.sampling, history[: seq.num_tokens + i], seq.generator, seq.num_prompt_tokens,
+                                  self._eos_ids)
+                    for i in range(b.num_sample_rows)
+                ]  # fmt: skip
+                out[j] = verify(self.sampler, rows[r : r + b.num_sample_rows], requests, b.draft)
+            else:
+                plain.append(j)
+                plain_rows.append(r)
+            r += b.num_sample_rows
+        if plain:
+            requests = [
+                SampleRequest(items[j].seq.sampling, items[j].seq.token_ids, items[j].seq.generator,
+                              items[j].seq.num_prompt_tokens, self._eos_ids)
+                for j in plain
+            ]  # fmt: skip
+            samples = self.sampler.sample(rows if len(plain_rows) == rows.shape[0] else rows[plain_rows], requests)
+            for k, j in enumerate(plain):
+                out[j] = samples.emitted(k)
+        for j, e in enumerate(out):
+            if e is not None and e.failed:
+                log.error("request %s: the model's logits are not finite; failing it alone", items[j].seq.request_id)
+        return [e for e in out if e is not None]
+
     def _to_output(self, e: StepEvent) -> RequestOutput:
         seq = e.seq
-        usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens)
+        usage = Usage(
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            seq.num_cached_prompt_tokens,
+            draft_tokens=seq.num_draft_tokens,
+            accepted_draft_tokens=seq.num_accepted_tokens,
+            decode_steps=seq.num_token_steps,
+        )
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=e.new_token_ids,
@@ -304,6 +357,10 @@ class Engine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=c.generation_tokens_total,
             cached_prompt_tokens_total=c.cached_prompt_tokens_total,
+            spec_verify_steps_total=c.spec_verify_steps_total,
+            spec_draft_tokens_total=c.spec_draft_tokens_total,
+            spec_accepted_tokens_total=c.spec_accepted_tokens_total,
+            spec_emitted_tokens_total=c.spec_emitted_tokens_total,
         )
 
     def info(self) -> EngineInfo:
@@ -385,6 +442,16 @@ def _timing(seq: Sequence) -> Timing:
         tpot = (seq.finish_time - seq.first_token_time) * 1000.0 / (n - 1)
     return Timing(queue_ms=ms(seq.first_scheduled_time), ttft_ms=ms(seq.first_token_time), tpot_ms=tpot,
                   total_ms=ms(seq.finish_time))  # fmt: skip
+
+
+def _speculator(config: EngineConfig) -> Speculator:
+    """Always built: a request may ask for speculation on an engine that does not speculate by default."""
+    return Speculator(
+        NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max),
+        SpeculationPolicy(config.speculative_verify_cost),
+        default_k=config.num_speculative_tokens if config.speculative == "ngram" else 0,
+        max_batch=config.speculative_max_batch,
+    )
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -3,11 +3,12 @@
 Contract:
 - Owns the model, the KV cache and the attention backend choice. Reads Sequences (never writes them).
 - `run(batch)` flattens the batch into one `[T]` token row (decodes first, then prefill chunks), builds the
-  `AttentionMetadata` (slots, block tables, context lengths) once, runs shared_model's decoder with a per-step
-  backend (the same `CausalLM`, prepared by the engine: projections merged by `shared_model.fuse`, bit-equal to
-  the plain decoder, and weights quantized by `shared_model.quantize` when asked), and returns fp32 logits
-  `[S_sample, vocab]` only for sequences whose last scheduled token is their last token (those sample a new
-  token this step); the LM head runs on those rows only.
+  `AttentionMetadata` (slots, block tables, context lengths) once (a verify item of speculative decoding is a
+  chunk like a prefill chunk: its last token and drafts over its cached context), runs shared_model's decoder
+  with a per-step backend (the same `CausalLM`, prepared by the engine: projections merged by
+  `shared_model.fuse`, bit-equal to the plain decoder, and weights quantized by `shared_model.quantize` when
+  asked), and returns fp32 logits only for the rows that sample: the last row of a sequence whose chunk reaches
+  its last token, and every row of a verify item; the LM head runs on those rows only.
 - Prompt logprobs: for a sequence whose request asks for them, the positions of this step's chunk whose next
   token is a prompt token, and that `Sequence.prompt_logprobs` does not hold yet, also go through the LM head
   (in pieces of `logprobs.ROWS_PER_PIECE` rows) and come back reduced to `TokenLogprob`s in `StepLogits.prompt`:
@@ -34,11 +35,17 @@ from shared_model.model import CausalLM
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """One sequence's share of a step: compute tokens [start, start + num_tokens)."""
+    """One sequence's share of a step: compute tokens [start, start + num_tokens).
+
+    A verify item (speculative decoding) is a decoding sequence's last token followed by its `draft` tokens, which
+    are not in `seq.token_ids`: positions [start, start + num_tokens) hold `token_ids[start:] + draft`, and every
+    one of its rows is scored.
+    """
 
     seq: Sequence
     start: int
     num_tokens: int
+    draft: tuple[int, ...] = ()
 
     @property
     def is_decode(self) -> bool:
@@ -47,7 +54,18 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """Whether this step reaches the sequence's last token (so it produces a new token)."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens == self.seq.num_tokens + len(self.draft)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logits rows this item gets back: K + 1 for a verify item, 1 for another sampling item, else 0."""
+        return 1 + len(self.draft) if self.samples else 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens at positions [start, start + num_tokens)."""
+        own = self.seq.token_ids[self.start : self.start + self.num_tokens - len(self.draft)]
+        return [*own, *self.draft] if self.draft else own
 
 
 BackendFactory = Callable[[KVCache, AttentionMetadata], Callable]
@@ -55,7 +73,8 @@ BackendFactory = Callable[[KVCache, AttentionMetadata], Callable]
 
 class StepLogits(NamedTuple):
     sample: torch.Tensor
-    """[S_sample, vocab] fp32, in batch order of the sampling sequences."""
+    """[R, vocab] fp32: the sampling items' rows in batch order (`ScheduledSeq.num_sample_rows` each: one, or
+    K + 1 for a verify item)."""
     prompt: dict[int, list[TokenLogprob]]
     """Batch index → the logprobs of the prompt tokens this step's chunk predicts, in order, continuing
     `seq.prompt_logprobs` (one per prompt token after the first)."""
@@ -114,7 +133,8 @@ class ModelRunner:
             input_ids, positions, meta, sample_rows, prompt_rows = self._prepare(batch)
         backend = self.backend_factory(self.cache, meta)
         hidden = self.model.hidden_states(input_ids[None], positions[None], backend)[0]  # [T, H]
-        rows = hidden[sample_rows] if len(sample_rows) != hidden.shape[0] else hidden
+        in_order = len(sample_rows) == hidden.shape[0] and sample_rows == list(range(hidden.shape[0]))
+        rows = hidden if in_order else hidden[sample_rows]  # [R, H], the sampling items' rows in batch order
         logits = self.model.logits(rows).float()  # [S_sample, vocab]
         self._track_workspace(hidden.shape[0], logits.shape[0])
         prompt = {p.item: self._prompt_logprobs(hidden, p) for p in prompt_rows}
@@ -141,10 +161,10 @@ class ModelRunner:
         last_row: dict[int, int] = {}  # id(item) -> row of its last token in the flat [T] layout
         first_row: dict[int, int] = {}
         for b in (*decodes, *prefills):
-            seq, table = b.seq, b.seq.block_table
+            table = b.seq.block_table
             rng = range(b.start, b.start + b.num_tokens)
             first_row[id(b)] = len(ids)
-            ids.extend(seq.token_ids[b.start : b.start + b.num_tokens])
+            ids.extend(b.token_ids)
             pos.extend(rng)
             slots.extend(table[p // bs] * bs + p % bs for p in rng)
             last_row[id(b)] = len(ids) - 1
@@ -155,7 +175,7 @@ class ModelRunner:
         ]
         # Logits rows follow the caller's batch order, not the flat layout (decodes first): a cache-hit admission
         # whose remaining prompt is one token runs as a decode yet sits after prefill chunks in the batch.
-        sample_rows = [last_row[id(b)] for b in batch if b.samples]
+        sample_rows = [r for b in batch for r in range(last_row[id(b)] - b.num_sample_rows + 1, last_row[id(b)] + 1)]
         dev = self.device
         decode_lens = [b.start + 1 for b in decodes]
         decode_tables = [b.seq.block_table for b in decodes]

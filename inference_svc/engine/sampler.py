@@ -58,6 +58,34 @@ class Samples(NamedTuple):
     top: list[TokenLogprob] | None = None
     """Per row, the chosen token with its `top_logprobs` best alternatives, when any row asked for them."""
 
+    def emitted(self, row: int) -> Emitted:
+        """Row `row` as one item's output."""
+        if row in self.failed:
+            return Emitted([], failed=True)
+        lp = None if self.logprobs is None else [self.logprobs[row]]
+        return Emitted([self.tokens[row]], 0, lp, None if self.top is None else [self.top[row]])
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """What one sampling item of a step produces: one token, or for a verify item (speculative decoding) the
+    drafts it kept followed by the one token the target added."""
+
+    tokens: list[int]
+    num_drafts: int = 0
+    """Drafted tokens this item verified (0: a plain step)."""
+    logprobs: list[float] | None = None
+    """Per token, when the request asks for logprobs."""
+    top: list[TokenLogprob] | None = None
+    """Per token, with its `top_logprobs` best alternatives, when asked."""
+    failed: bool = False
+    """Its logits were not finite: nothing was sampled and the engine fails the request."""
+
+    @property
+    def num_accepted(self) -> int:
+        """Drafts kept (the added token is not one)."""
+        return max(len(self.tokens) - 1, 0) if self.num_drafts else 0
+
 
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
@@ -79,7 +107,7 @@ class Sampler:
             failed = (~finite).nonzero()[:, 0].tolist()
             logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))  # keep NaN out of the batch
         raw = logits
-        logits = _apply_penalties(raw, requests)
+        logits = apply_penalties(raw, requests)
         greedy = [r.params.greedy for r in requests]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
@@ -93,35 +121,49 @@ class Sampler:
         return Samples(tokens.tolist(), chosen_lp, failed, top)
 
     def _sample_rows(self, logits: torch.Tensor, requests: Sequence[SampleRequest], greedy: list[bool]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature if not g else 1.0 for r, g in zip(requests, greedy, strict=True)])
-        temps = temps.clamp_(min=torch.finfo(temps.dtype).tiny)  # 5e-324 would round to 0 in fp32: 0/0 = NaN
-        # shift first: every entry is <= 0, so dividing by a tiny temperature gives -inf, never inf - inf = NaN
-        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temps.to(logits.device)[:, None]
-        top_k = [r.params.top_k for r in requests]
-        top_p = [r.params.top_p for r in requests]
-        min_p = [r.params.min_p for r in requests]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            scaled = _top_k_top_p(scaled, top_k, top_p)
-        probs = torch.softmax(scaled, dim=-1)  # [S, V]
-        if any(m > 0 for m in min_p):
-            floor = torch.tensor(min_p, device=probs.device)[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
-        noise = torch.empty_like(probs)
-        shared = [i for i, r in enumerate(requests) if r.generator is None]
-        if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
-                generator=self._generator
-            )
-        for i, r in enumerate(requests):
-            if r.generator is not None:  # seeded: this request's own stream, one row per step
-                noise[i].exponential_(generator=r.generator)
-        sampled = (probs / noise).argmax(dim=-1)
+        probs = probabilities(logits, requests)  # [S, V]
+        sampled = (probs / self.exponential_noise(probs.shape, requests).to(probs.device)).argmax(dim=-1)
         if any(greedy):
             sampled = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), sampled)
         return sampled
 
+    def exponential_noise(self, shape: torch.Size, requests: Sequence[SampleRequest]) -> torch.Tensor:
+        """[S, V] Exp(1) draws on the CPU: a seeded request's row from its own generator, the others from the
+        engine's (CPU generators, so a seed gives the same draws on every device)."""
+        noise = torch.empty(shape)
+        shared = [i for i, r in enumerate(requests) if r.generator is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), shape[1]).exponential_(generator=self._generator)
+        for i, r in enumerate(requests):
+            if r.generator is not None:  # seeded: this request's own stream, one row per draw
+                noise[i].exponential_(generator=r.generator)
+        return noise
 
-def _apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
+    def uniform(self, n: int, request: SampleRequest) -> torch.Tensor:
+        """[n] U[0, 1) draws from the request's generator (the engine's when it has no seed)."""
+        return torch.rand(n, generator=request.generator or self._generator)
+
+
+def probabilities(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
+    """The distribution each row is sampled from: [S, V] penalized logits → temperature → top-k → top-p → min-p →
+    probabilities [S, V] (a greedy row is computed at temperature 1; callers take its argmax instead)."""
+    temps = torch.tensor([r.params.temperature if not r.params.greedy else 1.0 for r in requests])
+    temps = temps.clamp_(min=torch.finfo(temps.dtype).tiny)  # 5e-324 would round to 0 in fp32: 0/0 = NaN
+    # shift first: every entry is <= 0, so dividing by a tiny temperature gives -inf, never inf - inf = NaN
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temps.to(logits.device)[:, None]
+    top_k = [r.params.top_k for r in requests]
+    top_p = [r.params.top_p for r in requests]
+    min_p = [r.params.min_p for r in requests]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        scaled = _top_k_top_p(scaled, top_k, top_p)
+    probs = torch.softmax(scaled, dim=-1)  # [S, V]
+    if any(m > 0 for m in min_p):
+        floor = torch.tensor(min_p, device=probs.device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
+    return probs
+
+
+def apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
     """Biases, penalties and min_tokens on the rows that ask for them (a copy; the input is left as is)."""
     rows = [i for i, r in enumerate(requests) if r.params.penalized]
     if not rows:

@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from inference_svc.engine.block_manager import BlockManager
 from inference_svc.engine.config import EngineConfig
 from inference_svc.engine.model_runner import ScheduledSeq
-from inference_svc.engine.sampler import Samples
+from inference_svc.engine.sampler import Emitted
 from inference_svc.engine.sequence import Sequence, SequenceStatus
+from inference_svc.engine.speculative import Speculator
 from inference_svc.engine.types import FinishReason, TokenLogprob
 
 
@@ -60,13 +61,26 @@ class SchedulerCounters:
     num_preemptions: int = 0
     generation_tokens_total: int = 0
     cached_prompt_tokens_total: int = 0
+    spec_verify_steps_total: int = 0
+    """Sequence-steps that verified drafts."""
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_emitted_tokens_total: int = 0
+    """Tokens the verify steps produced (kept drafts + the added token, before stops trimmed any)."""
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        speculator: Speculator | None = None,
+    ) -> None:
         self.config = config
         self.bm = block_manager
         self.max_model_len = max_model_len
+        self.speculator = speculator
         self.waiting: list[Sequence] = []  # sorted by seq_index
         self.running: list[Sequence] = []  # sorted by seq_index
         self.counters = SchedulerCounters()
@@ -92,7 +106,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         preemptions_before = self.counters.num_preemptions
-        # 1. decodes, oldest first
+        # 1. decodes, oldest first (with drafts to verify when speculating)
+        speculate = self.speculator is not None and self.speculator.allows(sum(map(_is_decoding, self.running)))
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -100,8 +115,9 @@ class Scheduler:
                 continue
             if not self._reserve_slot(seq):
                 continue  # seq itself was the newest and got preempted
-            batch.append(ScheduledSeq(seq, seq.num_computed_tokens, 1))
-            budget -= 1
+            draft = self._draft(seq, budget - 1) if speculate else ()
+            batch.append(ScheduledSeq(seq, seq.num_computed_tokens, 1 + len(draft), draft))
+            budget -= 1 + len(draft)
         preempted = self.counters.num_preemptions != preemptions_before
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         # 2. prefill chunks of running sequences
@@ -162,6 +178,24 @@ class Scheduler:
                 return False
         return True
 
+    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """The drafts seq verifies this step, with cache slots for them: never more than the output, the context,
+        the step's token budget or the free blocks allow (drafts never preempt anyone)."""
+        assert self.speculator is not None
+        cap = min(
+            budget,
+            seq.sampling.max_new_tokens - seq.num_output_tokens - 1,  # the added token comes on top of the drafts
+            self.max_model_len - seq.num_tokens - 1,
+        )
+        draft = self.speculator.propose(seq, cap) if cap > 0 else []
+        while draft and len(seq.block_table) < self.bm.blocks_for(seq.num_tokens + len(draft)):
+            block = self.bm.append_block()
+            if block is None:
+                draft = draft[: len(seq.block_table) * self.bm.block_size - seq.num_tokens]
+                break
+            seq.block_table.append(block)
+        return tuple(draft)
+
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq.block_table)
         seq.block_table = []
@@ -175,41 +209,79 @@ class Scheduler:
     def postprocess(
         self,
         batch: list[ScheduledSeq],
-        samples: Samples,
+        emitted: list[Emitted],
         now: float,
         prompt_logprobs: dict[int, list[TokenLogprob]] | None = None,
     ) -> list[StepEvent]:
-        """`samples` holds one row per sampling item of `batch`, in order (`samples.failed`: rows whose logits
-        were not finite); `prompt_logprobs` maps a batch index to the prompt logprobs its chunk computed."""
+        """`emitted` holds one entry per sampling item of `batch`, in order (`failed`: its logits were not
+        finite); `prompt_logprobs` maps a batch index to the prompt logprobs its chunk computed."""
         events: list[StepEvent] = []
-        failed = frozenset(samples.failed)
-        j = 0
+        results = iter(emitted)
         for i, item in enumerate(batch):
             seq = item.seq
-            seq.num_computed_tokens += item.num_tokens
             if prompt_logprobs and i in prompt_logprobs:
                 if seq.prompt_logprobs is None:
                     seq.prompt_logprobs = [None]
                 seq.prompt_logprobs += prompt_logprobs[i]
-            if item.samples and j in failed:
-                events.append(self._fail(seq, now))
-                j += 1
-                continue
-            self._register_full_blocks(seq)
             if not item.samples:
+                seq.num_computed_tokens += item.num_tokens
+                self._register_full_blocks(seq)
                 continue
-            event = self._append_token(seq, samples.tokens[j], now)
-            if seq.sampling.wants_logprobs and samples.logprobs is not None:
-                event.logprobs = [samples.logprobs[j]]
-                if seq.sampling.top_logprobs and samples.top is not None:
-                    event.top_logprobs = [_trimmed(samples.top[j], seq.sampling.top_logprobs)]
+            out = next(results)
+            if out.failed:
+                seq.num_computed_tokens += item.num_tokens
+                events.append(self._fail(seq, now))
+                continue
+            if item.draft:
+                self._count_verify(seq, out, item)
+            event = self._emit(seq, out, now)
             if seq.sampling.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
                 seq.prompt_logprobs_sent = True
                 event.prompt_logprobs = seq.prompt_logprobs or [None]
-            j += 1
             events.append(event)
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         return events
+
+    def _emit(self, seq: Sequence, out: Emitted, now: float) -> StepEvent:
+        """Append out's tokens one by one up to a stop (the tokens after it are dropped, K/V and all), register
+        the newly full blocks, then finish the sequence or give back the blocks of its rejected drafts."""
+        event = StepEvent(seq)
+        seq.num_token_steps += 1
+        reason: FinishReason | None = None
+        for j, token in enumerate(out.tokens):
+            event.new_token_ids.append(token)
+            delta, reason = self._append_token(seq, token, now)
+            event.text_delta += delta
+            if seq.sampling.wants_logprobs and out.logprobs is not None:
+                event.logprobs = (event.logprobs or []) + [out.logprobs[j]]
+                if seq.sampling.top_logprobs and out.top is not None:
+                    event.top_logprobs = (event.top_logprobs or []) + [_trimmed(out.top[j], seq.sampling.top_logprobs)]
+            if reason is not None:
+                break
+        # every sampling item leaves exactly its newest token uncomputed: the K/V of a verify item's rejected
+        # drafts (and of kept ones after a stop) lie past this and are never read
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self._register_full_blocks(seq)
+        if reason is not None:
+            event.text_delta += self._finish(seq, reason, now).text_delta
+            event.finished = True
+            return event
+        keep = self.bm.blocks_for(seq.num_tokens)  # blocks reserved for rejected drafts go back, never cached
+        if len(seq.block_table) > keep:
+            self.bm.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+        return event
+
+    def _count_verify(self, seq: Sequence, out: Emitted, item: ScheduledSeq) -> None:
+        c = self.counters
+        c.spec_verify_steps_total += 1
+        c.spec_draft_tokens_total += len(item.draft)
+        c.spec_accepted_tokens_total += out.num_accepted
+        c.spec_emitted_tokens_total += len(out.tokens)
+        seq.num_draft_tokens += len(item.draft)
+        seq.num_accepted_tokens += out.num_accepted
+        if self.speculator is not None:
+            self.speculator.observe(seq, len(item.draft), out.num_accepted)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         bs = self.bm.block_size
@@ -218,33 +290,32 @@ class Scheduler:
             h = self.bm.register(seq.block_table[idx], parent, seq.token_ids[idx * bs : (idx + 1) * bs])
             seq.block_hashes.append(h)
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> StepEvent:
+    def _append_token(self, seq: Sequence, token: int, now: float) -> tuple[str, FinishReason | None]:
+        """Append one output token: the text it completes, and why the sequence stops there (None: it goes on)."""
         seq.token_ids.append(token)
         self.counters.generation_tokens_total += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
-        event = StepEvent(seq, [token])
         params = seq.sampling
         reason: FinishReason | None = None
+        delta = ""
         may_stop = seq.num_output_tokens > params.min_tokens  # the sampler kept EOS and stop ids out until then
         if may_stop and token in params.stop_token_ids:
             reason, seq.stop_reason = FinishReason.STOP, token
         elif may_stop and token in seq.eos_ids and not params.ignore_eos:
             reason = FinishReason.STOP
         else:
-            event.text_delta = seq.detokenizer.add(token, match_stops=seq.num_output_tokens >= params.min_tokens)
+            delta = seq.detokenizer.add(token, match_stops=seq.num_output_tokens >= params.min_tokens)
             if seq.detokenizer.stopped:
                 reason, seq.stop_reason = FinishReason.STOP, seq.detokenizer.matched_stop
         if reason is None and (seq.num_output_tokens >= params.max_new_tokens or seq.num_tokens >= self.max_model_len):
             reason = FinishReason.LENGTH
-        if reason is not None:
-            final = self._finish(seq, reason, now)
-            event.text_delta += final.text_delta
-            event.finished = True
-        return event
+        return delta, reason
 
     def _fail(self, seq: Sequence, now: float) -> StepEvent:
         """Finish with ERROR: its blocks are discarded (K/V that may be NaN is neither cached nor left behind)."""
+        if self.speculator is not None:
+            self.speculator.forget(seq.request_id)
         scrub = self.bm.discard(seq.block_table) if seq.block_table else []
         seq.block_table = []
         seq.status = SequenceStatus.FINISHED
@@ -254,6 +325,8 @@ class Scheduler:
         return StepEvent(seq, finished=True, error=error, scrub_blocks=scrub)
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> StepEvent:
+        if self.speculator is not None:
+            self.speculator.forget(seq.request_id)
         if seq.block_table:
             self.bm.free(seq.block_table)
         seq.block_table = []

@@ -57,6 +57,12 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """When asked for: one entry per prompt token computed so far (the first is None)."""
     prompt_logprobs_sent: bool = False
+    num_token_steps: int = 0
+    """Steps that appended output tokens (one each, or several for a verify step of speculative decoding)."""
+    num_draft_tokens: int = 0
+    """Drafted tokens verified for this sequence (speculative decoding)."""
+    num_accepted_tokens: int = 0
+    """Of those, the drafts the target kept."""
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

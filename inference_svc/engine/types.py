@@ -38,6 +38,8 @@ MAX_LOGIT_BIAS = 100.0
 """OpenAI's bound on one bias value: -100 bans a token in practice, +100 forces it."""
 MAX_N = 16
 """Most completions of one request (`n`)."""
+MAX_SPECULATIVE_TOKENS = 16
+"""Most drafted tokens one verify step of speculative decoding scores."""
 
 
 class FinishReason(str, enum.Enum):
@@ -96,6 +98,10 @@ class SamplingParams:
     min_tokens: int = 0
     """EOS and the stop token ids cannot be sampled, and stop strings are not matched, before this many tokens
     have been generated (vLLM's)."""
+    num_speculative_tokens: int | None = None
+    """Speculative decoding for this request: at most this many n-gram drafts verified per step (0: off,
+    1..MAX_SPECULATIVE_TOKENS); None: the engine's setting (`--speculative`, `--num-speculative-tokens`). The
+    output is the same as without it (greedy: token for token; sampled: in distribution)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -131,6 +137,8 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:  # also rejects NaN
                 raise InvalidRequestError(name, f"must be in [-2, 2], got {value}")
         object.__setattr__(self, "logit_bias", _normalized_bias(self.logit_bias))
+        if self.num_speculative_tokens is not None:
+            _check_count("num_speculative_tokens", self.num_speculative_tokens, MAX_SPECULATIVE_TOKENS)
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise InvalidRequestError(
                 "min_tokens", f"must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}"
@@ -203,6 +211,22 @@ class Usage:
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
     """Prompt tokens whose K/V came from the prefix cache instead of being computed."""
+    draft_tokens: int = 0
+    """Speculative decoding: drafted tokens the model verified for this request."""
+    accepted_draft_tokens: int = 0
+    """Of those, the ones it kept (each saved one decode step)."""
+    decode_steps: int = 0
+    """Engine steps that produced this request's completion tokens (one token each without speculation)."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Kept drafts / drafts (0 without speculation)."""
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Completion tokens per step that produced any (1 without speculation)."""
+        return self.completion_tokens / self.decode_steps if self.decode_steps else 0.0
 
 
 @dataclass(frozen=True)

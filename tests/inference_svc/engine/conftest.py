@@ -40,11 +40,14 @@ def _hf_model(model_type: str, seed: int):
 
 
 def _save(tmp: Path, model_type: str, tokenizer: Tokenizer, seed: int) -> Path:
-    model = _hf_model(model_type, seed)
+    return _save_model(tmp, model_type, _hf_model(model_type, seed), tokenizer)
+
+
+def _save_model(tmp: Path, name: str, model, tokenizer: Tokenizer) -> Path:
     model.config.eos_token_id = tokenizer.eos_id
     model.config.bos_token_id = tokenizer.bos_id
     model.config.pad_token_id = tokenizer.pad_id
-    folder = tmp / model_type
+    folder = tmp / name
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save(folder)
     return folder
@@ -73,3 +76,36 @@ def make_engine():
         return Engine.from_bundle(path, EngineConfig(**overrides))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def trained_dir(tmp_path_factory, small_tokenizer) -> Path:
+    """The tiny llama trained for a few seconds on standard-library source: it has learned the corpus's common
+    n-grams and, greedy, falls into the loops undertrained models fall into, so prompt lookup has real matches
+    (acceptance on random weights means nothing)."""
+    from shared_model.corpus import CorpusConfig, load_corpus
+
+    model = _hf_model("llama", seed=3)
+    for p in model.parameters():  # a plain small init: trained logits, not the peaked random ones
+        torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else None
+    ids: list[int] = []
+    for text in load_corpus(CorpusConfig(max_documents=40)).texts():
+        ids += small_tokenizer.encode(text)
+        if len(ids) >= TRAIN_TOKENS:
+            break
+    data = torch.tensor(ids[:TRAIN_TOKENS]).view(-1, 64)  # [rows, 64]
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(TRAIN_STEPS):
+        batch = data[torch.randint(0, data.shape[0], (8,), generator=gen)]  # [8, 64]
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return _save_model(tmp_path_factory.mktemp("engine-models"), "trained", model, small_tokenizer)
+
+
+TRAIN_STEPS = 40
+TRAIN_TOKENS = 64 * 512
