@@ -453,9 +453,9 @@ class AsyncEngine:
             item = self._postprocess(out, now)
             if item is not None:
                 batch.append((out.request_id, item))
-        self._post(batch)
-        if self.metrics is not None:
+        if self.metrics is not None:  # before the outputs go out: a client that saw them sees them counted
             self.metrics.observe_stats(self.engine.stats())
+        self._post(batch)
 
     def _postprocess(self, out: RequestOutput, now: float) -> RequestOutput | BaseException | None:
         """One increment of one request: what its reader gets (None: nothing yet)."""

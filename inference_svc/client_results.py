@@ -40,7 +40,8 @@ def _positions(entries: Any) -> tuple[TokenLogprob, ...]:
 
 
 def _usage(u: pb.Usage) -> Usage:
-    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens, u.draft_tokens, u.accepted_draft_tokens,
+                 u.decode_steps)  # fmt: skip
 
 
 def _timing(t: pb.Timing) -> Timing:

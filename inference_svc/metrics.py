@@ -27,7 +27,9 @@ Contract:
   the previous snapshot, so they never go backwards. The prefix cache is exported as two counters, tokens found
   (`tandem_prefix_cache_hits_total`) and tokens looked up (`tandem_prefix_cache_queries_total`), so a hit rate over
   any window is `rate(hits) / rate(queries)`. `tandem_kv_cache_usage_ratio` is used / total KV blocks (0 with no
-  pool).
+  pool). Speculative decoding is four counters in the same spirit: the draft acceptance rate over a window is
+  `rate(tandem_spec_decode_accepted_tokens_total) / rate(tandem_spec_decode_draft_tokens_total)`, and the tokens
+  per verify step `rate(..._emitted_tokens_total) / rate(..._verify_steps_total)`.
 - Requests are counted once at their end: by finish reason when they finish, by gRPC status code when they fail.
 - Thread-safe (prometheus_client is): the engine thread and the event loop both record here. Nothing here blocks.
 """
@@ -220,6 +222,18 @@ class ServiceMetrics:
         self.cached_prompt_tokens = one(
             Counter("tandem_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", m, registry=r)
         )
+        self.spec_verify_steps = one(
+            Counter("tandem_spec_decode_verify_steps", "Sequence-steps that verified drafted tokens.", m, registry=r)
+        )
+        self.spec_draft_tokens = one(
+            Counter("tandem_spec_decode_draft_tokens", "Drafted tokens verified (speculative decoding).", m, registry=r)
+        )
+        self.spec_accepted_tokens = one(
+            Counter("tandem_spec_decode_accepted_tokens", "Drafted tokens the model kept.", m, registry=r)
+        )
+        self.spec_emitted_tokens = one(
+            Counter("tandem_spec_decode_emitted_tokens", "Tokens produced by verify steps.", m, registry=r)
+        )
         self.finished = Counter(
             "tandem_requests_finished", "Requests that finished, by finish reason.", (*m, "finish_reason"), registry=r
         )
@@ -269,6 +283,10 @@ class ServiceMetrics:
             ("cached_prompt_tokens_total", self.cached_prompt_tokens),
             ("prefix_cache_hit_tokens", self.prefix_hits),
             ("prefix_cache_queried_tokens", self.prefix_queries),
+            ("spec_verify_steps_total", self.spec_verify_steps),
+            ("spec_draft_tokens_total", self.spec_draft_tokens),
+            ("spec_accepted_tokens_total", self.spec_accepted_tokens),
+            ("spec_emitted_tokens_total", self.spec_emitted_tokens),
         ):
             value = float(getattr(stats, name))
             delta = value - self._last.get(name, 0.0)

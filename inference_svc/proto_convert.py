@@ -34,6 +34,7 @@ from inference_svc.proto_gen import inference_pb2 as pb
 _SAMPLING_OPTIONAL = (
     "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_tokens", "top_logprobs", "prompt_logprobs",
+    "num_speculative_tokens",
 )  # fmt: skip
 
 FINISH_REASONS = {
@@ -70,8 +71,20 @@ def prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
 
 
 def usage_to_proto(u: Usage) -> pb.Usage:
-    return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                    cached_prompt_tokens=u.cached_prompt_tokens)  # fmt: skip
+    return pb.Usage(**asdict(u))
+
+
+def usage_total(completions: Sequence[Completion]) -> Usage:
+    """One request's usage over its n completions: the prompt once, everything generated summed."""
+    first = completions[0].usage
+    return Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=sum(c.usage.completion_tokens for c in completions),
+        cached_prompt_tokens=first.cached_prompt_tokens,
+        draft_tokens=sum(c.usage.draft_tokens for c in completions),
+        accepted_draft_tokens=sum(c.usage.accepted_draft_tokens for c in completions),
+        decode_steps=sum(c.usage.decode_steps for c in completions),
+    )
 
 
 def timing_to_proto(t: Timing | None) -> pb.Timing:
@@ -127,12 +140,7 @@ def response_from(request_id: str, completions: Sequence[Completion]) -> pb.Gene
         prompt_logprobs=_prompt_positions(first.prompt_logprobs),
     )
     _set_stop(response, first.stop_reason)
-    usage = Usage(
-        prompt_tokens=first.usage.prompt_tokens,
-        completion_tokens=sum(c.usage.completion_tokens for c in completions),
-        cached_prompt_tokens=first.usage.cached_prompt_tokens,
-    )
-    response.usage.CopyFrom(usage_to_proto(usage))
+    response.usage.CopyFrom(usage_to_proto(usage_total(completions)))
     response.timing.CopyFrom(timing_to_proto(first.timing))
     if len(completions) > 1:
         for c in completions:

@@ -122,8 +122,8 @@ class EngineConfig:
     speculative_verify_cost: float = 0.1
     """Cost of one extra verified row relative to a whole decode step: the back-off's cost model speculates only
     while the expected tokens per step beat it (see `inference_svc.engine.speculative`)."""
-    speculative_max_batch: int | None = 8
-    """No drafts in a step with more decoding sequences than this (a wide batch is compute-bound); None: no cap."""
+    speculative_max_batch: int = 8
+    """No drafts in a step with more decoding sequences than this (a wide batch is compute-bound); 0: no cap."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
@@ -177,8 +177,9 @@ class EngineConfig:
         cost = self.speculative_verify_cost
         if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < 1:
             raise EngineConfigError("speculative_verify_cost", f"must be a number in [0, 1), got {cost!r}")
-        if self.speculative_max_batch is not None:
-            _positive_int("speculative_max_batch", self.speculative_max_batch)
+        m = self.speculative_max_batch
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise EngineConfigError("speculative_max_batch", f"must be an integer >= 0 (0: no cap), got {m!r}")
 
     @property
     def kv_cache_bytes(self) -> int | None:

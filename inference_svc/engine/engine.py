@@ -450,7 +450,7 @@ def _speculator(config: EngineConfig) -> Speculator:
         NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max),
         SpeculationPolicy(config.speculative_verify_cost),
         default_k=config.num_speculative_tokens if config.speculative == "ngram" else 0,
-        max_batch=config.speculative_max_batch,
+        max_batch=config.speculative_max_batch or None,
     )
 
 

@@ -45,7 +45,7 @@ from starlette.routing import Route
 
 from inference_svc.async_engine import AsyncEngine
 from inference_svc.chat_template import ChatTemplate
-from inference_svc.engine.types import Completion, FinishReason, RequestOutput, TokenLogprob
+from inference_svc.engine.types import Completion, FinishReason, RequestOutput, TokenLogprob, Usage
 from inference_svc.errors import (
     AuthenticationError,
     EngineStoppedError,
@@ -397,13 +397,25 @@ def _request_id(request: Request, kind: str) -> str:
     return request.headers.get("x-request-id") or f"{kind}-{uuid.uuid4().hex}"
 
 
-def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {
+def _usage(prompt: int, completions: Sequence[Usage], cached: int) -> dict[str, Any]:
+    """OpenAI's usage object over a request's completions. Speculative decoding's drafts are reported in OpenAI's
+    Predicted Outputs fields: each accepted prediction token saved one step, so tokens per step is
+    completion_tokens / (completion_tokens - accepted_prediction_tokens)."""
+    completion = sum(u.completion_tokens for u in completions)
+    out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    drafted = sum(u.draft_tokens for u in completions)
+    if drafted:
+        accepted = sum(u.accepted_draft_tokens for u in completions)
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
+    return out
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
@@ -480,7 +492,8 @@ class _CompletionView(_Tokens):
         self.prompts, self.echo = prompts, echo
         self.started: set[int] = set()
         self.offsets: dict[int, int] = {}
-        self.completion_tokens: dict[int, int] = {}
+        self.finals: dict[int, Usage] = {}
+        """Completion index → its final usage."""
         self.cached: dict[int, int] = {}
 
     def _head(self) -> dict[str, Any]:
@@ -531,18 +544,18 @@ class _CompletionView(_Tokens):
         }
         if out.finished:
             choice["stop_reason"] = out.stop_reason
-            self.completion_tokens[idx] = out.usage.completion_tokens
+            self.finals[idx] = out.usage
             self.cached[p] = out.usage.cached_prompt_tokens
         if not text and not out.finished and not out.new_token_ids:
             return []
         return [{**self._head(), "choices": [choice]}]
 
-    def _usage(self, completion_tokens: int, cached: int) -> dict[str, Any]:
+    def _usage(self, completions: Sequence[Usage], cached: int) -> dict[str, Any]:
         prompt = sum(len(ids) for ids in self.prompts)
-        return _usage(prompt, completion_tokens, cached)
+        return _usage(prompt, completions, cached)
 
     def usage_chunk(self) -> dict[str, Any]:
-        usage = self._usage(sum(self.completion_tokens.values()), sum(self.cached.values()))
+        usage = self._usage(list(self.finals.values()), sum(self.cached.values()))
         return {**self._head(), "choices": [], "usage": usage}
 
     def whole(self, done: list[Completion]) -> dict[str, Any]:
@@ -558,7 +571,7 @@ class _CompletionView(_Tokens):
                 "finish_reason": _FINISH.get(c.finish_reason),  # type: ignore[arg-type]
                 "stop_reason": c.stop_reason,
             })  # fmt: skip
-        usage = self._usage(sum(c.usage.completion_tokens for c in done), sum(cached.values()))
+        usage = self._usage([c.usage for c in done], sum(cached.values()))
         return {**self._head(), "choices": choices, "usage": usage}
 
 
@@ -570,7 +583,8 @@ class _ChatView(_Tokens):
         super().__init__(tokenizer)
         self.rid, self.model, self.created, self.req, self.prompt_tokens = rid, model, created, req, prompt_tokens
         self.started: set[int] = set()
-        self.completion_tokens: dict[int, int] = {}
+        self.finals: dict[int, Usage] = {}
+        """Choice index → its final usage."""
         self.cached = 0
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -596,8 +610,8 @@ class _ChatView(_Tokens):
             content.append(self._entry(t, (lps or [0.0] * len(tokens))[i], top))
         return {"content": content}
 
-    def _usage(self, completion_tokens: int) -> dict[str, Any]:
-        return _usage(self.prompt_tokens, completion_tokens, self.cached)
+    def _usage(self, completions: Sequence[Usage]) -> dict[str, Any]:
+        return _usage(self.prompt_tokens, completions, self.cached)
 
     def chunk(self, p: int, out: RequestOutput) -> list[dict[str, Any]]:
         chunks = []
@@ -615,7 +629,7 @@ class _ChatView(_Tokens):
             }
             if out.finished:
                 choice["stop_reason"] = out.stop_reason
-                self.completion_tokens[out.index] = out.usage.completion_tokens
+                self.finals[out.index] = out.usage
                 self.cached = out.usage.cached_prompt_tokens
             chunks.append({**self._head("chat.completion.chunk"), "choices": [choice]})
         return chunks
@@ -624,7 +638,7 @@ class _ChatView(_Tokens):
         return {
             **self._head("chat.completion.chunk"),
             "choices": [],
-            "usage": self._usage(sum(self.completion_tokens.values())),
+            "usage": self._usage(list(self.finals.values())),
         }
 
     def whole(self, done: list[Completion]) -> dict[str, Any]:
@@ -640,5 +654,5 @@ class _ChatView(_Tokens):
             }
             for c in done
         ]
-        usage = self._usage(sum(c.usage.completion_tokens for c in done))
+        usage = self._usage([c.usage for c in done])
         return {**self._head("chat.completion"), "choices": choices, "usage": usage}

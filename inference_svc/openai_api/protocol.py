@@ -72,6 +72,9 @@ class _Common(BaseModel):
     # Tandem's
     timeout: float | None = Field(None, gt=0)
     """Seconds from arrival until the request is abandoned (DEADLINE: 504, or an error event in a stream)."""
+    num_speculative_tokens: int | None = None
+    """Speculative decoding for this request: at most this many prompt-lookup drafts per step (0: off); None: the
+    server's setting. The output is unchanged by it (greedy) or keeps its distribution (sampled)."""
 
     def sampling(self, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
@@ -106,6 +109,7 @@ class _Common(BaseModel):
             "prompt_logprobs": self.prompt_logprobs,
             "logit_bias": bias,
             "min_tokens": self.min_tokens,
+            "num_speculative_tokens": self.num_speculative_tokens,
         }
         return SamplingParams(**kwargs)
 

@@ -67,7 +67,7 @@ def test_greedy_output_is_unchanged_with_prompt_lookup(trained_dir, make_engine,
     prompts = [texts[i % 3] + "#" * (i // 3) for i in range(batch)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     plain = _tokens(make_engine(trained_dir), prompts, params)
-    spec = make_engine(trained_dir, speculative="ngram", num_speculative_tokens=4, speculative_max_batch=None)
+    spec = make_engine(trained_dir, speculative="ngram", num_speculative_tokens=4, speculative_max_batch=0)
     assert _tokens(spec, prompts, params) == plain
     stats = spec.stats()
     assert stats.spec_accepted_tokens_total > 0
@@ -81,7 +81,7 @@ def test_greedy_output_is_unchanged_when_drafts_are_rejected(model_dir, make_eng
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     plain = _tokens(make_engine(model_dir), prompts, params)
     spec = make_engine(model_dir, speculative="ngram", num_speculative_tokens=4, speculative_verify_cost=0.0,
-                       speculative_max_batch=None)  # fmt: skip
+                       speculative_max_batch=0)  # fmt: skip
     assert _tokens(_drafting_from(spec, prompts, plain, wrong_every=4), prompts, params) == plain
     stats = spec.stats()
     assert 0 < stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total
@@ -100,7 +100,7 @@ def test_greedy_unchanged_under_chunked_prefill_prefix_cache_and_preemption(llam
     )
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     plain = _tokens(make_engine(llama_dir), prompts, params)
-    spec = make_engine(llama_dir, speculative="ngram", speculative_verify_cost=0.0, speculative_max_batch=None,
+    spec = make_engine(llama_dir, speculative="ngram", speculative_verify_cost=0.0, speculative_max_batch=0,
                        **tight)  # fmt: skip
     assert _tokens(_drafting_from(spec, prompts, plain, wrong_every=5), prompts, params) == plain
     stats = spec.stats()
@@ -115,7 +115,7 @@ def test_speculating_and_plain_requests_share_steps(qwen3_dir, make_engine):
     prompts = _prompts(3, 512, 8)
     per = [SamplingParams(max_new_tokens=NEW_TOKENS, num_speculative_tokens=3 if i % 2 else 0) for i in range(8)]
     plain = _tokens(make_engine(qwen3_dir), prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
-    engine = make_engine(qwen3_dir, speculative_max_batch=None)
+    engine = make_engine(qwen3_dir, speculative_max_batch=0)
     results = engine.generate(prompts, per)
     assert [r.token_ids for r in results] == plain
     assert all(r.usage.draft_tokens == 0 for r in results[0::2])
@@ -126,7 +126,7 @@ def test_every_decoding_rule_applies_position_by_position(llama_dir, make_engine
     """Penalties, logit_bias, min_tokens, stop ids and strings, EOS and max_new_tokens with speculation."""
     prompts = _prompts(11, 512, 4)
     plain_engine = make_engine(llama_dir)
-    spec_engine = make_engine(llama_dir, speculative="ngram", num_speculative_tokens=5, speculative_max_batch=None)
+    spec_engine = make_engine(llama_dir, speculative="ngram", num_speculative_tokens=5, speculative_max_batch=0)
     reference = _tokens(plain_engine, prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
     frequent = max(range(512), key=lambda t: sum(r.count(t) for r in reference))
     cases = [
@@ -155,7 +155,7 @@ def test_every_decoding_rule_applies_position_by_position(llama_dir, make_engine
 
 
 def test_usage_reports_acceptance_and_tokens_per_step(llama_dir, make_engine):
-    engine = make_engine(llama_dir, speculative="ngram", speculative_max_batch=None)
+    engine = make_engine(llama_dir, speculative="ngram", speculative_max_batch=0)
     [result] = engine.generate([[5, 6, 7, 8] * 6], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     u = result.usage
     assert u.completion_tokens == NEW_TOKENS
@@ -165,7 +165,7 @@ def test_usage_reports_acceptance_and_tokens_per_step(llama_dir, make_engine):
 
 
 def test_abort_after_a_verify_step_frees_every_block(llama_dir, make_engine):
-    engine = make_engine(llama_dir, speculative="ngram", num_speculative_tokens=8, speculative_max_batch=None)
+    engine = make_engine(llama_dir, speculative="ngram", num_speculative_tokens=8, speculative_max_batch=0)
     for i in range(3):
         engine.add_request(f"r{i}", [9, 10, 11, 12] * 8, SamplingParams(max_new_tokens=200, ignore_eos=True))
     for _ in range(200):
@@ -184,7 +184,7 @@ def test_abort_after_a_verify_step_frees_every_block(llama_dir, make_engine):
 def test_rejected_drafts_leave_no_trace(llama_dir, make_engine):
     """After a run with many rejections, blocks in use equal what the kept tokens need, and the prefix cache holds
     only blocks of tokens that are really in the sequences."""
-    engine = make_engine(llama_dir, speculative="ngram", num_speculative_tokens=8, speculative_max_batch=None)
+    engine = make_engine(llama_dir, speculative="ngram", num_speculative_tokens=8, speculative_max_batch=0)
     prompt = [3, 4, 5, 6, 7, 8, 9, 10] * 4 + [40, 41]
     engine.add_request("r", prompt, SamplingParams(max_new_tokens=60, ignore_eos=True))
     seq = engine._requests["r"]

@@ -43,9 +43,12 @@ def test_field_numbers_are_stable() -> None:
         "max_new_tokens": 1, "temperature": 2, "top_k": 3, "top_p": 4, "min_p": 5, "seed": 6,
         "repetition_penalty": 7, "stop": 8, "stop_token_ids": 9, "ignore_eos": 10, "logprobs": 11,
         "presence_penalty": 12, "frequency_penalty": 13, "logit_bias": 14, "min_tokens": 15, "top_logprobs": 16,
-        "prompt_logprobs": 17, "n": 18,
+        "prompt_logprobs": 17, "n": 18, "num_speculative_tokens": 19,
     }  # fmt: skip
-    assert numbers(pb.Usage) == {"prompt_tokens": 1, "completion_tokens": 2, "cached_prompt_tokens": 3}
+    assert numbers(pb.Usage) == {
+        "prompt_tokens": 1, "completion_tokens": 2, "cached_prompt_tokens": 3, "draft_tokens": 4,
+        "accepted_draft_tokens": 5, "decode_steps": 6,
+    }  # fmt: skip
     assert numbers(pb.Timing) == {"queue_ms": 1, "ttft_ms": 2, "tpot_ms": 3, "total_ms": 4}
     common = {
         "request_id": 1, "text": 2, "token_ids": 3, "finish_reason": 4, "usage": 5, "timing": 6, "logprobs": 7,
