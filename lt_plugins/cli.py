@@ -10,8 +10,11 @@ Contract:
   run, stops training; no checkpoint of that state is written).
 - The run directory is `run_dir` from the config, else `./runs/<run_name>-<timestamp>`; the first process exports
   it as `TANDEM_RUN_DIR` so the processes Lightning launches agree on it. Multi-node runs should set `run_dir`.
-- `export_main([CKPT_DIR, OUT_DIR, "--dtype", "bfloat16"])` consolidates a checkpoint (a run dir picks its newest)
-  into a bundle and prints `bundle: /abs/path`.
+- `export_main([CKPT, OUT_DIR, "--format", "auto"])` consolidates a checkpoint (a ZeRO directory, a run dir: its
+  newest, or a Lightning .ckpt) into a bundle, a state dict or a Hugging Face folder (`lt_plugins.export_any`) and
+  prints `<format>: /abs/path` (`bundle: /abs/path`) last, after the line saying what `auto` chose.
+- A rerun of a finished run (resume=auto finds the final checkpoint, so `fit` trains nothing) still ends with a
+  current bundle: `ExportBundle.ensure()` re-exports it when missing or stale.
 """
 
 from __future__ import annotations
@@ -204,7 +207,7 @@ def run_training(cfg: TrainConfig) -> Path | None:
     if not trainer.is_global_zero:
         return None
     export = next((c for c in trainer.callbacks if isinstance(c, ExportBundle)), None)
-    return export.bundle_path if export is not None else None
+    return export.ensure() if export is not None else None  # a finished run's rerun re-exports a missing/stale bundle
 
 
 def train_main(argv: Sequence[str]) -> int:
@@ -228,20 +231,53 @@ def train_main(argv: Sequence[str]) -> int:
 
 
 def export_main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="tandem export", description="Consolidate a ZeRO checkpoint into a bundle.")
-    parser.add_argument("ckpt_dir", help="checkpoint directory (or a run directory: its newest checkpoint)")
-    parser.add_argument("out_dir", help="bundle folder to write (atomically)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser = argparse.ArgumentParser(
+        prog="tandem export",
+        description="Consolidate a checkpoint of any LightningModule (a ZeRO directory of any stage, a run dir, a "
+        "Lightning .ckpt) into a Tandem bundle, a safetensors state dict or a Hugging Face folder (docs/training.md).",
+    )
+    parser.add_argument("ckpt_dir", help="checkpoint directory, run directory (its newest checkpoint) or .ckpt file")
+    parser.add_argument("out_dir", help="folder to write (atomically)")
+    parser.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", "bundle", "state-dict", "hf"],
+        help="auto: bundle when the run has model_meta/, hf when the checkpoint's hyperparameters hold a Hugging "
+        "Face config, else state-dict (the module's tensors under their own names)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="default: bfloat16 for a bundle, the checkpoint's own dtypes otherwise",
+    )
     parser.add_argument("--model-meta", default=None, help="folder with config.json + tokenizer (default: found)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
+    parser.add_argument("--hf-config", default=None, help="--format hf: the model's config.json (or its folder)")
+    parser.add_argument("--hf-attribute", default=None, help="--format hf: module attribute holding the model")
+    parser.add_argument("--max-shard-size", default="2GiB", help="split the weights into files of this size")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing folder that Tandem wrote")
     args = parser.parse_args(list(argv))
     _quiet()
-    from lt_plugins.export import export_bundle
+    from lt_plugins.export_any import export_checkpoint
+    from lt_plugins.planner_cli import parse_bytes
 
     try:
-        path = export_bundle(args.ckpt_dir, args.out_dir, args.dtype, args.model_meta, overwrite=args.overwrite)
-    except TrainingError as exc:
-        print(f"tandem export: error: {exc}", file=sys.stderr)
+        shard_bytes = int(parse_bytes(args.max_shard_size, "--max-shard-size"))
+        done = export_checkpoint(
+            args.ckpt_dir,
+            args.out_dir,
+            args.format,
+            args.dtype,
+            args.model_meta,
+            args.hf_config,
+            args.hf_attribute,
+            shard_bytes,
+            args.overwrite,
+        )
+    except (TrainingError, SharedModelError, ValueError) as exc:  # ValueError: --max-shard-size
+        print(f"tandem export: error: {one_line(exc)}", file=sys.stderr)
         return 2
-    print(f"bundle: {path}", flush=True)
+    if args.format == "auto":
+        print(f"tandem export: {done.reason}", flush=True)
+    print(f"{done.format}: {done.path}", flush=True)
     return 0

@@ -1,4 +1,7 @@
-"""Export: consolidate a sharded ZeRO checkpoint (any stage) into a shared_model bundle.
+"""Export: consolidate a sharded ZeRO checkpoint (any stage) or a Lightning `.ckpt` into a shared_model bundle.
+
+Other formats for any LightningModule (a safetensors state dict, a Hugging Face folder) live in
+`export_state_dict.py` and `export_hf.py`; `export_any.py` picks one. All of them use the target checks here.
 
 Contract:
 - `consolidate(ckpt_dir)` verifies the checkpoint's manifest first (a partial or corrupt checkpoint is a
@@ -16,21 +19,44 @@ Contract:
   `out_dir` is refused with what is in the way and whether `--overwrite` would replace it. Any refusal is a
   one-line `CheckpointError` starting "refusing to ..." and nothing is written or deleted; a target that changes
   while the shards are read is refused the same way (never blamed on the checkpoint).
+- Provenance: the bundle's manifest records the checkpoint it came from (`checkpoint_read.checkpoint_source`:
+  name, path, SHA-256 of the checkpoint's manifest). `bundle_staleness(bundle, ckpt)` says why a bundle is not
+  the export of `ckpt` (missing; from another checkpoint; older than it, for a bundle without provenance; a file
+  missing or resized; in another dtype than asked), or None when it is.
 - `ExportBundle` is the callback form: when training ends, rank 0 exports the newest checkpoint; all ranks wait.
+  `ExportBundle.ensure()` (called by `tandem train` on rank 0 after `fit`) covers a rerun of a finished run, where
+  Lightning returns from `fit` without training and the callback never fires: it exports the newest checkpoint
+  when the bundle is missing or stale and leaves a current bundle untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
 
-from lt_plugins.checkpoint_io import latest_checkpoint, verify_checkpoint
+from lt_plugins.checkpoint_io import MANIFEST, latest_checkpoint, verify_checkpoint
+from lt_plugins.checkpoint_read import checkpoint_source, read_lightning_state
 from lt_plugins.errors import CheckpointError
 from lt_plugins.lit_module import STATE_PREFIX
-from shared_model.bundle import MANIFEST_FILE, check_bundle_target, read_config, save_bundle
+from shared_model.bundle import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD_BYTES,
+    MANIFEST_FILE,
+    check_bundle_target,
+    dtype_name,
+    manifest_mismatch,
+    parse_dtype,
+    read_config,
+    read_manifest,
+    read_source,
+    save_bundle,
+)
 from shared_model.errors import SharedModelError
 from shared_model.tokenizer import Tokenizer
 
@@ -39,33 +65,55 @@ META_DIR = "model_meta"
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a run directory / checkpoints folder → its newest complete checkpoint."""
+    """A checkpoint directory or Lightning `.ckpt` file, or a run directory / checkpoints folder → its newest
+    complete checkpoint."""
     path = Path(path)
+    if path.is_file():
+        return path  # a Lightning .ckpt file
     if (path / "latest").is_file() or (path / "tandem_manifest.json").is_file():
         return path
     for folder in (path, path / "checkpoints"):
         found = latest_checkpoint(folder)
         if found is not None:
             return found
-    raise CheckpointError(f"no complete checkpoint found at {path}")
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}; give a checkpoint directory, a run dir or a .ckpt file")
+    raise CheckpointError(f"no complete checkpoint found at {path} (no folder with a {MANIFEST} in it or below)")
 
 
-def find_model_meta(ckpt_dir: Path) -> Path:
+def model_meta_or_none(ckpt_dir: Path) -> Path | None:
     """The `model_meta/` folder of the run a checkpoint belongs to (searched in the checkpoint and 3 parents)."""
     for folder in [ckpt_dir, *list(ckpt_dir.resolve().parents)[:3]]:
         if (folder / META_DIR / "config.json").is_file():
             return folder / META_DIR
-    raise CheckpointError(f"no {META_DIR}/config.json next to or above {ckpt_dir}; pass the model folder explicitly")
+    return None
 
 
-def check_export_target(out_dir: str | Path, ckpt_dir: Path, meta_dir: Path, given: str | Path | None = None) -> None:
-    """Raise CheckpointError if writing a bundle to `out_dir` could replace or nest inside what the export reads."""
+def find_model_meta(ckpt_dir: Path) -> Path:
+    """`model_meta_or_none`, or a CheckpointError naming the ways out."""
+    found = model_meta_or_none(ckpt_dir)
+    if found is None:
+        raise CheckpointError(
+            f"no {META_DIR}/config.json next to or above {ckpt_dir}, so it is not a Tandem run: pass --model-meta DIR "
+            "for a bundle, or --format state-dict (any module) or --format hf (a Hugging Face model inside)"
+        )
+    return found
+
+
+def check_export_target(
+    out_dir: str | Path, ckpt_dir: Path, meta_dir: Path | None, given: str | Path | None = None
+) -> None:
+    """Raise CheckpointError if writing a bundle to `out_dir` could replace or nest inside what the export reads.
+    `meta_dir` is the folder the model description comes from (None when the export reads none)."""
     out = Path(out_dir).resolve()
-    ckpt, meta = ckpt_dir.resolve(), meta_dir.resolve()
+    ckpt = ckpt_dir.resolve()
+    meta = meta_dir.resolve() if meta_dir is not None else None
     given_path = Path(given).resolve() if given is not None else None
     # read: out may not be, contain or lie inside these. held: out may not be or contain these (a new folder
     # inside the run, like the default <run>/bundle, is fine; a non-bundle folder there is refused by save_bundle).
-    read: dict[Path, str] = {ckpt: "the checkpoint being exported", meta: "the model description being read"}
+    read: dict[Path, str] = {ckpt: "the checkpoint being exported"}
+    if meta is not None:
+        read[meta] = "the model description being read"
     held: dict[Path, str] = {}
     if given_path is not None:
         held[given_path] = "the checkpoint path given"
@@ -74,7 +122,7 @@ def check_export_target(out_dir: str | Path, ckpt_dir: Path, meta_dir: Path, giv
         held[ckpt.parent.parent] = "the run being read"
     elif ckpt.parent == given_path:
         read[ckpt.parent] = "the folder of checkpoints being read"
-    if meta.name == META_DIR:
+    if meta is not None and meta.name == META_DIR:
         held[meta.parent] = "the run being read"
     guarded = {**held, **read}
     for folder, what in guarded.items():
@@ -125,11 +173,24 @@ def consolidate(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     tag_dir = verify_checkpoint(ckpt_dir)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    try:
-        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag_dir.name)
+    try:  # DeepSpeed prints its progress ("Loading checkpoint shards", "Reconstructed ...") on stdout/stderr
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag_dir.name)
     except Exception as exc:  # DeepSpeed raises ValueError/FileNotFoundError/RuntimeError/pickle errors
         raise CheckpointError(f"cannot consolidate the ZeRO shards in {tag_dir}: {type(exc).__name__}: {exc}") from exc
     return dict(state)
+
+
+def load_module_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The module's full state dict: merged ZeRO shards (fp32) of a checkpoint directory, or a `.ckpt` file's."""
+    return consolidate(ckpt) if ckpt.is_dir() else read_lightning_state(ckpt)
+
+
+def check_finite(ckpt: Path, state: dict[str, torch.Tensor]) -> None:
+    """CheckpointError naming the first floating tensor holding NaN or Inf."""
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{ckpt}: tensor {name} holds NaN or Inf values")
 
 
 def export_bundle(
@@ -139,6 +200,7 @@ def export_bundle(
     meta_dir: str | Path | None = None,
     prefix: str = STATE_PREFIX,
     overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
     """Consolidate `ckpt_dir` and write a bundle to `out_dir` atomically; returns the bundle's absolute path."""
     given, ckpt_dir = ckpt_dir, resolve_checkpoint(ckpt_dir)
@@ -150,19 +212,45 @@ def export_bundle(
         tokenizer = Tokenizer.load(meta) if (meta / "tokenizer.json").is_file() else None
     except SharedModelError as exc:
         raise CheckpointError(f"cannot read the model description in {meta}: {exc}") from exc
-    full = consolidate(ckpt_dir)
+    source = {"format": "bundle", "dtype": dtype_name(parse_dtype(dtype)), **checkpoint_source(ckpt_dir)}
+    full = load_module_state(ckpt_dir)
     state = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
     if not state:
-        raise CheckpointError(f"{ckpt_dir} holds no tensor named '{prefix}…' (found e.g. {sorted(full)[:3]})")
-    for name, tensor in state.items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise CheckpointError(f"{ckpt_dir}: tensor {name} holds NaN or Inf values")
+        raise CheckpointError(
+            f"{ckpt_dir} holds no tensor named '{prefix}…' (found e.g. {sorted(full)[:3]}): not Tandem's "
+            "LitCausalLM; use --format state-dict, or --format hf for a Hugging Face model inside"
+        )
+    check_finite(ckpt_dir, state)
     try:
-        out = save_bundle(out_dir, config, state, tokenizer, dtype=dtype, overwrite=overwrite)
+        out = save_bundle(out_dir, config, state, tokenizer, dtype, max_shard_bytes, overwrite=overwrite, source=source)
     except SharedModelError as exc:
         check_bundle_out(out_dir, overwrite)  # the target changed while the shards were read: say so, not "mismatch"
         raise CheckpointError(f"{ckpt_dir} does not match the model in {meta}: {exc}") from exc
     return out.resolve()
+
+
+def bundle_staleness(bundle: Path, ckpt: Path, dtype: str | None = None) -> str | None:
+    """Why `bundle` is not the export of checkpoint `ckpt` ("missing", "exported from step-000002", ...), or None
+    when it is (its manifest names `ckpt`'s SHA-256, and `dtype` when given, and its files have their listed
+    sizes)."""
+    if not bundle.exists() and not bundle.is_symlink():
+        return "missing"
+    try:
+        files, source = read_manifest(bundle), read_source(bundle)
+    except SharedModelError as exc:
+        return f"its manifest is unreadable ({exc})"
+    if files is not None and manifest_mismatch(bundle, files, check_hashes=False) is not None:
+        return "a file of it is missing or resized"
+    if source is None:  # written before bundles recorded their checkpoint: compare times
+        marker = bundle / (MANIFEST_FILE if files is not None else CONFIG_FILE)
+        newer = marker.is_file() and marker.stat().st_mtime_ns >= (ckpt / MANIFEST).stat().st_mtime_ns
+        return None if newer else f"older than {ckpt.name} and without a record of its checkpoint"
+    if source.get("checkpoint_sha256") == checkpoint_source(ckpt)["checkpoint_sha256"]:
+        wanted = dtype_name(parse_dtype(dtype)) if dtype is not None else None
+        if wanted is not None and source.get("dtype", wanted) != wanted:
+            return f"in {source['dtype']}, not the configured {wanted}"
+        return None
+    return f"exported from {source.get('checkpoint', 'another checkpoint')}, not the newest checkpoint {ckpt.name}"
 
 
 class ExportBundle(Callback):
@@ -193,3 +281,19 @@ class ExportBundle(Callback):
         trainer.strategy.barrier("tandem_export_done")
         if error is not None:
             raise error
+
+    def ensure(self) -> Path | None:
+        """On rank 0 after `fit`: the bundle path, (re-)exported from the newest checkpoint when `fit` returned
+        without training (a finished run) and the bundle is missing or stale; a current bundle is left untouched."""
+        if self.bundle_path is not None:  # exported at the end of this fit
+            return self.bundle_path
+        ckpt = latest_checkpoint(self.checkpoint_dir)
+        if ckpt is None:
+            return None  # nothing trained and nothing saved: no bundle to make
+        why = bundle_staleness(self.out_dir, ckpt, self.dtype)
+        if why is None:
+            rank_zero_info(f"bundle {self.out_dir} is the export of {ckpt.name}: left as it is")
+            return self.out_dir.resolve()
+        rank_zero_info(f"bundle {self.out_dir} is {why}: exporting {ckpt.name}")
+        self.bundle_path = export_bundle(ckpt, self.out_dir, self.dtype, self.meta_dir, overwrite=True)
+        return self.bundle_path

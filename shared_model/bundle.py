@@ -22,6 +22,8 @@ Contract:
 - Every file of a bundle gets the mode open() gives, 0666 minus the umask (0644 under the usual 022), the weights
   too (safetensors itself would leave them 0600).
 - `sha256_file` is the one file-hashing helper (lt_plugins' checkpoint manifest uses it too).
+- `save_bundle(..., source={...})` records provenance in the manifest (`read_source` reads it back); lt_plugins'
+  export stores the checkpoint it came from there, so a finished run can tell a stale bundle from a current one.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ GENERATION_FILE = "generation_config.json"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 MANIFEST_FILE = "tandem_bundle.json"
-"""Tandem's bundle manifest and marker: {"format": 1, "files": {name: {"bytes": n, "sha256": hex}}}."""
+"""Tandem's bundle manifest and marker: {"format": 1, "files": {name: {"bytes": n, "sha256": hex}}}, plus an
+optional "source" object (provenance: which checkpoint the folder was exported from; readers may ignore it)."""
 MANIFEST_FORMAT = 1
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -255,11 +258,23 @@ def manifest_mismatch(
     return None
 
 
-def _write_manifest(folder: Path) -> None:
-    """Record every file of a freshly written bundle folder (written last, before the folder is renamed)."""
+def write_manifest(folder: Path, source: Mapping[str, object] | None = None) -> None:
+    """Record every file of a freshly written bundle folder (written last, before the folder is renamed), with
+    the optional provenance `source` (JSON values)."""
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
     entries = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
-    _write_json(folder / MANIFEST_FILE, {"format": MANIFEST_FORMAT, "files": entries})
+    data: dict[str, object] = {"format": MANIFEST_FORMAT, "files": entries}
+    if source is not None:
+        data["source"] = dict(source)
+    _write_json(folder / MANIFEST_FILE, data)
+
+
+def read_source(folder: str | Path) -> dict | None:
+    """The provenance object of a folder's tandem_bundle.json; None without a manifest or without a source."""
+    if read_manifest(folder) is None:  # validates the manifest
+        return None
+    source = _read_json(Path(folder) / MANIFEST_FILE).get("source")
+    return source if isinstance(source, dict) else None
 
 
 def read_manifest(folder: str | Path) -> dict[str, dict] | None:
@@ -340,10 +355,12 @@ def save_bundle(
     dtype: str | torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    source: Mapping[str, object] | None = None,
 ) -> Path:
     """Write a bundle atomically and return its path. `state_dict` may be a model; dtype None keeps each
     tensor's own dtype (the config records the dtype of the first floating tensor). `overwrite` replaces an
-    existing `out_dir` only if it is empty or a Tandem bundle (see `check_bundle_target`)."""
+    existing `out_dir` only if it is empty or a Tandem bundle (see `check_bundle_target`). `source` is recorded
+    in the manifest as provenance."""
     out_dir = Path(out_dir)
     check_bundle_target(out_dir, overwrite)
     if tokenizer is not None and tokenizer_id_bound(tokenizer) > config.vocab_size:
@@ -365,7 +382,7 @@ def save_bundle(
         _write_json(tmp / GENERATION_FILE, _generation_config(config))
         if tokenizer is not None:
             tokenizer.save(tmp)
-        _write_manifest(tmp)
+        write_manifest(tmp, source)
         _fsync_dir(tmp)
         check_bundle_target(out_dir, overwrite)  # again: the folder may have changed while the weights were written
         _replace_dir(tmp, out_dir)
