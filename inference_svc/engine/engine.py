@@ -12,6 +12,9 @@ Contract:
   `generate()` raises `RequestFailedError` for it.
 - Times come from `time.monotonic()`; `Timing` is in milliseconds from the request's arrival.
 - Bytes per KV token come from `shared_model.ledger` (2 · layers · kv_width · bytes per element).
+- Speculative decoding (`config.speculative`, or per request `SamplingParams.num_speculative_tokens`): the
+  scheduler's `Speculator` drafts by prompt lookup; a verify item's K + 1 rows go to `rejection.verify`, the others
+  to the sampler, and usage reports drafts, kept drafts and steps.
 - Load-time transforms, in order: merged projections (`shared_model.fuse`), then `config.quantization`
   (`shared_model.quantize`); a model that cannot take the quantization is refused (`ModelLoadError` naming the
   weight). `config.threads`, when set, sizes torch's process-wide intra-op thread pool.

@@ -6,7 +6,9 @@ Contract:
 - `schedule()` builds one step under two limits, `max_num_seqs` running sequences and `max_num_batched_tokens`
   tokens, with this mixing policy:
     1. decodes first: every running sequence that has finished its prefill gets its one token (oldest first),
-       so a long prompt never freezes the decodes already running;
+       so a long prompt never freezes the decodes already running. With speculative decoding (`Speculator`), a
+       decode may carry drafts: a verify item of 1 + K tokens, K capped so the drafts never exceed the request's
+       remaining tokens, the context or the step's budget, and backed by free blocks only (drafts never preempt);
     2. then the prefill chunks of running sequences still prefilling (at most `prefill_chunk_size` tokens each);
     3. then new admissions from the head of `waiting`, while blocks for the whole prompt are free (prefix-cache
        hits included), the sequence cap allows it and token budget remains. Admission is FCFS: the head of the
@@ -18,7 +20,10 @@ Contract:
 - `postprocess()` advances computed counts, registers newly full blocks with the prefix cache, appends sampled
   tokens (with their logprobs) and the prompt logprobs the step computed, detokenizes, checks stop conditions
   (EOS, stop ids and stop strings only once `min_tokens` tokens exist; which one matched is `stop_reason`), and
-  frees the blocks of finished sequences at once. A sequence asking for prompt logprobs is admitted without a
+  frees the blocks of finished sequences at once. A verify item's tokens (kept drafts + one) are appended one by
+  one with the same checks; those after a stop are dropped. Every sampling item leaves exactly its newest token
+  uncomputed, so the K/V of rejected drafts lies beyond `num_computed_tokens` (never read, never registered) and
+  the blocks reserved only for them go back to the pool in the same step. A sequence asking for prompt logprobs is admitted without a
   prefix-cache lookup (its cached positions would have no logits). A sequence whose
   row the sampler could not sample (non-finite logits) finishes with `FinishReason.ERROR`: its blocks are
   discarded, not cached, and listed for the engine to zero, because NaN left in a block would reach the next

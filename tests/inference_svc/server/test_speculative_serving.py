@@ -7,6 +7,8 @@ be proposed and kept on the tiny random model.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import httpx2 as httpx
 import pytest
@@ -74,3 +76,41 @@ def test_http_usage_uses_openais_prediction_fields_and_metrics_count(spec_server
     assert drafted >= metric_value(after, name) > 0
     steps = metric_value(after, "tandem_spec_decode_verify_steps_total")
     assert metric_value(after, "tandem_spec_decode_emitted_tokens_total") > steps > 0
+
+
+def test_cancel_and_deadline_during_speculation_free_every_block(bundle_dir) -> None:
+    """Each increment of a 'slow-' request costs 0.3 s in the engine thread (a test-only hook), so 60 tokens at up
+    to 5 per step take over 3 s whatever the machine: the 1 s deadline always lands mid-generation."""
+
+    def slow(out) -> None:
+        if out.request_id.startswith("slow-"):
+            time.sleep(0.3)
+
+    srv = make_server(bundle_dir, fault_hook=slow, engine=engine_config(speculative="ngram", speculative_max_batch=0))
+    try:
+        with TandemClient(srv.target, timeout=60) as client:
+            stream = client.generate_stream(
+                PROMPT, request_id="slow-cancel", max_new_tokens=60, logit_bias=LOOP, ignore_eos=True
+            )
+            got = [next(stream), next(stream)]
+            stream.close()
+            _wait_idle(srv)
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate(PROMPT, request_id="slow-deadline", max_new_tokens=60, logit_bias=LOOP,
+                                ignore_eos=True, timeout=1.0)  # fmt: skip
+            assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            stats = _wait_idle(srv)
+        assert sum(len(m.token_ids) for m in got) >= 2
+        assert stats.spec_draft_tokens_total > 0 and stats.spec_verify_steps_total >= 2
+    finally:
+        srv.close()
+
+
+def _wait_idle(server: ServerThread, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        st = server.stats()
+        if st.num_running == 0 and st.num_waiting == 0 and st.kv_blocks_used == 0:
+            return st
+        assert time.monotonic() < deadline, f"KV blocks or requests left behind: {st}"
+        time.sleep(0.05)
