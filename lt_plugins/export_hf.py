@@ -142,7 +142,8 @@ def _select(state: dict[str, torch.Tensor], model: Any, attribute: str | None, c
     unexpected = sorted(set(sub) - expected)
     if missing or unexpected or not sub:
         if not sub:
-            problem = f"no tensor name starts with '{prefix}'"
+            tops = ", ".join(sorted({k.split(".")[0] for k in state})[:8])
+            problem = f"no tensor name starts with '{prefix}'; the module's attributes: {tops}"
         elif missing:
             problem = f"it lacks {', '.join(missing[:4])}"
         else:
