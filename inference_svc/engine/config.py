@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from inference_svc.engine.types import MAX_SPECULATIVE_TOKENS
 from inference_svc.errors import InferenceError
@@ -110,9 +111,9 @@ class EngineConfig:
     threads: int | None = None
     """CPU threads for the model's ops (torch intra-op threads); None: torch's default, one per core."""
     speculative: str = "off"
-    """Speculative decoding by default: 'off', or 'ngram' (drafts by prompt lookup, verified in one batched
-    forward; greedy output unchanged, sampled output in distribution). A request may turn it on or off for itself
-    with `num_speculative_tokens`."""
+    """Speculative decoding by default: 'off', 'ngram' (drafts by prompt lookup) or the folder of a small draft
+    model sharing the target's tokenizer; drafts are verified in one batched forward, greedy output is unchanged
+    and sampled output keeps its distribution. A request may turn it on or off with `num_speculative_tokens`."""
     num_speculative_tokens: int = 4
     """Most drafted tokens verified per step when speculating (1..16)."""
     speculative_ngram_min: int = 1
@@ -157,11 +158,12 @@ class EngineConfig:
             raise EngineConfigError("device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
     def _check_speculative(self) -> None:
-        if self.speculative not in SPECULATIVE_METHODS:
+        if not isinstance(self.speculative, str) or (
+            self.speculative not in SPECULATIVE_METHODS and not Path(self.speculative).is_dir()
+        ):
             raise EngineConfigError(
                 "speculative",
-                f"must be one of {SPECULATIVE_METHODS}, got {self.speculative!r} (drafting with a second model is "
-                "not supported: prompt lookup needs no draft weights)",
+                f"must be 'off', 'ngram' or the folder of a draft model, got {self.speculative!r} (no such folder)",
             )
         for name in ("num_speculative_tokens", "speculative_ngram_min", "speculative_ngram_max"):
             _positive_int(name, getattr(self, name))
@@ -180,6 +182,11 @@ class EngineConfig:
         m = self.speculative_max_batch
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise EngineConfigError("speculative_max_batch", f"must be an integer >= 0 (0: no cap), got {m!r}")
+
+    @property
+    def draft_model_path(self) -> Path | None:
+        """The draft model's folder, when `speculative` names one."""
+        return None if self.speculative in SPECULATIVE_METHODS else Path(self.speculative)
 
     @property
     def kv_cache_bytes(self) -> int | None:

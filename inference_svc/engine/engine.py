@@ -33,12 +33,13 @@ import torch
 from inference_svc.engine.block_manager import BlockManager
 from inference_svc.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from inference_svc.engine.detokenizer import IncrementalDetokenizer
+from inference_svc.engine.draft_model import DraftModelProposer
 from inference_svc.engine.model_runner import BackendFactory, ModelRunner, ScheduledSeq
 from inference_svc.engine.rejection import verify
 from inference_svc.engine.sampler import Emitted, Sampler, SampleRequest
 from inference_svc.engine.scheduler import Scheduler, StepEvent
 from inference_svc.engine.sequence import Sequence
-from inference_svc.engine.speculative import NgramProposer, SpeculationPolicy, Speculator
+from inference_svc.engine.speculative import NgramProposer, Proposer, SpeculationPolicy, Speculator
 from inference_svc.engine.types import (
     Completion,
     EngineInfo,
@@ -54,6 +55,7 @@ from shared_model import ledger
 from shared_model.bundle import Bundle, load_bundle, parse_dtype
 from shared_model.config import ModelConfig
 from shared_model.fuse import fuse_projections
+from shared_model.model import CausalLM
 from shared_model.quantize import QuantizationError, quantize_weights, serving_weight_bytes
 from shared_model.tokenizer import Tokenizer
 
@@ -130,7 +132,13 @@ class Engine:
     """Paged-KV continuous-batching inference over one model."""
 
     def __init__(
-        self, bundle: Bundle, config: EngineConfig, device: torch.device, backend_name: str, backend: BackendFactory
+        self,
+        bundle: Bundle,
+        config: EngineConfig,
+        device: torch.device,
+        backend_name: str,
+        backend: BackendFactory,
+        draft: Bundle | None = None,
     ) -> None:
         if bundle.tokenizer is None:
             raise ModelLoadError(f"{bundle.path}: the model folder has no tokenizer.json")
@@ -141,19 +149,24 @@ class Engine:
         self.dtype = bundle.dtype
         self.attention_backend = backend_name
         self.model_path = bundle.path
-        model = bundle.model
-        try:  # the load-time transforms: merged projections, then the weight format asked for
-            quantize_weights(fuse_projections(model), config.quantization, config.quantization_group_size)
-        except QuantizationError as exc:
-            raise ModelLoadError(f"{bundle.path}: quantization {config.quantization}: {exc}") from exc
+        model = _prepared(bundle, config)
+        draft_model = None
+        if draft is not None:
+            _check_draft(bundle, draft)
+            draft_model = _prepared(draft, config)
+        self.draft_path = None if draft is None else draft.path
         self.weight_bytes = serving_weight_bytes(model)
+        self.draft_weight_bytes = 0 if draft_model is None else serving_weight_bytes(draft_model)
         self.bytes_per_token = kv_bytes_per_token(self.model_config, self.dtype)
-        budget = _kv_budget(config, device, self.weight_bytes)
+        self.draft_bytes_per_token = 0 if draft is None else kv_bytes_per_token(draft.config, draft.dtype)
+        budget = _kv_budget(config, device, self.weight_bytes + self.draft_weight_bytes)
         bs = config.block_size
-        num_blocks = budget // (bs * self.bytes_per_token)
+        per_token = self.bytes_per_token + self.draft_bytes_per_token  # a draft model's K/V shares the budget
+        num_blocks = budget // (bs * per_token)
         if num_blocks < 1:
             raise ModelLoadError(
-                f"kv_cache_memory: {budget} bytes hold no block of {bs} tokens ({self.bytes_per_token} bytes/token)"
+                f"kv_cache_memory: {budget} bytes hold no block of {bs} tokens ({per_token} bytes/token"
+                + (f", {self.draft_bytes_per_token} of them the draft model's)" if draft else ")")
             )
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
@@ -161,12 +174,16 @@ class Engine:
             num_blocks * bs,
         )
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, _speculator(config))
         self.runner = ModelRunner(model, self.model_config, num_blocks, bs, self.dtype, device, backend)
+        self.draft_runner = None
+        if draft is not None and draft_model is not None:
+            self.draft_runner = ModelRunner(draft_model, draft.config, num_blocks, bs, draft.dtype, device, backend,
+                                            prompt_logprobs=False)  # fmt: skip
         self.sampler = Sampler()
         self._eos_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_id} if self.tokenizer.eos_id is not None else set()
         )
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self._speculator())
         self._requests: dict[str, Sequence] = {}
         self._pending_aborts: list[str] = []
         self._next_index = 0
@@ -182,10 +199,34 @@ class Engine:
             bundle = load_bundle(path, dtype=dtype, device=device, verify_checksums=config.verify_checksums)
         except Exception as exc:
             raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
+        draft = None
+        if config.draft_model_path is not None:
+            try:
+                draft = load_bundle(config.draft_model_path, dtype=bundle.dtype, device=device,
+                                    verify_checksums=config.verify_checksums)  # fmt: skip
+            except Exception as exc:
+                where = f"speculative: cannot load the draft model from {config.speculative}"
+                raise ModelLoadError(f"{where}: {exc}") from exc
         backend_name, backend = _resolve_backend(config.attention_backend, device)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        return cls(bundle, config, device, backend_name, backend)
+        return cls(bundle, config, device, backend_name, backend, draft)
+
+    def _speculator(self) -> Speculator:
+        """Always built: a request may ask for speculation on an engine that does not speculate by default (it
+        then drafts by prompt lookup, or with the draft model when the engine has one)."""
+        c = self.config
+        proposer: Proposer
+        if self.draft_runner is not None:
+            proposer = DraftModelProposer(self.draft_runner, self.sampler, self._eos_ids, c.prefill_chunk_size)
+        else:
+            proposer = NgramProposer(c.speculative_ngram_min, c.speculative_ngram_max)
+        return Speculator(
+            proposer,
+            SpeculationPolicy(c.speculative_verify_cost),
+            default_k=c.num_speculative_tokens if c.speculative != "off" else 0,
+            max_batch=c.speculative_max_batch or None,
+        )
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -277,6 +318,8 @@ class Engine:
             scrub = [b for e in events for b in e.scrub_blocks]
             if scrub:
                 self.runner.zero_blocks(scrub)
+                if self.draft_runner is not None:
+                    self.draft_runner.zero_blocks(scrub)
         outputs = [self._to_output(e) for e in events]
         for e in events:
             if e.finished:
@@ -299,7 +342,7 @@ class Engine:
                                   self._eos_ids)
                     for i in range(b.num_sample_rows)
                 ]  # fmt: skip
-                out[j] = verify(self.sampler, rows[r : r + b.num_sample_rows], requests, b.draft)
+                out[j] = verify(self.sampler, rows[r : r + b.num_sample_rows], requests, b.draft, b.draft_probs)
             else:
                 plain.append(j)
                 plain_rows.append(r)
@@ -377,10 +420,13 @@ class Engine:
             attention_backend=self.attention_backend,
             kv_blocks_total=self.block_manager.num_blocks,
             kv_bytes_per_token=self.bytes_per_token,
-            kv_cache_bytes=self.runner.cache.nbytes,
+            kv_cache_bytes=self.runner.cache.nbytes + (self.draft_runner.cache.nbytes if self.draft_runner else 0),
             weight_bytes=self.weight_bytes,
             peak_workspace_bytes=self.runner.peak_workspace_bytes,
             config=self.config,
+            draft_model_path=self.draft_path,
+            draft_kv_bytes_per_token=self.draft_bytes_per_token,
+            draft_weight_bytes=self.draft_weight_bytes,
         )
 
     # ------------------------------------------------------------------ offline use
@@ -447,14 +493,31 @@ def _timing(seq: Sequence) -> Timing:
                   total_ms=ms(seq.finish_time))  # fmt: skip
 
 
-def _speculator(config: EngineConfig) -> Speculator:
-    """Always built: a request may ask for speculation on an engine that does not speculate by default."""
-    return Speculator(
-        NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max),
-        SpeculationPolicy(config.speculative_verify_cost),
-        default_k=config.num_speculative_tokens if config.speculative == "ngram" else 0,
-        max_batch=config.speculative_max_batch or None,
-    )
+def _prepared(bundle: Bundle, config: EngineConfig) -> CausalLM:
+    """The bundle's model after the load-time transforms: merged projections, then the weight format asked for."""
+    try:
+        return quantize_weights(fuse_projections(bundle.model), config.quantization, config.quantization_group_size)
+    except QuantizationError as exc:
+        raise ModelLoadError(f"{bundle.path}: quantization {config.quantization}: {exc}") from exc
+
+
+def _check_draft(target: Bundle, draft: Bundle) -> None:
+    """A draft model must speak the target's vocabulary: the same ids for the same tokens."""
+    where = f"speculative: the draft model {draft.path}"
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ModelLoadError(
+            f"{where} has vocab_size {draft.config.vocab_size}, the target {target.config.vocab_size}: "
+            "a draft model must share the target's tokenizer"
+        )
+    if draft.tokenizer is not None and target.tokenizer is not None:
+        mine, theirs = draft.tokenizer.token_strings(), target.tokenizer.token_strings()
+        if mine != theirs:
+            pairs = enumerate(zip(mine, theirs, strict=False))
+            first = next((i for i, (a, b) in pairs if a != b), min(len(mine), len(theirs)))
+            raise ModelLoadError(
+                f"{where} has a different tokenizer (first difference at token id {first}): a draft model must "
+                "share the target's tokenizer"
+            )
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -35,37 +35,44 @@ from shared_model.model import CausalLM
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """One sequence's share of a step: compute tokens [start, start + num_tokens).
+    """One sequence's share of a step: compute positions [start, start + num_tokens).
 
-    A verify item (speculative decoding) is a decoding sequence's last token followed by its `draft` tokens, which
-    are not in `seq.token_ids`: positions [start, start + num_tokens) hold `token_ids[start:] + draft`, and every
-    one of its rows is scored.
+    With `draft` (speculative decoding), positions index `seq.token_ids + draft`: the drafted tokens are not in the
+    sequence. A verify item is a decoding sequence's last token followed by all its drafts (every row is scored);
+    a draft model's decode step is one drafted token at its position.
     """
 
     seq: Sequence
     start: int
     num_tokens: int
     draft: tuple[int, ...] = ()
+    draft_probs: torch.Tensor | None = None
+    """[K, V] fp32: the distributions the drafts were sampled from (None: point masses)."""
 
     @property
     def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.start == self.seq.num_tokens - 1 and self.start > 0
+        return self.num_tokens == 1 and self.start == self.seq.num_tokens - 1 and self.start > 0 and not self.draft
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the sequence's last token (so it produces a new token)."""
+        """Whether this step reaches the end of the sequence (its drafts included), so it produces a token."""
         return self.start + self.num_tokens == self.seq.num_tokens + len(self.draft)
 
     @property
     def num_sample_rows(self) -> int:
-        """Logits rows this item gets back: K + 1 for a verify item, 1 for another sampling item, else 0."""
-        return 1 + len(self.draft) if self.samples else 0
+        """Logits rows this item gets back: one per position from the sequence's last token on (K + 1 for a
+        verify item, 1 for any other item that samples), else 0."""
+        if not self.samples:
+            return 0
+        return min(self.num_tokens, self.start + self.num_tokens - self.seq.num_tokens + 1)
 
     @property
     def token_ids(self) -> list[int]:
         """The tokens at positions [start, start + num_tokens)."""
-        own = self.seq.token_ids[self.start : self.start + self.num_tokens - len(self.draft)]
-        return [*own, *self.draft] if self.draft else own
+        end = self.start + self.num_tokens
+        if not self.draft or end <= self.seq.num_tokens:
+            return self.seq.token_ids[self.start : end]
+        return [*self.seq.token_ids, *self.draft][self.start : end]
 
 
 BackendFactory = Callable[[KVCache, AttentionMetadata], Callable]
@@ -102,8 +109,11 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         backend_factory: BackendFactory | None = None,
+        prompt_logprobs: bool = True,
     ) -> None:
         self.model = model
+        self.computes_prompt_logprobs = prompt_logprobs
+        """False for a draft model's runner: the target's logits are the ones reported."""
         self.config = model_config
         self.block_size = block_size
         self.device = device
@@ -171,7 +181,7 @@ class ModelRunner:
         prompt_rows = [
             _prompt_rows(i, b, first_row[id(b)])
             for i, b in enumerate(batch)
-            if b.seq.sampling.prompt_logprobs is not None
+            if b.seq.sampling.prompt_logprobs is not None and self.computes_prompt_logprobs
         ]
         # Logits rows follow the caller's batch order, not the flat layout (decodes first): a cache-hit admission
         # whose remaining prompt is one token runs as a decode yet sits after prefill chunks in the batch.

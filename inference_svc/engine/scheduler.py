@@ -23,9 +23,9 @@ Contract:
   frees the blocks of finished sequences at once. A verify item's tokens (kept drafts + one) are appended one by
   one with the same checks; those after a stop are dropped. Every sampling item leaves exactly its newest token
   uncomputed, so the K/V of rejected drafts lies beyond `num_computed_tokens` (never read, never registered) and
-  the blocks reserved only for them go back to the pool in the same step. A sequence asking for prompt logprobs is admitted without a
-  prefix-cache lookup (its cached positions would have no logits). A sequence whose
-  row the sampler could not sample (non-finite logits) finishes with `FinishReason.ERROR`: its blocks are
+  the blocks reserved only for them go back to the pool in the same step. A sequence asking for prompt logprobs
+  is admitted without a prefix-cache lookup (its cached positions would have no logits). A sequence whose row
+  the sampler could not sample (non-finite logits) finishes with `FinishReason.ERROR`: its blocks are
   discarded, not cached, and listed for the engine to zero, because NaN left in a block would reach the next
   owner through attention's masked positions (NaN times a zero weight is NaN); the others in the step go on.
 """
@@ -40,7 +40,7 @@ from inference_svc.engine.config import EngineConfig
 from inference_svc.engine.model_runner import ScheduledSeq
 from inference_svc.engine.sampler import Emitted
 from inference_svc.engine.sequence import Sequence, SequenceStatus
-from inference_svc.engine.speculative import Speculator
+from inference_svc.engine.speculative import Draft, Speculator
 from inference_svc.engine.types import FinishReason, TokenLogprob
 
 
@@ -120,9 +120,9 @@ class Scheduler:
                 continue
             if not self._reserve_slot(seq):
                 continue  # seq itself was the newest and got preempted
-            draft = self._draft(seq, budget - 1) if speculate else ()
-            batch.append(ScheduledSeq(seq, seq.num_computed_tokens, 1 + len(draft), draft))
-            budget -= 1 + len(draft)
+            draft = self._draft(seq, budget - 1) if speculate else Draft()
+            batch.append(ScheduledSeq(seq, seq.num_computed_tokens, 1 + len(draft.tokens), *draft))
+            budget -= 1 + len(draft.tokens)
         preempted = self.counters.num_preemptions != preemptions_before
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         # 2. prefill chunks of running sequences
@@ -183,7 +183,7 @@ class Scheduler:
                 return False
         return True
 
-    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+    def _draft(self, seq: Sequence, budget: int) -> Draft:
         """The drafts seq verifies this step, with cache slots for them: never more than the output, the context,
         the step's token budget or the free blocks allow (drafts never preempt anyone)."""
         assert self.speculator is not None
@@ -192,14 +192,21 @@ class Scheduler:
             seq.sampling.max_new_tokens - seq.num_output_tokens - 1,  # the added token comes on top of the drafts
             self.max_model_len - seq.num_tokens - 1,
         )
-        draft = self.speculator.propose(seq, cap) if cap > 0 else []
-        while draft and len(seq.block_table) < self.bm.blocks_for(seq.num_tokens + len(draft)):
+        if cap <= 0 or self.speculator.k_max(seq) <= 0:
+            return Draft()
+        # slots first: a draft model writes its own K/V at the drafted positions while it drafts
+        while len(seq.block_table) < self.bm.blocks_for(seq.num_tokens + cap):
             block = self.bm.append_block()
             if block is None:
-                draft = draft[: len(seq.block_table) * self.bm.block_size - seq.num_tokens]
+                cap = len(seq.block_table) * self.bm.block_size - seq.num_tokens
                 break
             seq.block_table.append(block)
-        return tuple(draft)
+        draft = self.speculator.propose(seq, cap) if cap > 0 else Draft()
+        keep = self.bm.blocks_for(seq.num_tokens + len(draft.tokens))
+        if len(seq.block_table) > keep:
+            self.bm.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+        return draft
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq.block_table)

@@ -3,7 +3,9 @@
 Contract:
 - A verify step feeds a decoding sequence's last token plus K drafted tokens to the target model as one chunk of
   K + 1 query rows over the paged cache (the chunked-prefill path), so one weight read scores K + 1 positions.
-  Which of those tokens are kept is `rejection.verify`'s business; this module only proposes.
+  Which of those tokens are kept is `rejection.verify`'s business; this module only proposes. A proposer returns
+  a `Draft`: the tokens, and the distributions they were sampled from when they were sampled (a draft model on a
+  sampled request, `draft_model.DraftModelProposer`); n-gram drafts are point masses.
 - `NgramProposer` drafts by prompt lookup: the longest suffix of the sequence (n from `ngram_max` down to
   `ngram_min` tokens) that occurred earlier in its prompt or output proposes the K tokens that followed its most
   recent earlier occurrence (when those run past the end, the match overlaps the suffix: the sequence is looping,
@@ -23,6 +25,9 @@ Contract:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+import torch
 
 from inference_svc.engine.sequence import Sequence
 
@@ -30,6 +35,21 @@ MAX_PAUSE = 64
 """Longest back-off, in steps, before a sequence whose drafts were being rejected tries again."""
 EMA_WEIGHT = 0.3
 """Weight of the latest verify step's acceptance rate in the moving average."""
+
+
+class Draft(NamedTuple):
+    """What a proposer drafted for one sequence."""
+
+    tokens: tuple[int, ...] = ()
+    probs: torch.Tensor | None = None
+    """[K, V] fp32: the distribution each token was sampled from (a draft model's, for a sampled request); None:
+    point masses (a deterministic proposer, or greedy drafting)."""
+
+
+class Proposer(Protocol):
+    def propose(self, seq: Sequence, k: int) -> Draft: ...
+
+    def forget(self, request_id: str) -> None: ...
 
 
 class NgramProposer:
@@ -42,10 +62,10 @@ class NgramProposer:
         self.ngram_max = ngram_max
         self._index: dict[str, _NgramIndex] = {}
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
+    def propose(self, seq: Sequence, k: int) -> Draft:
         """Up to k tokens that followed the latest earlier occurrence of seq's longest matching suffix."""
         if k <= 0:
-            return []
+            return Draft()
         index = self._index.get(seq.request_id)
         if index is None:
             index = self._index[seq.request_id] = _NgramIndex(self.ngram_min, self.ngram_max)
@@ -54,8 +74,8 @@ class NgramProposer:
         for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
             start = index.latest[n - self.ngram_min].get(tuple(tokens[len(tokens) - n :]))
             if start is not None:
-                return _continuation(tokens, start, k)
-        return []
+                return Draft(tuple(_continuation(tokens, start, k)))
+        return Draft()
 
     def forget(self, request_id: str) -> None:
         self._index.pop(request_id, None)
@@ -164,9 +184,7 @@ class Speculator:
     sequences exceed it (a wide batch is compute-bound, so extra rows are no longer free).
     """
 
-    def __init__(
-        self, proposer: NgramProposer, policy: SpeculationPolicy, default_k: int, max_batch: int | None
-    ) -> None:
+    def __init__(self, proposer: Proposer, policy: SpeculationPolicy, default_k: int, max_batch: int | None) -> None:
         self.proposer = proposer
         self.policy = policy
         self.default_k = default_k
@@ -180,10 +198,10 @@ class Speculator:
         """Whether a step with this many decoding sequences drafts at all."""
         return self.max_batch is None or num_decoding <= self.max_batch
 
-    def propose(self, seq: Sequence, cap: int) -> list[int]:
+    def propose(self, seq: Sequence, cap: int) -> Draft:
         """Up to min(cap, the policy's K) drafts for seq."""
         k = self.policy.num_drafts(seq.request_id, min(self.k_max(seq), cap))
-        return self.proposer.propose(seq, k) if k else []
+        return self.proposer.propose(seq, k) if k else Draft()
 
     def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
         self.policy.observe(seq.request_id, drafted, accepted)

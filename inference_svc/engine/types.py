@@ -101,7 +101,8 @@ class SamplingParams:
     num_speculative_tokens: int | None = None
     """Speculative decoding for this request: at most this many n-gram drafts verified per step (0: off,
     1..MAX_SPECULATIVE_TOKENS); None: the engine's setting (`--speculative`, `--num-speculative-tokens`). The
-    output is the same as without it (greedy: token for token; sampled: in distribution)."""
+    output is the same as without it (greedy: token for token; sampled: in distribution). A seeded sampled
+    request repeats itself under the same speculation: drafts change how its random stream is consumed."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -290,6 +291,11 @@ class EngineInfo:
     peak_workspace_bytes: int
     config: EngineConfig
     """The engine's settings as given (block size, batching limits, prefix caching, ...)."""
+    draft_model_path: Path | None = None
+    """Speculative decoding's draft model, when the engine drafts with one."""
+    draft_kv_bytes_per_token: int = 0
+    """The draft model's K/V per token: `kv_cache_bytes` holds both models' K/V for `kv_blocks_total` blocks."""
+    draft_weight_bytes: int = 0
 
     @property
     def quantization(self) -> str:

@@ -15,6 +15,7 @@ import random
 import pytest
 
 from inference_svc.engine import SamplingParams
+from inference_svc.engine.speculative import Draft
 
 NEW_TOKENS = 24
 
@@ -44,13 +45,13 @@ class KnownContinuation:
         self.wrong_every = wrong_every
         self.vocab = vocab
 
-    def propose(self, seq, k: int) -> list[int]:
+    def propose(self, seq, k: int) -> Draft:
         ref = self.reference[tuple(seq.token_ids[: seq.num_prompt_tokens])]
         done = seq.num_output_tokens
-        return [
+        return Draft(tuple(
             (t + 1) % self.vocab if (done + i) % self.wrong_every == self.wrong_every - 1 else t
             for i, t in enumerate(ref[done : done + k])
-        ]
+        ))  # fmt: skip
 
     def forget(self, request_id: str) -> None:
         pass

@@ -116,16 +116,16 @@ def _seq(tokens: list[int]) -> Sequence:
 def test_prompt_lookup_proposes_what_followed_the_longest_latest_match():
     p = NgramProposer(ngram_min=1, ngram_max=3)
     seq = _seq([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
-    assert p.propose(seq, 2) == [7, 8]  # "2 3" last occurred before 7 8 (the longest suffix found: "2 3")
+    assert p.propose(seq, 2).tokens == (7, 8)  # "2 3" last occurred before 7 8 (the longest suffix found: "2 3")
     seq.token_ids += [7]
-    assert p.propose(seq, 3) == [8, 5, 2]  # "2 3 7" → 8 5 2 (index caught up incrementally)
-    assert p.propose(_seq([4, 5, 6]), 3) == []
-    assert p.propose(_seq([1, 2, 3]), 0) == []
+    assert p.propose(seq, 3).tokens == (8, 5, 2)  # "2 3 7" → 8 5 2 (index caught up incrementally)
+    assert p.propose(_seq([4, 5, 6]), 3).tokens == ()
+    assert p.propose(_seq([1, 2, 3]), 0).tokens == ()
 
 
 def test_prompt_lookup_continues_a_loop_past_the_end():
     p = NgramProposer(ngram_min=1, ngram_max=4)
-    assert p.propose(_seq([7, 1, 2, 1, 2, 1, 2]), 5) == [1, 2, 1, 2, 1]
+    assert p.propose(_seq([7, 1, 2, 1, 2, 1, 2]), 5).tokens == (1, 2, 1, 2, 1)
 
 
 def test_back_off_stops_drafting_when_drafts_are_rejected_and_recovers():
