@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from inference_svc.dataclass_flags import FlagSpec, add_flags, from_args
-from inference_svc.engine.config import ATTENTION_BACKENDS, SPECULATIVE_METHODS, EngineConfig
+from inference_svc.engine.config import ATTENTION_BACKENDS, EngineConfig
 from inference_svc.errors import InferenceError
 from inference_svc.generate_cli import stream_completion
 from inference_svc.settings import AdmissionLimits, ServerSettings, host_port
@@ -46,7 +46,6 @@ ENGINE_FLAGS = FlagSpec(
         "attention_backend": ATTENTION_BACKENDS,
         "quantization": QUANTIZATIONS,
         "quantization_group_size": INT4_GROUP_SIZES,
-        "speculative": SPECULATIVE_METHODS,
     },
 )
 """Every `EngineConfig` field is a `tandem serve` flag (`dataclass_flags`); these keep the names the flags had
