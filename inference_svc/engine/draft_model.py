@@ -59,6 +59,9 @@ class _DraftCache:
 class DraftModelProposer:
     """A draft model's proposals (see the module docstring)."""
 
+    writes_kv = True
+    """It writes its K/V at the drafted positions: the scheduler reserves their slots before proposing."""
+
     def __init__(self, runner: ModelRunner, sampler: Sampler, eos_ids: frozenset[int], chunk: int) -> None:
         self.runner = runner
         self.sampler = sampler

@@ -185,28 +185,37 @@ class Scheduler:
 
     def _draft(self, seq: Sequence, budget: int) -> Draft:
         """The drafts seq verifies this step, with cache slots for them: never more than the output, the context,
-        the step's token budget or the free blocks allow (drafts never preempt anyone)."""
+        the step's token budget or the free blocks allow (drafts never preempt anyone, and a proposer that writes
+        no K/V gets slots only for what it drafted)."""
         assert self.speculator is not None
         cap = min(
             budget,
             seq.sampling.max_new_tokens - seq.num_output_tokens - 1,  # the added token comes on top of the drafts
             self.max_model_len - seq.num_tokens - 1,
         )
-        if cap <= 0 or self.speculator.k_max(seq) <= 0:
+        k = self.speculator.num_drafts(seq, cap) if cap > 0 else 0
+        if k == 0:
             return Draft()
-        # slots first: a draft model writes its own K/V at the drafted positions while it drafts
-        while len(seq.block_table) < self.bm.blocks_for(seq.num_tokens + cap):
-            block = self.bm.append_block()
-            if block is None:
-                cap = len(seq.block_table) * self.bm.block_size - seq.num_tokens
-                break
-            seq.block_table.append(block)
-        draft = self.speculator.propose(seq, cap) if cap > 0 else Draft()
+        if self.speculator.writes_kv:  # a draft model writes K/V at the drafted positions while it drafts
+            draft = self.speculator.propose(seq, self._reserve_draft_slots(seq, k))
+        else:
+            draft = self.speculator.propose(seq, k)
+            n = self._reserve_draft_slots(seq, len(draft.tokens))
+            draft = Draft(draft.tokens[:n], None if draft.probs is None else draft.probs[:n])
         keep = self.bm.blocks_for(seq.num_tokens + len(draft.tokens))
         if len(seq.block_table) > keep:
             self.bm.free(seq.block_table[keep:])
             del seq.block_table[keep:]
         return draft
+
+    def _reserve_draft_slots(self, seq: Sequence, k: int) -> int:
+        """Free blocks for k drafts past seq's tokens, as far as there are any: how many drafts got slots."""
+        while len(seq.block_table) < self.bm.blocks_for(seq.num_tokens + k):
+            block = self.bm.append_block()
+            if block is None:
+                return len(seq.block_table) * self.bm.block_size - seq.num_tokens
+            seq.block_table.append(block)
+        return k
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq.block_table)

@@ -47,6 +47,9 @@ class Draft(NamedTuple):
 
 
 class Proposer(Protocol):
+    writes_kv: bool
+    """Whether proposing writes K/V at the drafted positions (a draft model), so their slots must come first."""
+
     def propose(self, seq: Sequence, k: int) -> Draft: ...
 
     def forget(self, request_id: str) -> None: ...
@@ -54,6 +57,8 @@ class Proposer(Protocol):
 
 class NgramProposer:
     """Prompt-lookup drafting (see the module docstring)."""
+
+    writes_kv = False
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4) -> None:
         if not 1 <= ngram_min <= ngram_max:
@@ -198,10 +203,17 @@ class Speculator:
         """Whether a step with this many decoding sequences drafts at all."""
         return self.max_batch is None or num_decoding <= self.max_batch
 
-    def propose(self, seq: Sequence, cap: int) -> Draft:
-        """Up to min(cap, the policy's K) drafts for seq."""
-        k = self.policy.num_drafts(seq.request_id, min(self.k_max(seq), cap))
-        return self.proposer.propose(seq, k) if k else Draft()
+    def num_drafts(self, seq: Sequence, cap: int) -> int:
+        """The policy's K for seq this step, at most cap (0: decode plainly). Call once per step and sequence."""
+        return self.policy.num_drafts(seq.request_id, min(self.k_max(seq), cap))
+
+    @property
+    def writes_kv(self) -> bool:
+        return self.proposer.writes_kv
+
+    def propose(self, seq: Sequence, k: int) -> Draft:
+        """Up to k drafts for seq."""
+        return self.proposer.propose(seq, k) if k > 0 else Draft()
 
     def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
         self.policy.observe(seq.request_id, drafted, accepted)

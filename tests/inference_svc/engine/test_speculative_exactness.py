@@ -40,6 +40,8 @@ class KnownContinuation:
     """A drafter that knows each prompt's plain greedy output and gets every `wrong_every`-th output position
     wrong (so rejections happen at known places, whatever the step boundaries)."""
 
+    writes_kv = False
+
     def __init__(self, prompts, outputs, wrong_every: int, vocab: int = 512) -> None:
         self.reference = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
         self.wrong_every = wrong_every
