@@ -134,32 +134,82 @@ def ensure_tools(version: str = VERSION, jobs: int | None = None, log=print, amx
     """Build (once) or find `llama-bench` and `llama-quantize` for `version` (in `build/`, or `build-amx/` with AMX
     left to GGML_NATIVE). A cached build made with other cmake flags is rebuilt."""
     vdir = cache_root() / version
-    vdir.mkdir(parents=True, exist_ok=True)
     build = vdir / ("build-amx" if amx else "build")
-    flags = cmake_flags(amx)
+    src, info, build_s = _ensure_build(vdir, version, build, cmake_flags(amx), TARGETS, jobs, log)
+    return Tools(version, src, build / "bin" / TARGETS[0], build / "bin" / TARGETS[1], build_s, build_s == 0.0, info)
+
+
+EXAMPLE_TARGETS = ["llama-lookup"]
+
+
+@dataclass
+class Examples:
+    """Example programs (`examples/` of the vendored llama.cpp) built beside the tools, same flags otherwise."""
+
+    version: str
+    bins: dict[str, Path]  # target -> binary
+    build_s: float  # seconds this run spent building (0.0 when the cache was used)
+    cached: bool
+    info: dict[str, Any]
+
+
+def example_flags(amx: bool) -> list[str]:
+    """The tools' cmake flags with the examples on (they need the common library, which the tools' flags build)."""
+    flags = [f for f in cmake_flags(amx) if not f.startswith("-DLLAMA_BUILD_EXAMPLES=")]
+    return [*flags, "-DLLAMA_BUILD_EXAMPLES=ON"]
+
+
+def ensure_examples(
+    tools: Tools, targets: list[str] | None = None, jobs: int | None = None, log=print, amx: bool | None = None
+) -> Examples:
+    """Build (once) or find example `targets` (default `llama-lookup`) for `tools.version` in `build-examples/`
+    (`build-examples-amx/` with AMX; `amx` None: as `tools` were built), a separate build folder configured with
+    -DLLAMA_BUILD_EXAMPLES=ON that builds only those targets (and what they link: ggml, llama, llama-common).
+    Same lock and temporary-then-rename discipline as `ensure_tools`; a cached folder with other flags, or without
+    one of `targets`, is rebuilt (with the targets it had as well)."""
+    targets = list(targets or EXAMPLE_TARGETS)
+    if amx is None:
+        amx = tools.info.get("cmake_flags") == CMAKE_FLAGS
+    vdir = cache_root() / tools.version
+    build = vdir / ("build-examples-amx" if amx else "build-examples")
+    flags = example_flags(amx)
+    info_file = build / "tandem_build.json"
+    old = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    if old.get("cmake_flags") == flags:
+        targets = sorted(set(targets) | set(old.get("targets", [])))
+    _, info, build_s = _ensure_build(vdir, tools.version, build, flags, targets, jobs, log)
+    return Examples(tools.version, {t: build / "bin" / t for t in targets}, build_s, build_s == 0.0, info)
+
+
+def _ensure_build(
+    vdir: Path, version: str, build: Path, flags: list[str], targets: list[str], jobs: int | None, log
+) -> tuple[Path, dict[str, Any], float]:
+    """(the vendored llama.cpp source, the build's info, seconds spent building: 0.0 when cached). Builds `targets`
+    into a temporary folder beside `build` and renames it into place on success, under `vdir/.lock`."""
+    vdir.mkdir(parents=True, exist_ok=True)
     with _locked(vdir / ".lock"):
         for stale in [*vdir.glob(".src-*"), *vdir.glob(".build-*")]:  # left by an interrupted run (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
         src = _ensure_source(vdir, version) / "vendor" / "llama.cpp"
         info_file = build / "tandem_build.json"
         info = json.loads(info_file.read_text()) if info_file.is_file() else {}
-        if info.get("cmake_flags") == flags and all((build / "bin" / t).is_file() for t in TARGETS):
-            return Tools(version, src, build / "bin" / TARGETS[0], build / "bin" / TARGETS[1], 0.0, True, info)
+        if info.get("cmake_flags") == flags and all((build / "bin" / t).is_file() for t in targets):
+            return src, info, 0.0
         tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=vdir))
         blog = vdir / f"{build.name}.log"
         blog.write_text("")
         jobs = jobs or os.cpu_count() or 1
-        log(f"building llama.cpp ({version}) targets {' '.join(TARGETS)} with {jobs} jobs; log {blog}", flush=True)
+        log(f"building llama.cpp ({version}) targets {' '.join(targets)} with {jobs} jobs; log {blog}", flush=True)
         t0 = time.monotonic()
         try:
             _run_logged(["cmake", "-S", str(src), "-B", str(tmp), *flags], blog, 600, what="cmake configure")
-            cmd = ["cmake", "--build", str(tmp), "--config", "Release", "-j", str(jobs), "--target", *TARGETS]
+            cmd = ["cmake", "--build", str(tmp), "--config", "Release", "-j", str(jobs), "--target", *targets]
             _run_logged(cmd, blog, 7200, what="llama.cpp build")
             build_s = time.monotonic() - t0
-            for t in TARGETS:
+            for t in targets:
                 if not (tmp / "bin" / t).is_file():
                     raise StepError(f"build finished but {tmp / 'bin' / t} is missing; log {blog}")
-            info = {"version": version, "build_s": build_s, "cmake_flags": flags, "jobs": jobs,
+            info = {"version": version, "build_s": build_s, "cmake_flags": flags, "jobs": jobs, "targets": targets,
                     "built_at": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
             (tmp / "tandem_build.json").write_text(json.dumps(info, indent=1) + "\n")
             if build.exists():
@@ -167,8 +217,8 @@ def ensure_tools(version: str = VERSION, jobs: int | None = None, log=print, amx
             tmp.rename(build)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        log(f"built llama.cpp in {build_s:.0f} s", flush=True)
-        return Tools(version, src, build / "bin" / TARGETS[0], build / "bin" / TARGETS[1], build_s, False, info)
+        log(f"built llama.cpp {' '.join(targets)} in {build_s:.0f} s", flush=True)
+        return src, info, build_s
 
 
 # ------------------------------------------------------------------------------------------------ conversion
@@ -258,14 +308,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--version", default=VERSION)
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--amx", action="store_true", help="leave AMX on (GGML_NATIVE's choice); see NO_AMX")
+    p.add_argument("--examples", default="", help=f"comma-separated example targets to build too, e.g. "
+                   f"{','.join(EXAMPLE_TARGETS)} (in build-examples/)")  # fmt: skip
     args = p.parse_args(argv)
     try:
         tools = ensure_tools(args.version, args.jobs, amx=args.amx)
+        state = "cached" if tools.cached else f"built in {tools.build_s:.0f} s"
+        print(f"llama.cpp {tools.version} ({state}): {tools.bench} {tools.quantize}")
+        targets = [t.strip() for t in args.examples.split(",") if t.strip()]
+        if targets:
+            ex = ensure_examples(tools, targets, args.jobs, amx=args.amx)
+            state = (
+                f"cached, built in {ex.info.get('build_s', 0):.0f} s" if ex.cached else f"built in {ex.build_s:.0f} s"
+            )
+            print(f"llama.cpp {tools.version} examples ({state}): {' '.join(str(b) for b in ex.bins.values())}")
     except StepError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    state = "cached" if tools.cached else f"built in {tools.build_s:.0f} s"
-    print(f"llama.cpp {tools.version} ({state}): {tools.bench} {tools.quantize}")
     return 0
 
 
