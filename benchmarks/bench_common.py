@@ -53,9 +53,9 @@ def _rank_main(case: dict[str, Any]) -> None:
 
     from lt_plugins.config import DataSection, OptimSection
     from lt_plugins.data import Blocks, CorpusDataModule
+    from lt_plugins.ledger_measure import held_bytes_by_role
     from lt_plugins.lit_module import LitCausalLM
     from lt_plugins.precision import PrecisionPolicyCallback
-    from lt_plugins.state_bytes import state_bytes
     from lt_plugins.strategy import ZeroStrategy
     from shared_model.config import get_preset
 
@@ -78,13 +78,13 @@ def _rank_main(case: dict[str, Any]) -> None:
 
         def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
             if not self.grads:
-                self.grads = state_bytes(module, trainer.strategy.optimizers[0]).grads
+                self.grads = held_bytes_by_role(module, trainer.strategy.optimizers[0])["grads"]
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
             self.times.append(time.perf_counter() - self.t0)
             self.loss = float(trainer.strategy.reduce(outputs["loss"].detach().float(), reduce_op="mean"))
             if not self.bytes:
-                self.bytes = state_bytes(module, trainer.strategy.optimizers[0]).as_dict()
+                self.bytes = held_bytes_by_role(module, trainer.strategy.optimizers[0])
                 self.bytes["grads"] = self.grads
 
     strategy: Any = "ddp" if case["strategy"] == "ddp" else ZeroStrategy(stage=case["stage"])

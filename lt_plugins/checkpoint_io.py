@@ -8,21 +8,23 @@ Contract:
   that never finished, or not a Tandem checkpoint), a listed file missing (partial copy), a size or hash mismatch
   (corrupt file), or no DeepSpeed `latest` tag. It returns the tag directory.
 - `latest_checkpoint(folder)` is the newest checkpoint with a manifest under a run's checkpoint folder, or None.
-- `PeriodicCheckpoint` saves `step-NNNNNN` directories every N optimizer steps and at the end of training. Before
-  each save it checks, on every process, that the last training loss and every parameter are finite; if not it
-  raises `NonFiniteError` and writes nothing, so a checkpoint of NaN/inf state never exists, let alone becomes
-  the newest (`latest_checkpoint`) one that resume and export pick.
+- `PeriodicCheckpoint` runs Lightning's `ModelCheckpoint` (every N optimizer steps, keep the newest K) writing
+  `step-NNNNNN` directories, plus a save at the end of training. Before each save it checks, on every process,
+  that the last training loss and every parameter are finite; if not it raises `NonFiniteError` and writes
+  nothing, so a checkpoint of NaN/inf state never exists, let alone becomes the newest (`latest_checkpoint`) one
+  that resume and export pick.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lt_plugins.errors import CheckpointError
 from lt_plugins.finite import check_finite_before_save, loss_from_outputs
@@ -88,42 +90,77 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
     return max(done, key=lambda p: (p / MANIFEST).stat().st_mtime_ns, default=None)
 
 
+class _StepDirectories(ModelCheckpoint):
+    """Lightning's ModelCheckpoint naming `step-NNNNNN` directories, keeping the newest K (top-k on the step), and
+    asking its owner before each save."""
+
+    FILE_EXTENSION = ""  # DeepSpeed checkpoints are directories: step-000005, not step-000005.ckpt
+
+    def __init__(self, owner: PeriodicCheckpoint, dirpath: Path, every_n_steps: int, keep_last: int) -> None:
+        super().__init__(
+            dirpath=dirpath,
+            filename="step-{step:06d}",
+            auto_insert_metric_name=False,
+            monitor="step",
+            mode="max",
+            save_top_k=keep_last,
+            every_n_train_steps=every_n_steps,
+            enable_version_counter=False,
+        )
+        self._owner = owner
+
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        path = Path(filepath)
+        check_finite_before_save(trainer, trainer.lightning_module, path.name, self._owner.last_loss)  # or raises
+        super()._save_checkpoint(trainer, filepath)
+        self._owner.saved.append(path)
+
+
 class PeriodicCheckpoint(Callback):
     """Sharded checkpoints `<dirpath>/step-NNNNNN` every N optimizer steps and at the end; keeps the newest K.
 
-    Works with any strategy whose `save_checkpoint` writes a directory with a manifest (ZeroStrategy does)."""
+    The schedule, naming and pruning are Lightning's `ModelCheckpoint(every_n_train_steps=N, save_top_k=K)`, held
+    inside (so this also runs under `Trainer(enable_checkpointing=False)`, which refuses a ModelCheckpoint in the
+    callbacks); what it adds is what Lightning lacks: a save at the end of training and the finiteness check before
+    every save. The manifest marking a save complete is written by the strategy's `save_checkpoint` (ZeroStrategy
+    does), so this works with any strategy that writes one. A resumed run does not save its starting step again."""
 
     def __init__(self, dirpath: str | Path, every_n_steps: int, keep_last: int = 2) -> None:
         if every_n_steps <= 0 or keep_last <= 0:
             raise CheckpointError(f"every_n_steps and keep_last must be > 0, got {every_n_steps}, {keep_last}")
         self.dirpath, self.every_n_steps, self.keep_last = Path(dirpath), every_n_steps, keep_last
-        self._last_saved: int | None = None
-        self._last_loss: Any = None
+        self.last_loss: Any = None
+        """The loss of the last training step (checked before a save)."""
         self.saved: list[Path] = []
+        """The checkpoints written in this process's fits."""
+        self._steps = _StepDirectories(self, self.dirpath, every_n_steps, keep_last)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        with warnings.catch_warnings():  # resuming writes into the run's own checkpoint folder: that is the design
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+            self._steps.setup(trainer, pl_module, stage)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._last_saved = trainer.global_step  # a resumed run does not re-save the step it resumed from
+        self._steps.on_train_start(trainer, pl_module)
+        self._steps._last_global_step_saved = trainer.global_step  # a resumed run: its starting step is saved
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, *args: Any) -> None:
-        self._last_loss = loss_from_outputs(outputs)
-        step = trainer.global_step
-        if step % self.every_n_steps == 0 and step != self._last_saved:
-            self._save(trainer, pl_module)
+        self.last_loss = loss_from_outputs(outputs)
+        self._steps.on_train_batch_end(trainer, pl_module, outputs, *args)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._steps.on_train_epoch_end(trainer, pl_module)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._steps.on_validation_end(trainer, pl_module)  # where ModelCheckpoint saves a step it deferred
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.global_step != self._last_saved:
-            self._save(trainer, pl_module)
+        if trainer.global_step != self._steps._last_global_step_saved:
+            self._steps._save_topk_checkpoint(trainer, self._steps._monitor_candidates(trainer))
 
-    def _save(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        path = self.dirpath / f"step-{trainer.global_step:06d}"
-        check_finite_before_save(trainer, pl_module, path.name, self._last_loss)  # raises: nothing is written
-        # weights_only=False said explicitly (it is the default): left unset, Lightning logs "`weights_only` was not
-        # set, defaulting to `False`." on every rank at every save.
-        trainer.save_checkpoint(path, weights_only=False)
-        self._last_saved = trainer.global_step
-        self.saved.append(path)
-        if trainer.is_global_zero:
-            done = sorted(p for p in self.dirpath.glob("step-*") if (p / MANIFEST).is_file())
-            for old in done[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-        trainer.strategy.barrier("tandem_checkpoint_pruned")
+    def state_dict(self) -> dict[str, Any]:
+        return self._steps.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict:
+            self._steps.load_state_dict(state_dict)

@@ -13,7 +13,9 @@ Contract:
   - `attention`: inside each chosen block, the modules of class `attention_classes` (default `CoreAttention`:
     scores, softmax, weighted sum; no parameters) are recomputed; projections keep their saved activations.
   - `ops`: each chosen block runs under `torch.utils.checkpoint.create_selective_checkpoint_contexts`; outputs of
-    the ops in `save_ops` (default: matmuls and fused attention) are kept, every other op is recomputed.
+    the ops in `save_ops` (default: matmuls and fused attention) are kept, every other op is recomputed. A kept
+    output that the forward later changes in place (`out += bias`) is kept as it was when saved, so the recompute
+    repeats that change on the right value; ops issued by DeepSpeed's ZeRO-3 hooks are neither kept nor looked up.
 - Non-reentrant checkpointing only (`use_reentrant=False`); with grad disabled the original forward runs.
 - Nothing here knows about shared_model or DeepSpeed. Under ZeRO-3 a checkpointed module should reach its parameters
   through child modules (true of transformer blocks and of `CoreAttention`), so that recompute re-gathers them
@@ -41,10 +43,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     _CachedTorchDispatchMode,
     _CachingTorchDispatchMode,
+    _detach_helper,
+    _VersionWrapper,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
@@ -246,13 +251,49 @@ def _issued_by_deepspeed() -> bool:
     return False
 
 
+def _written_tensors(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The arguments an op writes into (`add_`'s self, an `out=`), from its schema's alias annotations."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+    return out
+
+
 class _ZeroAwareCaching(_CachingTorchDispatchMode):
-    """The forward half of torch's selective checkpoint, blind to the ops DeepSpeed's hooks issue."""
+    """The forward half of torch's selective checkpoint, blind to the ops DeepSpeed's hooks issue, and safe against
+    an in-place op on a saved output.
+
+    torch keeps a saved op's output by reference; an in-place op on it later in the forward (DeepSpeed ZeRO-3's
+    `LinearFunctionForZeroStage3` does `output = input.matmul(weight.t()); output += bias`) changes the saved value,
+    and the recompute then hands back the mutated tensor and repeats the mutation (the bias added twice: wrong
+    activations and gradients, no error; torch's version check does not see it). Before such an op runs, the saved
+    entries that share its target's storage are replaced by copies of their current value."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if _issued_by_deepspeed():
             return func(*args, **(kwargs or {}))
+        if func._schema.is_mutable:
+            self._copy_saved_before_write(_written_tensors(func, args, kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _copy_saved_before_write(self, targets: list[torch.Tensor]) -> None:
+        written = {t.untyped_storage().data_ptr() for t in targets if t.numel()}
+        if not written:
+            return
+
+        def copy_if_written(entry: Any) -> Any:
+            val = entry.val if isinstance(entry, _VersionWrapper) else None
+            if isinstance(val, torch.Tensor) and val.numel() and val.untyped_storage().data_ptr() in written:
+                return _VersionWrapper(_detach_helper(val.clone()))
+            return entry
+
+        for entries in self.storage.values():
+            for idx, entry in list(entries.items()):
+                if isinstance(entry, (_VersionWrapper, tuple, list)):  # not torch's _RECOMPUTE / _CONSUMED markers
+                    entries[idx] = tree_map(copy_if_written, entry)
 
 
 class _ZeroAwareCached(_CachedTorchDispatchMode):

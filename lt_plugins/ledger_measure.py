@@ -7,6 +7,10 @@ Contract:
   reading only what they hold: parameter data and stage-3 shards (`ds_tensor`), the inner optimizer's parameters
   (the fp32 master copy, when they are not the model's own tensors), gradients in `param.grad` and DeepSpeed's
   gradient partitions (`averaged_gradients`), and the inner optimizer's state.
+- `held_bytes_by_role(module, optimizer)` is the same measurement keyed `params`, `master`, `grads`, `optimizer`
+  (the benchmarks' and the ZeRO tests' JSON field names).
+- This is the one measurer of held bytes: DeepSpeed's private attribute names are listed here only
+  (`_MASTER_ATTRS`, `_GRAD_ATTRS`, `ipg_buckets`), checked against DeepSpeed 0.19.
 - `bucket_bytes_held(optimizer)` sums DeepSpeed's reduce-bucket buffers (`ipg_buckets`) alive at the call.
 - Bytes are the union of the byte ranges the tensors cover in each storage: views count once, a shard counts its
   own range, not the flat buffer around it; a tensor already counted under an earlier term is not counted again.
@@ -84,6 +88,10 @@ def _tensors(obj: Any, depth: int = 3) -> Iterator[torch.Tensor]:
 _MASTER_ATTRS = ("fp32_groups", "single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
 """Where DeepSpeed keeps the fp32 master copy: stage-0 mixed precision, stages 1-2, stage 3."""
 
+_GRAD_ATTRS = ("averaged_gradients", "grad_partitions_flat_buffer")
+"""Where DeepSpeed keeps gradient partitions between backward and step: stages 1-3 (`averaged_gradients`, views
+into the flat buffer at stage 3) and stage 3's flat buffer of this rank's partitions."""
+
 
 def _deepspeed_optimizer(optimizer: Any) -> Any:
     """The DeepSpeed optimizer under a LightningOptimizer wrapper (or the optimizer itself)."""
@@ -111,10 +119,18 @@ def held_state_bytes(module: nn.Module, optimizer: Any) -> dict[str, int]:
     out[MASTER] = ranges.claim([*(p.data for p in masters), *copies])
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     grads += [p.grad for p in masters if p.grad is not None]
-    grads += list(_tensors(getattr(outer, "averaged_gradients", None)))
+    grads += [t for name in _GRAD_ATTRS for t in _tensors(getattr(outer, name, None))]
     out[GRADS] = ranges.claim(grads)
     out[MOMENTS] = ranges.claim(t for state in inner.state.values() for t in _tensors(state, 1))
     return out
+
+
+_ROLES = {WEIGHTS: "params", MASTER: "master", GRADS: "grads", MOMENTS: "optimizer"}
+
+
+def held_bytes_by_role(module: nn.Module, optimizer: Any) -> dict[str, int]:
+    """`held_state_bytes` keyed params / master / grads / optimizer."""
+    return {_ROLES[term]: value for term, value in held_state_bytes(module, optimizer).items()}
 
 
 def bucket_bytes_held(optimizer: Any) -> int:

@@ -20,6 +20,10 @@ Contract:
 - Both are validated when the strategy is built: a top-level key DeepSpeed does not read (`DEEPSPEED_TOP_LEVEL_KEYS`;
   DeepSpeed itself ignores those) and an unknown or invalid key inside a section (DeepSpeed's own config models) are
   one-line `TrainingConfigError`s naming the key.
+- Offload works with the optimizer the LightningModule returns: with `offload_optimizer` the generated config sets
+  `zero_force_ds_cpu_optimizer: false`, so DeepSpeed steps a torch optimizer on the CPU copies of its partitions
+  instead of refusing it; `deepspeed.ops.adam.DeepSpeedCPUAdam` from configure_optimizers is the faster choice.
+  Offload at stage 0 and parameter offload below stage 3 are refused when the config is built, in one line.
 - `16-mixed` on CPU is refused at setup with a `PrecisionError`. fp32 master weights and optimizer state are kept
   by DeepSpeed in every mixed mode.
 - Checkpoints are DeepSpeed's sharded directories; after every save, rank 0 writes `tandem_manifest.json` (files,
@@ -74,9 +78,15 @@ class ZeroConfig:
         if self.stage not in (0, 1, 2, 3):
             raise TrainingConfigError(f"strategy.stage must be 0, 1, 2 or 3, got {self.stage!r}")
         if self.offload_params and self.stage != 3:
-            raise TrainingConfigError(f"strategy.offload_params needs strategy.stage=3, got stage={self.stage}")
+            raise TrainingConfigError(
+                f"strategy.offload_params=true with strategy.stage={self.stage}: only stage 3 partitions (and can "
+                "offload) parameters; use strategy.stage=3, or strategy.offload_optimizer=true alone at stage 1-2"
+            )
         if self.offload_optimizer and self.stage == 0:
-            raise TrainingConfigError("strategy.offload_optimizer needs strategy.stage >= 1, got stage=0")
+            raise TrainingConfigError(
+                "strategy.offload_optimizer=true with strategy.stage=0: stage 0 keeps no partitioned optimizer state "
+                "to offload; use strategy.stage >= 1"
+            )
         for name in ("bucket_size", "timeout_s"):
             if getattr(self, name) <= 0:
                 raise TrainingConfigError(f"strategy.{name} must be > 0, got {getattr(self, name)}")
@@ -101,7 +111,15 @@ class ZeroConfig:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": self.pin_memory}
         if self.offload_params:
             zero["offload_param"] = {"device": "cpu", "pin_memory": self.pin_memory}
-        return {"zero_optimization": zero, "zero_allow_untested_optimizer": True}
+        out: dict[str, Any] = {"zero_optimization": zero, "zero_allow_untested_optimizer": True}
+        if self.offload_optimizer:
+            # DeepSpeed refuses a client optimizer under ZeRO-Offload unless it is its own DeepSpeedCPUAdam/Lion
+            # ("You are using ZeRO-Offload with a client provided optimizer"), but a LightningModule always
+            # brings its own from configure_optimizers. With this switch off DeepSpeed steps that optimizer on the
+            # CPU copies of the fp32 partitions; returning deepspeed.ops.adam.DeepSpeedCPUAdam there is the
+            # faster choice where its C++ op builds (docs/training.md, "Offload").
+            out["zero_force_ds_cpu_optimizer"] = False
+        return out
 
 
 # Keys of the generated config that the typed ZeroConfig owns: extra may repeat them, never change them.

@@ -195,3 +195,37 @@ def test_recomputed_flops_match_each_mode(early_stop: bool) -> None:
             assert forward == base_forward
             assert total - base_total == expected[mode], mode
     assert base_forward == config.num_layers * (proj + attn) + 2 * tokens * h * config.vocab_size
+
+
+class _InPlaceBiasBlock(torch.nn.Module):
+    """A linear as DeepSpeed's ZeRO-3 `LinearFunctionForZeroStage3` computes it: the bias added in place to the matmul
+    output, which `ops` mode saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.b = torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.matmul(self.w.t())
+        out += self.b
+        return torch.tanh(out)
+
+
+def test_ops_mode_keeps_a_saved_output_as_it_was_before_an_in_place_op() -> None:
+    """Without the copy, the recompute got the saved matmul output with the bias already in it and added it again:
+    gradients off by O(1), and no error from torch."""
+
+    def grads(mode: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential()
+        net.layers = torch.nn.ModuleList([_InPlaceBiasBlock(), _InPlaceBiasBlock()])
+        apply_checkpointing(net, CheckpointingConfig(mode=mode))
+        x = torch.randn(4, 3, 8)
+        for layer in net.layers:
+            x = layer(x)
+        x.sum().backward()
+        return [p.grad for p in net.parameters()]
+
+    for ours, reference in zip(grads("ops"), grads("none"), strict=True):
+        torch.testing.assert_close(ours, reference, rtol=0, atol=0)

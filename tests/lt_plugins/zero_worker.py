@@ -24,9 +24,9 @@ from lt_plugins.checkpoint_io import PeriodicCheckpoint, latest_checkpoint
 from lt_plugins.config import DataSection, OptimSection
 from lt_plugins.data import Blocks, CorpusDataModule
 from lt_plugins.export import META_DIR, export_bundle
+from lt_plugins.ledger_measure import held_bytes_by_role
 from lt_plugins.lit_module import LitCausalLM
 from lt_plugins.precision import PrecisionPolicyCallback
-from lt_plugins.state_bytes import state_bytes
 from lt_plugins.strategy import ZeroStrategy
 from shared_model.config import ModelConfig
 
@@ -62,13 +62,13 @@ class Recorder(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
         if self.grads is None:
-            self.grads = state_bytes(pl_module, trainer.strategy.optimizers[0]).grads
+            self.grads = held_bytes_by_role(pl_module, trainer.strategy.optimizers[0])["grads"]
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         loss = trainer.strategy.reduce(outputs["loss"].detach().float(), reduce_op="mean")
         self.losses.append(float(loss))
         if not self.bytes:
-            self.bytes = state_bytes(pl_module, trainer.strategy.optimizers[0]).as_dict()
+            self.bytes = held_bytes_by_role(pl_module, trainer.strategy.optimizers[0])
             self.bytes["grads"] = self.grads or 0
 
 
