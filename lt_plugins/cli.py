@@ -155,13 +155,25 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[Any] | None =
 
 
 def _write_run_files(cfg: TrainConfig, run_dir: Path, model_config: Any, tokenizer: Any) -> None:
+    """model_meta/ (config.json + the tokenizer files, chat template and special tokens included) and config.yaml,
+    each file written to a temporary name and renamed into place."""
+    import shutil
+    import tempfile
+
     from lt_plugins.export import META_DIR
 
     meta = run_dir / META_DIR
     meta.mkdir(parents=True, exist_ok=True)
-    (meta / "config.json").write_text(json.dumps(model_config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
-    tokenizer.save(meta)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    tmp = Path(tempfile.mkdtemp(prefix=".meta-", dir=run_dir))
+    try:
+        (tmp / "config.json").write_text(json.dumps(model_config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
+        tokenizer.save(tmp)
+        for file in sorted(tmp.iterdir()):
+            os.replace(file, meta / file.name)
+        (tmp / "config.yaml").write_text(to_yaml(cfg))
+        os.replace(tmp / "config.yaml", run_dir / "config.yaml")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
@@ -192,16 +204,17 @@ def run_training(cfg: TrainConfig) -> Path | None:
 
     from lt_plugins.data import CorpusDataModule, prepare_blocks
     from lt_plugins.export import ExportBundle
-    from lt_plugins.lit_module import LitCausalLM
-    from shared_model.config import get_preset
+    from lt_plugins.lit_module import build_module, model_source
 
-    model_config = get_preset(cfg.model.preset)
-    blocks = prepare_blocks(cfg.data, run_dir / "cache", model_config.vocab_size)
+    # a preset, or model.init_from's config.json + tokenizer (then no tokenizer is trained)
+    model_config, tokenizer = model_source(cfg.model, cfg.data.block_size)
+    blocks = prepare_blocks(cfg.data, run_dir / "cache", model_config.vocab_size, tokenizer)
     if _is_rank_zero():
         _write_run_files(cfg, run_dir, model_config, blocks.tokenizer)
     resume = _resume_path(cfg, run_dir)
     pl.seed_everything(cfg.trainer.seed, verbose=False)
-    module = LitCausalLM(model_config, cfg.optim, seed=cfg.model.seed)
+    # LitCausalLM builds (and loads init_from) in configure_model; or the model.class_path module
+    module = build_module(cfg.model, cfg.optim, model_config, blocks.tokenizer)
     trainer = build_trainer(cfg, run_dir)
     trainer.fit(module, datamodule=CorpusDataModule(cfg.data, blocks), ckpt_path=resume)
     if not trainer.is_global_zero:

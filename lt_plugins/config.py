@@ -7,19 +7,30 @@ Contract:
 - The result is a `TrainConfig` of plain dataclasses; `to_yaml(cfg)` writes the fully resolved config.
 - Sections are independent dataclasses so later work can add one (e.g. `checkpointing` for activation
   recomputation, `ledger`) by adding a field to `TrainConfig` without touching the others.
+- Config once: `strategy` mirrors `ZeroConfig` (lt_plugins/strategy.py) and `checkpointing` mirrors
+  `CheckpointingConfig` (lt_plugins/checkpointing.py). `mirrors(...)` checks at import that the section declares
+  every field of its dataclass with the same default (tuples spelled as lists), so a field added to one cannot be
+  missing from the other, and the section builds its dataclass from those fields generically (`zero_config()`,
+  `to_config()`). The fields stay written out in the section because the docs generator reads each field's
+  docstring from its class body (scripts/gen_config_docs.py).
+- `model.init_from` (a Hugging Face folder), `model.class_path`/`model.init_args` (your own LightningModule) and
+  their conflicts with other keys are checked here, naming both keys.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lt_plugins.checkpointing import CheckpointingSection  # issue 4: activation recomputation section
+from lt_plugins.checkpointing import DEFAULT_SAVE_OPS, MODES, CheckpointingConfig
 from lt_plugins.errors import TrainingConfigError
 from lt_plugins.ledger_callback import LedgerSection  # issue 4: memory ledger section
 from lt_plugins.precision import SUPPORTED_PRECISIONS
@@ -45,20 +56,132 @@ def _in_range(key: str, value: float, low: float, high: float, *, high_open: boo
         raise TrainingConfigError(f"{key} must be a finite number in {interval}, got {value}")
 
 
+def _default_of(f: Field) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return MISSING
+
+
+def _yaml_value(value: Any) -> Any:
+    """A dataclass value as OmegaConf spells it: tuples become lists."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def mirrors(source: type) -> Callable[[type], type]:
+    """Class decorator: the section declares every init field of the dataclass `source` with the same default
+    (tuples as lists); otherwise importing this module fails with a TypeError naming the field. The section may add
+    fields of its own (`strategy.name`, `strategy.extra`)."""
+
+    def check(section: type) -> type:
+        own = {f.name: f for f in fields(section)}
+        for f in fields(source):
+            if not f.init:
+                continue
+            if f.name not in own:
+                raise TypeError(
+                    f"{section.__name__} lacks the field {f.name!r} of {source.__name__}: declare it in the section "
+                    "with the same default and a docstring"
+                )
+            theirs, ours = _yaml_value(_default_of(f)), _default_of(own[f.name])
+            if theirs != ours:
+                raise TypeError(
+                    f"{section.__name__}.{f.name} defaults to {ours!r} but {source.__name__}.{f.name} to {theirs!r}"
+                )
+        return section
+
+    return check
+
+
+def build_mirrored(source: type, section: Any) -> Any:
+    """The `source` dataclass from the section's fields of the same names (lists become tuples)."""
+    values = {f.name: getattr(section, f.name) for f in fields(source) if f.init}
+    return source(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
+INJECTED_ARGS = ("vocab_size", "optim")
+"""Constructor arguments of a `model.class_path` module that `tandem train` fills when the constructor declares
+them and `model.init_args` does not set them: `vocab_size` (ids the tokenizer emits), `optim` (the OptimSection)."""
+
+
 @dataclass
 class ModelSection:
-    """Which decoder to train."""
+    """Which decoder to train: a preset from scratch, a Hugging Face folder to fine-tune, or your own module."""
 
     preset: str = "tiny"
-    """A shared_model preset name (`tiny`, `small`, …)."""
+    """A shared_model preset name (`tiny`, `small`, …); ignored when model.init_from is set."""
     seed: int = 0
-    """Seed of the weight initialisation."""
+    """Seed of the weight initialisation (from scratch only)."""
+    init_from: str | None = None
+    """A Llama/Qwen2/Qwen3 Hugging Face folder (config.json, safetensors, tokenizer.json) to start from: its config
+    and tokenizer are used (no tokenizer training) and its weights are loaded shard by shard in configure_model."""
+    class_path: str | None = None
+    """Your own LightningModule, `package.module.ClassName` (as LightningCLI spells it); None: LitCausalLM."""
+    init_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of class_path's constructor (vocab_size and optim are filled in when it declares them)."""
 
     def __post_init__(self) -> None:
         from shared_model.config import PRESETS
 
         if self.preset not in PRESETS:
             raise TrainingConfigError(f"model.preset={self.preset!r} is unknown; choose one of {sorted(PRESETS)}")
+        if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
+            what = "has no config.json" if Path(self.init_from).is_dir() else "is not a folder"
+            raise TrainingConfigError(f"model.init_from={self.init_from!r} {what} (a Hugging Face model folder)")
+        if self.class_path is None:
+            if self.init_args:
+                raise TrainingConfigError(f"model.init_args={self.init_args} needs model.class_path (None given)")
+            return
+        if self.init_from is not None:
+            raise TrainingConfigError(
+                f"model.init_from={self.init_from!r} loads into the built-in LitCausalLM; it conflicts with "
+                f"model.class_path={self.class_path!r} (load the folder in your module's configure_model instead)"
+            )
+        check_init_args(resolve_class(self.class_path), self.init_args)
+
+
+def resolve_class(class_path: str) -> type:
+    """`package.module.ClassName` → the class, which must subclass lightning's LightningModule."""
+    import lightning.pytorch as pl
+
+    module_name, _, name = class_path.rpartition(".")
+    if not module_name:
+        raise TrainingConfigError(f"model.class_path={class_path!r} must be 'package.module.ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError or whatever the user's module raises while importing
+        raise TrainingConfigError(
+            f"model.class_path={class_path!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc})"
+        ) from None
+    cls = getattr(module, name, None)
+    if cls is None:
+        raise TrainingConfigError(f"model.class_path={class_path!r}: module {module_name!r} has no {name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
+        raise TrainingConfigError(
+            f"model.class_path={class_path!r} is not a LightningModule subclass (got {type(cls).__name__} {cls!r})"
+        )
+    return cls
+
+
+def check_init_args(cls: type, init_args: dict[str, Any]) -> None:
+    """`init_args` names only parameters of cls's constructor and, with the injected ones, covers the required."""
+    params = dict(inspect.signature(cls.__init__).parameters)
+    params.pop("self", None)
+    open_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    named = {k: p for k, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    unknown = sorted(set(init_args) - set(named))
+    if unknown and not open_kwargs:
+        raise TrainingConfigError(
+            f"model.init_args.{unknown[0]}: {cls.__qualname__}.__init__ has no parameter {unknown[0]!r} "
+            f"(it takes {sorted(named)})"
+        )
+    missing = [k for k, p in named.items() if p.default is p.empty and k not in init_args and k not in INJECTED_ARGS]
+    if missing:
+        raise TrainingConfigError(f"model.init_args: {cls.__qualname__}.__init__ needs {missing[0]!r}; set it there")
+
+
+DATA_FORMATS = ("auto", "text", "jsonl")
 
 
 @dataclass
@@ -68,7 +191,12 @@ class DataSection:
     include_stdlib: bool = True
     """Train on the interpreter's standard-library sources."""
     extra: list[str] = field(default_factory=list)
-    """More files or glob patterns."""
+    """Your own files or glob patterns (`/data/**/*.txt`, `**` allowed): text files or JSONL (see data.format)."""
+    format: str = "auto"
+    """How data.extra files are read: text (a file is a document) | jsonl (a line is a document, its
+    data.jsonl_field) | auto (jsonl for *.jsonl files, text otherwise)."""
+    jsonl_field: str = "text"
+    """The field of each JSONL line that holds the document's text."""
     val_fraction: float = 0.02
     """Share of documents held out for validation."""
     max_documents: int | None = None
@@ -85,6 +213,10 @@ class DataSection:
     """Seed of the block shuffle."""
 
     def __post_init__(self) -> None:
+        if self.format not in DATA_FORMATS:
+            raise TrainingConfigError(f"data.format must be one of {', '.join(DATA_FORMATS)}, got {self.format!r}")
+        if not self.jsonl_field:
+            raise TrainingConfigError("data.jsonl_field must not be empty")
         _in_range("data.val_fraction", self.val_fraction, 0, 1, high_open=True)
         _positive("data", self, "max_documents", "vocab_size", "block_size", "batch_size")
 
@@ -128,6 +260,7 @@ class OptimSection:
             raise TrainingConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
 
 
+@mirrors(ZeroConfig)
 @dataclass
 class StrategySection:
     """How the processes share the work. `zero` is ZeroStrategy; `ddp` is Lightning's own; `auto` is ZeroStrategy with
@@ -160,8 +293,38 @@ class StrategySection:
         merge_deepspeed_config(self.zero_config(), self.extra)  # validates the ZeRO fields and extra's conflicts
 
     def zero_config(self) -> ZeroConfig:
-        names = {f.name for f in fields(ZeroConfig)}
-        return ZeroConfig(**{k: getattr(self, k) for k in names})
+        return build_mirrored(ZeroConfig, self)
+
+
+@mirrors(CheckpointingConfig)
+@dataclass
+class CheckpointingSection:
+    """The `checkpointing:` section (activation recomputation, not saved checkpoints): CheckpointingConfig's fields,
+    and mode `auto`."""
+
+    mode: str = "none"
+    """none | full | attention | ops, or auto (with strategy.name=auto: the planner chooses)."""
+    block_classes: list[str] = field(default_factory=list)
+    """Class names of the blocks (empty: the largest repeated stack, e.g. the decoder layers)."""
+    name_regex: str | None = None
+    """Or a regex on qualified module names."""
+    every_n: int = 1
+    """Checkpoint every n-th block."""
+    attention_classes: list[str] = field(default_factory=lambda: ["CoreAttention"])
+    """attention mode: the core-attention module classes recomputed."""
+    save_ops: list[str] = field(default_factory=lambda: list(DEFAULT_SAVE_OPS))
+    """ops mode: ops whose outputs are kept ('aten.mm', ...); the others are recomputed."""
+    allow_direct_params: bool = True
+    """Allow a checkpointed module that holds parameters itself (not only through children)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in (*MODES, "auto"):
+            raise TrainingConfigError(f"checkpointing.mode must be one of {', '.join(MODES)}, auto; got {self.mode!r}")
+        if self.mode != "auto":
+            self.to_config()  # validates the other keys, naming them
+
+    def to_config(self) -> CheckpointingConfig:
+        return build_mirrored(CheckpointingConfig, self)
 
 
 @dataclass
@@ -275,6 +438,22 @@ class TrainConfig:
     # issue 4 (memory planner): activation checkpointing and the memory ledger
     checkpointing: CheckpointingSection = field(default_factory=CheckpointingSection)
     ledger: LedgerSection = field(default_factory=LedgerSection)
+
+    def __post_init__(self) -> None:
+        init_from = self.model.init_from
+        if init_from is None:
+            return
+        for key, value in (("data.tokenizer", self.data.tokenizer), ("data.vocab_size", self.data.vocab_size)):
+            if value is not None:
+                raise TrainingConfigError(
+                    f"{key}={value!r} conflicts with model.init_from={init_from!r}, whose tokenizer is used; "
+                    f"remove {key}"
+                )
+        if self.strategy.name == "auto":
+            raise TrainingConfigError(
+                f"strategy.name=auto plans for model.preset, not for model.init_from={init_from!r}; "
+                "set strategy.name=zero and strategy.stage"
+            )
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:

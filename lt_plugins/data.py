@@ -1,14 +1,24 @@
 """The example data module: the corpus, tokenized once, packed into fixed-length blocks, served in step order.
 
 Contract:
-- `prepare_blocks(cfg, cache_dir, vocab_size)` loads the corpus (default: the standard-library sources), trains a
-  byte-level BPE on the training split (or loads `cfg.tokenizer`), encodes every document with an EOS after it,
-  and packs each split into rows of `block_size + 1` tokens (inputs and shifted targets). The tokenizer and the
-  blocks are cached in `cache_dir` under a key of everything they depend on; a second call (another rank, a
-  resumed run) only reads. Files are written to a temporary name and renamed into place.
+- `prepare_blocks(cfg, cache_dir, vocab_size, tokenizer=None)` loads the corpus (default: the standard-library
+  sources, plus `data.extra`: text files, one document each, or JSONL files, one document per line taken from
+  `data.jsonl_field`; `data.format` says which, `auto` goes by the `.jsonl` suffix), uses the given tokenizer (a
+  fine-tuned folder's) or `cfg.tokenizer` or trains a byte-level BPE on the training split, encodes every document
+  with an EOS after it, and packs each split into rows of `block_size + 1` tokens (inputs and shifted targets).
+- The tokenizer and the blocks are cached in `cache_dir` under a key of everything they depend on: the data
+  settings, the identity (resolved path, size, mtime) of every `data.extra` file, and the tokenizer (a hash of its
+  tokenizer.json, or the vocabulary size of one to be trained); a second call (another rank, a resumed run) only
+  reads, and an edited file or another tokenizer makes a new entry. Files are written to a temporary name and
+  renamed into place.
 - Bad data settings raise `TrainingConfigError` naming the key, before any tokenizing: a `data.extra` entry that
-  matches no file (`data.extra: path not found: …`), a corpus with no documents or too few tokens for one block
-  (`data: …`), a `data.tokenizer` that is missing or unreadable (`data.tokenizer: …`). Messages are one line.
+  matches no file (`data.extra: path not found: …`), a JSONL line that is not JSON or lacks the text field
+  (`data.extra: FILE line N: …`), a corpus with no documents or too few tokens for one block (`data: …`), a
+  `data.tokenizer` that is missing or unreadable (`data.tokenizer: …`), a tokenizer with more ids than the model
+  has embeddings. Messages are one line.
+- Batch contract (for LitCausalLM and any `model.class_path` module): a training or validation batch is one int64
+  tensor [data.batch_size, data.block_size + 1] of token ids; inputs are batch[:, :-1], targets batch[:, 1:].
+  Documents are concatenated with the tokenizer's EOS between them; there is no padding and no attention mask.
 - `StepLoader` serves the training blocks as a pure function of the micro-step: micro-step m on rank r of w reads
   rows perm_e[(m mod S)·B·w + r·B : … + B] of the epoch-e permutation (e = m div S, seeded). Iteration starts at
   the micro-step the Trainer has reached, so a resumed run sees exactly the batches a straight run would, and
@@ -35,7 +45,8 @@ from safetensors.torch import load_file, save_file
 
 from lt_plugins.config import DataSection
 from lt_plugins.errors import TrainingConfigError, one_line
-from shared_model.corpus import Corpus, CorpusConfig, load_corpus
+from shared_model.bundle import tokenizer_id_bound
+from shared_model.corpus import Corpus, CorpusConfig, Document, in_validation, load_corpus
 from shared_model.errors import SharedModelError
 from shared_model.tokenizer import Tokenizer
 
@@ -49,12 +60,20 @@ class Blocks:
     tokenizer: Tokenizer
 
 
-def _cache_key(cfg: DataSection, vocab_size: int) -> str:
-    fields = asdict(cfg)
+def _cache_key(cfg: DataSection, vocab_size: int, files: list[Path], tokenizer: Tokenizer | None) -> str:
+    fields: dict[str, Any] = asdict(cfg)
     fields.pop("batch_size")
     fields.pop("seed")
     fields["vocab_size"] = cfg.vocab_size or vocab_size
+    fields["files"] = [_identity(f) for f in files]
+    if tokenizer is not None:  # given or loaded: its exact vocabulary and specials (trained ones follow the data)
+        fields["tokenizer"] = tokenizer.fingerprint()
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _identity(path: Path) -> list[Any]:
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
 
 
 def _pack(docs: list[list[int]], eos: int | None, row: int) -> torch.Tensor:
@@ -67,20 +86,27 @@ def _pack(docs: list[list[int]], eos: int | None, row: int) -> torch.Tensor:
     return torch.tensor(flat[: n * row], dtype=torch.int64).view(n, row)
 
 
-def prepare_blocks(cfg: DataSection, cache_dir: str | Path, vocab_size: int) -> Blocks:
-    """Tokenize and pack the corpus, or read the cached result (see the module contract)."""
-    folder = Path(cache_dir) / f"data-{_cache_key(cfg, vocab_size)}"
+def prepare_blocks(
+    cfg: DataSection, cache_dir: str | Path, vocab_size: int, tokenizer: Tokenizer | None = None
+) -> Blocks:
+    """Tokenize and pack the corpus, or read the cached result (see the module contract). `tokenizer`, when given
+    (model.init_from's), is used as is; then data.tokenizer must be None."""
+    files = extra_files(cfg.extra)
+    if tokenizer is None and cfg.tokenizer is not None:
+        tokenizer = _load_tokenizer(cfg.tokenizer)
+    folder = Path(cache_dir) / f"data-{_cache_key(cfg, vocab_size, files, tokenizer)}"
     blocks_file = folder / "blocks.safetensors"
     if blocks_file.is_file() and (folder / "tokenizer.json").is_file():
         tensors = load_file(str(blocks_file))
-        return Blocks(tensors["train"], tensors["val"], Tokenizer.load(folder))
-    corpus = _load_corpus(cfg)
-    tokenizer = _tokenizer(cfg, corpus, vocab_size)
-    if tokenizer.vocab_size > vocab_size:
+        return Blocks(tensors["train"], tensors["val"], tokenizer or Tokenizer.load(folder))
+    corpus = _load_corpus(cfg, files)
+    if tokenizer is None:
+        tokenizer = _train_tokenizer(cfg, corpus, vocab_size)
+    if tokenizer_id_bound(tokenizer) > vocab_size:
         key = "data.tokenizer" if cfg.tokenizer is not None else "data.vocab_size"
         raise TrainingConfigError(
-            f"{key}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab_size} "
-            "(data.vocab_size / data.tokenizer vs model.preset)"
+            f"{key}: the tokenizer has {tokenizer_id_bound(tokenizer)} tokens but the model's vocab_size is "
+            f"{vocab_size} (data.vocab_size / data.tokenizer / model.init_from vs model.preset)"
         )
     row = cfg.block_size + 1
     train = _pack(tokenizer.encode_batch(corpus.texts("train")), tokenizer.eos_id, row)
@@ -99,32 +125,77 @@ def prepare_blocks(cfg: DataSection, cache_dir: str | Path, vocab_size: int) -> 
     return Blocks(train, val, tokenizer)
 
 
-def _check_extra(patterns: list[str]) -> None:
-    """Every `data.extra` entry names at least one file (a path or a glob pattern)."""
+def extra_files(patterns: list[str]) -> list[Path]:
+    """The files `data.extra` names, in order (each pattern's matches sorted); a pattern matching no file is an
+    error naming it."""
+    files: list[Path] = []
     for pattern in patterns:
-        matches = [Path(m) for m in glob.glob(pattern, recursive=True)]
+        matches = sorted(Path(m) for m in glob.glob(pattern, recursive=True))
         if not matches:
             raise TrainingConfigError(f"data.extra: path not found: {pattern}")
-        if not any(m.is_file() for m in matches):
+        found = [m for m in matches if m.is_file()]
+        if not found:
             raise TrainingConfigError(f"data.extra: {pattern} matches no file (directories are not read; use a glob)")
+        files.extend(found)
+    return files
 
 
-def _load_corpus(cfg: DataSection) -> Corpus:
-    """The corpus the data section describes; every failure is a one-line `TrainingConfigError` naming the key."""
-    _check_extra(cfg.extra)
-    if not cfg.include_stdlib and not cfg.extra:
-        raise TrainingConfigError("data: the corpus is empty: data.include_stdlib is false and data.extra is empty")
+def _is_jsonl(cfg: DataSection, path: Path) -> bool:
+    return cfg.format == "jsonl" or (cfg.format == "auto" and path.suffix.lower() == ".jsonl")
+
+
+def read_jsonl(path: Path, field: str) -> list[Document]:
+    """One document per non-blank line, its text the string `field`; documents are named FILE:LINE."""
+    docs: list[Document] = []
     try:
-        corpus = load_corpus(
-            CorpusConfig(
-                include_stdlib=cfg.include_stdlib,
-                extra=tuple(cfg.extra),
-                val_fraction=cfg.val_fraction,
-                max_documents=cfg.max_documents,
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise TrainingConfigError(f"data.extra: {path} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TrainingConfigError(f"data.extra: {path} line {number}: invalid JSON ({exc.msg})") from None
+        if not isinstance(record, dict) or field not in record:
+            what = "has no" if isinstance(record, dict) else f"is a JSON {type(record).__name__}, not an object with a"
+            raise TrainingConfigError(f"data.extra: {path} line {number} {what} field {field!r} (data.jsonl_field)")
+        text = record[field]
+        if not isinstance(text, str):
+            raise TrainingConfigError(
+                f"data.extra: {path} line {number}: field {field!r} is a {type(text).__name__}, not a string"
             )
-        )
-    except SharedModelError as exc:
-        raise TrainingConfigError(f"data: {one_line(exc)}") from None
+        docs.append(Document(f"{path}:{number}", text))
+    return docs
+
+
+def _load_corpus(cfg: DataSection, files: list[Path]) -> Corpus:
+    """The corpus the data section describes; every failure is a one-line `TrainingConfigError` naming the key."""
+    jsonl = [f for f in files if _is_jsonl(cfg, f)]
+    text = [f for f in files if not _is_jsonl(cfg, f)]
+    if not cfg.include_stdlib and not files:
+        raise TrainingConfigError("data: the corpus is empty: data.include_stdlib is false and data.extra is empty")
+    corpus = Corpus()
+    if cfg.include_stdlib or text:
+        try:
+            corpus = load_corpus(
+                CorpusConfig(
+                    include_stdlib=cfg.include_stdlib,
+                    extra=tuple(glob.escape(str(f)) for f in text),
+                    val_fraction=cfg.val_fraction,
+                    max_documents=cfg.max_documents,
+                )
+            )
+        except SharedModelError as exc:
+            raise TrainingConfigError(f"data: {one_line(exc)}") from None
+    budget = None if cfg.max_documents is None else cfg.max_documents - len(corpus.train) - len(corpus.val)
+    for path in jsonl:
+        for doc in read_jsonl(path, cfg.jsonl_field):
+            if budget is not None and budget <= 0:
+                break
+            (corpus.val if in_validation(doc.name, cfg.val_fraction) else corpus.train).append(doc)
+            budget = None if budget is None else budget - 1
     if not corpus.train:
         raise TrainingConfigError(
             f"data: the corpus has no training document ({len(corpus.val)} held out by data.val_fraction, "
@@ -133,17 +204,20 @@ def _load_corpus(cfg: DataSection) -> Corpus:
     return corpus
 
 
-def _tokenizer(cfg: DataSection, corpus: Corpus, vocab_size: int) -> Tokenizer:
-    """`data.tokenizer` loaded, or a BPE trained on the training split; failures name the key."""
-    if cfg.tokenizer is None:
-        try:
-            return Tokenizer.train(corpus.texts("train"), cfg.vocab_size or vocab_size)
-        except SharedModelError as exc:
-            raise TrainingConfigError(f"data.vocab_size: {one_line(exc)}") from None
-    if not Path(cfg.tokenizer).exists():
-        raise TrainingConfigError(f"data.tokenizer: path not found: {cfg.tokenizer}")
+def _train_tokenizer(cfg: DataSection, corpus: Corpus, vocab_size: int) -> Tokenizer:
+    """A BPE trained on the training split; failures name the key."""
     try:
-        return Tokenizer.load(cfg.tokenizer)
+        return Tokenizer.train(corpus.texts("train"), cfg.vocab_size or vocab_size)
+    except SharedModelError as exc:
+        raise TrainingConfigError(f"data.vocab_size: {one_line(exc)}") from None
+
+
+def _load_tokenizer(path: str) -> Tokenizer:
+    """`data.tokenizer` loaded; failures name the key."""
+    if not Path(path).exists():
+        raise TrainingConfigError(f"data.tokenizer: path not found: {path}")
+    try:
+        return Tokenizer.load(path)
     except SharedModelError as exc:
         raise TrainingConfigError(f"data.tokenizer: {one_line(exc)}") from None
 

@@ -7,23 +7,45 @@ Contract:
 - Logs `train_loss`, `lr` and `tokens_per_s` (global: all processes) on the progress bar; `val_loss` and
   `val_ppl` (averaged over processes) after each validation.
 - AdamW (no decay on vectors), linear warm-up then cosine to `min_lr_ratio`·lr, stepped every optimizer step.
-- The model is built fully on every rank at construction (deterministic from `seed`); ZeRO shards it afterwards.
+- The decoder is built in `configure_model` (Lightning's hook), not in `__init__`: under ZeRO-3 Lightning runs that
+  hook inside `deepspeed.zero.Init`, so each parameter is partitioned as soon as its module is created and no rank
+  ever holds the whole model; elsewhere it is an ordinary build. `self.model` is None until then. Idempotent.
+- Weights: from scratch, `CausalLM.init_weights` with a generator seeded by `seed`, the same values at every stage
+  (under ZeRO-3 each leaf module is gathered, initialised on rank 0 in the same order, and re-partitioned). With
+  `init_from` (a Hugging Face folder) its tensors are checked against the config first, then copied in module by
+  module: under ZeRO-3 inside `deepspeed.zero.GatheredParameters(the module's own params, modifier_rank=0)`, rank 0
+  copying each tensor in row blocks from the safetensors files (`FolderTensors.copy_into`), so a rank holds at most
+  one module's full parameters beside its partitions; at stages 0-2 the same copy into the whole model.
+- `model_source(cfg.model, block_size)` and `build_module(cfg.model, ...)` are what `tandem train` builds from the
+  `model:` section: a preset or an `init_from` folder (config + tokenizer, checked before any data is read), and
+  LitCausalLM or your own `class_path` module.
+- The Trainer's `PrecisionPolicyCallback` runs at `setup`, before `configure_model` creates the layers: the policy is
+  applied again to the new decoder here so its norms still run in fp32.
 """
 
 from __future__ import annotations
 
+import ctypes
+import inspect
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lt_plugins.config import OptimSection
+from lt_plugins.config import ModelSection, OptimSection, resolve_class
+from lt_plugins.errors import TrainingConfigError, one_line
+from shared_model.bundle import TOKENIZER_FILE, FolderTensors, read_config, tokenizer_id_bound
 from shared_model.config import ModelConfig
+from shared_model.errors import SharedModelError
 from shared_model.evaluate import token_nll
-from shared_model.model import build_model
+from shared_model.model import CausalLM, RMSNorm
+from shared_model.tokenizer import Tokenizer
 
 STATE_PREFIX = "model."
 """Prefix of the decoder's parameters in this module's state dict (stripped on export)."""
@@ -32,13 +54,40 @@ STATE_PREFIX = "model."
 class LitCausalLM(pl.LightningModule):
     """Next-token prediction with shared_model's CausalLM."""
 
-    def __init__(self, model_config: ModelConfig, optim: OptimSection | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        optim: OptimSection | None = None,
+        seed: int = 0,
+        init_from: str | Path | None = None,
+    ) -> None:
         super().__init__()
         self.model_config = model_config
         self.optim = optim or OptimSection()
-        self.model = build_model(model_config, seed=seed)
+        self.seed = seed
+        self.init_from = Path(init_from) if init_from is not None else None
+        self.model: CausalLM | None = None  # built in configure_model
         self.loss_fn = nn.CrossEntropyLoss()
         self._last_step_time: float | None = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        model = CausalLM(self.model_config)  # partitioned module by module when Lightning runs this under zero.Init
+        if self.init_from is not None:
+            load_folder_weights(model, self.init_from)
+        else:
+            init_random_weights(model, self.seed)
+        self.model = model
+        self._reapply_precision_policy()
+
+    def _reapply_precision_policy(self) -> None:
+        from lt_plugins.precision import PrecisionPolicyCallback
+
+        trainer = self._trainer
+        for callback in trainer.callbacks if trainer is not None else []:
+            if isinstance(callback, PrecisionPolicyCallback):
+                callback.wrapped = callback.policy.apply(self)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
@@ -72,8 +121,9 @@ class LitCausalLM(pl.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         o = self.optim
-        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        # matrices decay, vectors do not; a ZeRO-3 partition is flat, so read the full shape (ds_shape)
+        decay = [p for p in self.parameters() if p.requires_grad and len(_full_shape(p)) >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and len(_full_shape(p)) < 2]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=o.lr,
@@ -95,3 +145,131 @@ class warmup_cosine:
             return (step + 1) / self.warmup
         progress = min((step - self.warmup) / max(self.total - self.warmup, 1), 1.0)
         return self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ------------------------------------------------------------------------------------------------ building the weights
+def _is_partitioned(model: nn.Module) -> bool:
+    """True when DeepSpeed's zero.Init partitioned the parameters (they carry `ds_id`)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _full_shape(p: torch.Tensor) -> torch.Size:
+    """A parameter's shape; under ZeRO-3 its full one (the local tensor is an empty placeholder)."""
+    return getattr(p, "ds_shape", p.shape)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap back to the OS (glibc's malloc_trim; a no-op elsewhere). glibc keeps freed blocks below its
+    adaptive mmap threshold, so without this the gather buffers of a ZeRO-3 load stay in each rank's RSS."""
+    with suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+@contextmanager
+def _whole(params: list[nn.Parameter], partitioned: bool) -> Iterator[bool]:
+    """Inside: `params` whole on every rank (gathered under ZeRO-3); yields whether this rank writes them. On exit
+    rank 0's values are scattered back into the partitions (`modifier_rank=0`)."""
+    if not partitioned or not params:
+        yield True
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+        yield _rank() == 0
+    release_freed_memory()  # the full copies just freed: out of the resident set before the next module
+
+
+def _modules_with_params(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """(qualified name, module, its own parameters not yet seen) in module order; a tied parameter comes once."""
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for _, p in own)
+        if own:
+            yield name, module, own
+
+
+@torch.no_grad()
+def init_random_weights(model: CausalLM, seed: int) -> None:
+    """`model.init_weights` seeded by `seed`; under ZeRO-3 leaf by leaf, so the values equal an unsharded build."""
+    generator = torch.Generator().manual_seed(seed)
+    if not _is_partitioned(model):
+        model.init_weights(generator=generator)
+        return
+    # init_weights visits model.modules() in order and draws only for these leaf classes: the same draws, per leaf
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding, RMSNorm)):
+            with _whole(list(module.parameters(recurse=False)), partitioned=True) as writer:
+                if writer:
+                    CausalLM.init_weights(module, generator=generator)  # type: ignore[arg-type]  # this leaf only
+
+
+@torch.no_grad()
+def load_folder_weights(model: CausalLM, folder: str | Path) -> int:
+    """Copy a Hugging Face folder's tensors into `model` module by module (see the module contract); returns the
+    number of tensors copied. A missing, unexpected or misshapen tensor or a NaN/Inf value is a BundleError."""
+    partitioned = _is_partitioned(model)
+    copied = 0
+    # the full shapes (a partitioned parameter's own shape is empty): what the folder must provide
+    expected = {
+        name: torch.empty(_full_shape(p), device="meta") for name, p in model.named_parameters(remove_duplicate=False)
+    }
+    with FolderTensors(folder) as tensors:
+        tensors.check(model.config, expected)
+        for prefix, _module, params in _modules_with_params(model):
+            with _whole([p for _, p in params], partitioned) as writer:
+                for name, param in params:
+                    if writer:  # row blocks straight from the file into the (gathered) parameter
+                        tensors.copy_into(f"{prefix}.{name}" if prefix else name, param.data)
+                    copied += 1
+    return copied
+
+
+# ---------------------------------------------------------------------------------- what `tandem train` builds
+def model_source(section: ModelSection, block_size: int) -> tuple[ModelConfig, Tokenizer | None]:
+    """The model config and (for a fine-tune) the tokenizer a `model:` section names: a preset's config and None,
+    or `init_from`'s config.json and tokenizer. A folder that cannot be trained from is a one-line
+    `TrainingConfigError` naming model.init_from and the file, before any data is read."""
+    from shared_model.config import get_preset
+
+    if section.init_from is None:
+        return get_preset(section.preset), None
+    folder = Path(section.init_from)
+    key = f"model.init_from={section.init_from!r}"
+    if not (folder / TOKENIZER_FILE).is_file():
+        raise TrainingConfigError(f"{key}: {folder / TOKENIZER_FILE} is missing (the folder's tokenizer is used)")
+    try:
+        config = read_config(folder)
+        tokenizer = Tokenizer.load(folder)
+        with FolderTensors(folder) as tensors:
+            tensors.check(config)  # headers only: every tensor present with its shape
+    except SharedModelError as exc:
+        raise TrainingConfigError(f"{key}: {one_line(exc)}") from None
+    if tokenizer_id_bound(tokenizer) > config.vocab_size:
+        raise TrainingConfigError(
+            f"{key}: the tokenizer emits {tokenizer_id_bound(tokenizer)} ids but config.json's vocab_size is "
+            f"{config.vocab_size}"
+        )
+    if block_size > config.max_position_embeddings:
+        raise TrainingConfigError(
+            f"data.block_size={block_size} exceeds {key}'s max_position_embeddings={config.max_position_embeddings}"
+        )
+    return config, tokenizer
+
+
+def build_module(
+    section: ModelSection, optim: OptimSection, model_config: ModelConfig, tokenizer: Tokenizer
+) -> pl.LightningModule:
+    """LitCausalLM (from scratch or `init_from`), or `class_path(**init_args)` with the injected arguments it
+    declares (lt_plugins.config.INJECTED_ARGS: `vocab_size` = ids the tokenizer emits, `optim`)."""
+    if section.class_path is None:
+        return LitCausalLM(model_config, optim, seed=section.seed, init_from=section.init_from)
+    cls = resolve_class(section.class_path)
+    declared = inspect.signature(cls.__init__).parameters
+    injected = {"vocab_size": tokenizer_id_bound(tokenizer), "optim": optim}
+    extra = {k: v for k, v in injected.items() if k in declared and k not in section.init_args}
+    return cls(**section.init_args, **extra)

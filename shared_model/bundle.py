@@ -19,6 +19,11 @@ Contract:
   vocab_size, a missing, unexpected or misshapen tensor (both shapes named), a NaN/Inf weight. With
   `verify_checksums=True` every manifest entry is checked (size, SHA-256) and every file the loader reads must be
   listed; a folder without a manifest is then refused (nothing to verify against).
+- `FolderTensors(folder)` reads such a folder's weights one tensor at a time (shapes from the headers, no data read
+  until `get`; a file is unmapped once all its tensors were read), so a caller can fill a model that is built
+  piecewise (e.g. partitioned under ZeRO-3) without ever holding the whole state dict; `check(config)` refuses
+  missing, unexpected or misshapen tensors as `load_bundle` does; `get` (one tensor) and `copy_into` (into a
+  given tensor, in row blocks, never a full copy) refuse NaN/Inf values naming the file and tensor.
 - Every file of a bundle gets the mode open() gives, 0666 minus the umask (0644 under the usual 022), the weights
   too (safetensors itself would leave them 0600).
 - `sha256_file` is the one file-hashing helper (lt_plugins' checkpoint manifest uses it too).
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -174,6 +180,84 @@ def _check_finite(file: Path, name: str, t: torch.Tensor, cast_to: torch.dtype |
     if cast_to is None:
         raise BundleError(f"{file}: tensor {name} holds NaN or Inf values")
     raise BundleError(f"{file}: tensor {name} has values outside the range of {dtype_name(cast_to)}")
+
+
+class FolderTensors:
+    """The safetensors of a model folder, read one tensor at a time (see the module contract). A context manager."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self._open: dict[Path, object] = {}
+        self.where: dict[str, Path] = {}
+        """Tensor name → the file holding it."""
+        self._unread: dict[Path, set[str]] = {}
+        try:
+            for file in weight_files(self.folder):
+                handle = safe_open(str(file), framework="pt")
+                self._open[file] = handle
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    self.where[name] = file
+                self._unread[file] = {n for n, f in self.where.items() if f == file}
+        except BundleError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            raise BundleError(f"cannot read the weights of {self.folder}: {exc}") from exc
+
+    def __enter__(self) -> FolderTensors:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._open.clear()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Read from the header; only before `get` has finished the tensor's file."""
+        return tuple(self._open[self.where[name]].get_slice(name).get_shape())  # type: ignore[attr-defined]
+
+    def check(self, config: ModelConfig, expected: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Every tensor a model of `config` needs is here with its shape, and nothing else (BundleError). `expected`
+        (name → a tensor of the full shape, e.g. on the meta device) replaces the model built here to learn them."""
+        if expected is None:
+            with torch.device("meta"):
+                expected = CausalLM(config).state_dict()
+        found = {name: torch.empty(self.shape(name), device="meta") for name in self.where}
+        _check_tensors(config, expected, found)
+
+    def copy_into(self, name: str, dest: torch.Tensor, chunk_bytes: int = 32 * 1024**2) -> None:
+        """Copy tensor `name` into `dest` (same shape, any dtype) in row blocks of about `chunk_bytes`, so no full
+        copy of it is ever made; NaN/Inf (stored, or from the cast to dest's dtype) is a BundleError."""
+        file = self.where[name]
+        view = self._open[file].get_slice(name)  # type: ignore[attr-defined]
+        shape = tuple(view.get_shape())
+        if shape != tuple(dest.shape):
+            raise BundleError(f"{file}: tensor {name} has shape {shape}, expected {tuple(dest.shape)}")
+        if len(shape) == 0:
+            dest.copy_(self.get(name))
+            return
+        row_bytes = max(1, math.prod(shape[1:]) * dest.element_size())
+        step = max(1, chunk_bytes // row_bytes)
+        for start in range(0, shape[0], step):
+            block = view[start : start + step]
+            _check_finite(file, name, block)
+            dest[start : start + step].copy_(block)
+            if block.is_floating_point() and block.dtype != dest.dtype:
+                _check_finite(file, name, dest[start : start + step], cast_to=dest.dtype)
+        self._done(file, name)
+
+    def _done(self, file: Path, name: str) -> None:
+        self._unread[file].discard(name)
+        if not self._unread[file]:  # every tensor of this file read: unmap it (its pages leave the resident set)
+            self._open.pop(file, None)
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One tensor, optionally cast to `dtype`; NaN/Inf (stored or from the cast) is a BundleError."""
+        file = self.where[name]
+        t = self._open[file].get_tensor(name)  # type: ignore[attr-defined]
+        self._done(file, name)
+        _check_finite(file, name, t)
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
+            _check_finite(file, name, t, cast_to=dtype)
+        return t
 
 
 def load_bundle(

@@ -6,12 +6,18 @@ Contract:
 - `Tokenizer.load(folder_or_file)` reads `tokenizer.json` (+ `tokenizer_config.json` for the special tokens when
   present) written by Tandem or by Hugging Face.
 - `save(folder)` writes `tokenizer.json` and `tokenizer_config.json` that transformers' `AutoTokenizer` reads.
+- A loaded Hugging Face tokenizer keeps what its folder says beyond the vocabulary: the `chat_template` (from
+  `chat_template.jinja` when the folder has one, else from tokenizer_config.json) and every other
+  tokenizer_config.json key (`added_tokens_decoder`, `additional_special_tokens`, `tokenizer_class`, ...).
+  `save` writes them back the way they came (a `chat_template.jinja` file stays a file), so load → save → load
+  keeps the chat template and the special tokens of a fine-tuned model's source folder.
 - `encode(text)` tokenizes as transformers does: special-token text typed in `text` (e.g. `<|eos|>`) becomes that
   control token, which keeps parity for plain prompts. `encode(text, literal=True)` never produces a control token
   from text (it is split like ordinary characters): for text a user typed inside a structure Tandem renders
   itself, such as a chat message's content.
 - Long texts (over `_GIL_FREE_CHARS`) go through the library's batch path, which releases the GIL while it works,
   so one big prompt does not stall the other threads of a server.
+- `fingerprint()` identifies the tokenization (vocabulary, merges, normalizers, special tokens) for cache keys.
 - `max_chars_per_token`: an upper bound on the characters of text one token can stand for; a text longer than
   `n * max_chars_per_token` cannot encode to `n` tokens or fewer (used to refuse oversized prompts unread).
 - Immutable after construction apart from caches built on first use (the literal copy, the character bound, the
@@ -21,6 +27,7 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -34,6 +41,9 @@ _GIL_FREE_CHARS = 4096
 """Texts longer than this are encoded with the GIL released (the batch path; the same ids)."""
 _NORMALIZER_SLACK = 4
 """A normalizer can shrink text (NFC composes up to ~3 characters into one): the bound allows for it."""
+
+CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
@@ -50,8 +60,18 @@ class Tokenizer:
         eos_token: str | None = EOS_TOKEN,
         pad_token: str | None = PAD_TOKEN,
         model_max_length: int | None = None,
+        chat_template: str | list | None = None,
+        config_extra: dict | None = None,
+        chat_template_file: bool = False,
     ) -> None:
         self._tk = tokenizer
+        self.chat_template = chat_template
+        """The folder's chat template (a Jinja string, or HF's list of {name, template}), or None."""
+        self.config_extra: dict = dict(config_extra or {})
+        """The source tokenizer_config.json without its chat_template, written back by `save` (the special tokens and
+        model_max_length this object holds win where they differ)."""
+        self.chat_template_file = chat_template_file
+        """The template came from (and is saved to) chat_template.jinja rather than tokenizer_config.json."""
         self._literal_tk: HFTokenizer | None = None  # built on first use of `literal=True`
         self._max_chars_per_token: int | None = None
         self._token_strings: tuple[str, ...] | None = None
@@ -107,9 +127,15 @@ class Tokenizer:
             raise TokenizerError(f"cannot parse {file}: {exc}") from exc
         specials: dict[str, str | None] = {"bos_token": None, "eos_token": None, "pad_token": None}
         max_len = None
-        cfg_file = folder / "tokenizer_config.json"
+        cfg: dict = {}
+        cfg_file = folder / CONFIG_FILE
         if cfg_file.is_file():
-            cfg = json.loads(cfg_file.read_text())
+            try:
+                cfg = json.loads(cfg_file.read_text())
+            except json.JSONDecodeError as exc:
+                raise TokenizerError(f"{cfg_file} is not valid JSON: {exc}") from exc
+            if not isinstance(cfg, dict):
+                raise TokenizerError(f"{cfg_file} must hold a JSON object")
             for key in specials:
                 specials[key] = _token_str(cfg.get(key))
             max_len = cfg.get("model_max_length")
@@ -117,24 +143,50 @@ class Tokenizer:
                 max_len = None
         elif tk.token_to_id(BOS_TOKEN) is not None:  # a Tandem tokenizer without its config
             specials = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
-        return cls(tk, model_max_length=max_len, **specials)
+        template_file = folder / CHAT_TEMPLATE_FILE
+        in_file = path.is_dir() and template_file.is_file()  # transformers reads the file first, so do we
+        template = template_file.read_text() if in_file else cfg.get("chat_template")
+        extra = {k: v for k, v in cfg.items() if k != "chat_template"}
+        return cls(
+            tk,
+            model_max_length=max_len,
+            chat_template=template,
+            config_extra=extra,
+            chat_template_file=in_file,
+            **specials,
+        )
 
     def save(self, folder: str | Path) -> None:
         """Write tokenizer.json and tokenizer_config.json into `folder` (which must exist)."""
         folder = Path(folder)
         self._tk.save(str(folder / "tokenizer.json"))
-        config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": self.bos_token,
-            "eos_token": self.eos_token,
-            "pad_token": self.pad_token,
-            "add_bos_token": False,
-            "add_eos_token": False,
-            "clean_up_tokenization_spaces": False,
-        }
+        config: dict = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
+        if self.config_extra:  # a loaded folder's keys, as found (no Tandem defaults added to them)
+            config.update(self.config_extra)
+        else:
+            config = {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                **config,
+                "add_bos_token": False,
+                "add_eos_token": False,
+                "clean_up_tokenization_spaces": False,
+            }
+        for key in ("bos_token", "eos_token", "pad_token"):  # a {"content": ...} entry naming the same token stays
+            if _token_str(config[key]) != getattr(self, key):
+                config[key] = getattr(self, key)
         if self.model_max_length is not None:
             config["model_max_length"] = self.model_max_length
-        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if self.chat_template is not None and self.chat_template_file:
+            (folder / CHAT_TEMPLATE_FILE).write_text(str(self.chat_template))
+        elif self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+    def fingerprint(self) -> str:
+        """SHA-256 of what tokenizing depends on: the tokenizer.json content and the bos/eos/pad tokens."""
+        digest = hashlib.sha256(self._tk.to_str().encode())
+        digest.update(json.dumps([self.bos_token, self.eos_token, self.pad_token]).encode())
+        return digest.hexdigest()
 
     # ------------------------------------------------------------------ use
     @property
