@@ -69,4 +69,6 @@ def checkpoint_source(ckpt: str | Path) -> dict[str, str]:
     """Provenance of an export: {"checkpoint": name, "checkpoint_path": abs path, "checkpoint_sha256": hex}."""
     ckpt = Path(ckpt).resolve()
     hashed = ckpt / MANIFEST if ckpt.is_dir() else ckpt
+    if not hashed.is_file():
+        raise CheckpointError(f"{ckpt} has no {MANIFEST}: not a complete checkpoint (an interrupted save?)")
     return {"checkpoint": ckpt.name, "checkpoint_path": str(ckpt), "checkpoint_sha256": sha256_file(hashed)}

@@ -212,8 +212,8 @@ def export_bundle(
         tokenizer = Tokenizer.load(meta) if (meta / "tokenizer.json").is_file() else None
     except SharedModelError as exc:
         raise CheckpointError(f"cannot read the model description in {meta}: {exc}") from exc
+    full = load_module_state(ckpt_dir)  # verifies the checkpoint's manifest first: a partial one is refused here
     source = {"format": "bundle", "dtype": dtype_name(parse_dtype(dtype)), **checkpoint_source(ckpt_dir)}
-    full = load_module_state(ckpt_dir)
     state = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
     if not state:
         raise CheckpointError(
