@@ -6,6 +6,10 @@ Release, CPU only, static libraries, GGML_NATIVE=ON, no CURL/OpenSSL/server/test
 `~/.cache/tandem/llama.cpp/<version>/` (`$TANDEM_CACHE` replaces `~/.cache/tandem`). Each step works in a temporary
 folder beside its result and renames it into place only when it succeeded, under a file lock, so an interrupted or
 concurrent run never leaves a half-built tree that a later run would trust. A second run reuses the cache.
+`ensure_examples(tools, targets)` builds example programs (default `llama-lookup`, for
+`benchmarks/speculative.py`) the same way in a second folder, `build-examples/`, configured with
+-DLLAMA_BUILD_EXAMPLES=ON (and the tools' other flags) and building only those targets; about 30 minutes on 2
+busy cores, since ggml and llama are compiled again there.
 
 `convert_to_gguf(...)` runs the sdist's own `convert_hf_to_gguf.py` (with its own gguf-py) on a Hugging Face folder.
 Random tokenizers are unknown to its pre-tokenizer table; speed does not depend on the pre-tokenizer, so the
@@ -13,6 +17,7 @@ converter runs under a small wrapper that maps an unrecognized one to llama.cpp'
 edited) and the result says so. `quantize(...)` and `bench(...)` run the built tools.
 
     .venv/bin/python benchmarks/llama_cpp.py [--version 0.3.36]   # build (or find) the tools, print their paths
+    .venv/bin/python benchmarks/llama_cpp.py --examples llama-lookup   # and the example programs
 """
 
 from __future__ import annotations

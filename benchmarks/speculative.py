@@ -166,19 +166,31 @@ def gguf_folder(bundle: Path) -> Path:
     return llama_cpp.cache_root().parent / "speculative" / f"{bundle.parent.name}-{key}"
 
 
-def make_gguf(tools: llama_cpp.Tools, bundle: Path, gtype: str) -> tuple[Path, bool]:
-    """The bundle as a `gtype` (F32/BF16) GGUF (converted once, cached), and whether the pre-tokenizer was mapped."""
+def pre_tokenizer_for(bundle: Path) -> str:
+    """The llama.cpp pre-tokenizer that splits text as the bundle's tokenizer does: "gpt-2" for a ByteLevel
+    pre-tokenizer with its regex (what `Tokenizer.train` makes: GPT-2's split, which llama.cpp's GPT2 type uses),
+    else "default". Speed does not depend on it; llama-lookup's prompt tokens (and so its drafts) do."""
+    try:
+        pre = json.loads((bundle / "tokenizer.json").read_text()).get("pre_tokenizer") or {}
+    except (OSError, ValueError):
+        return "default"
+    return "gpt-2" if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) else "default"
+
+
+def make_gguf(tools: llama_cpp.Tools, bundle: Path, gtype: str, pre: str) -> tuple[Path, bool]:
+    """The bundle as a `gtype` (F32/BF16) GGUF (converted once, cached), and whether the converter did not know the
+    pre-tokenizer, so that it was mapped to `pre`."""
     folder = gguf_folder(bundle)
     folder.mkdir(parents=True, exist_ok=True)
-    out, note_file = folder / f"model-{gtype}.gguf", folder / "convert.json"
+    out, note_file = folder / f"model-{gtype}-pre-{pre}.gguf", folder / "convert.json"
     note = json.loads(note_file.read_text()) if note_file.is_file() else {}
     if not out.is_file():
         t0 = time.monotonic()
-        mapped = llama_cpp.convert_to_gguf(tools.source, bundle, out, gtype.lower(), folder / "convert.log")
-        note[gtype] = {"pre_tokenizer_mapped": mapped}
+        mapped = llama_cpp.convert_to_gguf(tools.source, bundle, out, gtype.lower(), folder / "convert.log", pre=pre)
+        note[out.name] = {"pre_tokenizer_mapped": mapped}
         note_file.write_text(json.dumps(note) + "\n")
         log(f"  converted {bundle} to {gtype} in {time.monotonic() - t0:.0f} s: {out}")
-    return out, bool(note.get(gtype, {}).get("pre_tokenizer_mapped", False))
+    return out, bool(note.get(out.name, {}).get("pre_tokenizer_mapped", False))
 
 
 _LOOKUP_PATTERNS = {
@@ -200,6 +212,8 @@ def parse_lookup(text: str) -> dict[str, float]:
         if m is None:
             raise KeyError(f"llama-lookup printed no {pattern!r} line")
         out[key] = float(m.group(1))
+    if out["printed_tok_s"] > 0:  # its seconds are printed to 1 ms; n_predict / speed has more digits
+        out["decode_s"] = out["n_predict"] / out["printed_tok_s"]
     out["tok_s"] = (out["n_predict"] - 1) / out["decode_s"] if out["decode_s"] > 0 else float("nan")
     out["acceptance"] = out["n_accept"] / out["n_drafted"] if out["n_drafted"] else 0.0
     return out
@@ -240,7 +254,7 @@ def lookup_case(
             r = run_lookup(
                 binary, gguf, threads, p["text"], args.n_gen, args.k, args.lookup_timeout, out_dir / "lookup"
             )
-            runs.append({"prompt": p["name"], **r})
+            runs.append({"prompt": p["name"], "tandem_prompt_tokens": len(p["ids"]), **r})
     except (llama_cpp.StepError, KeyError) as exc:
         return {"status": "not run", "reason": str(exc).strip("'\""), "runs": runs}
     drafted, accepted = sum(r["n_drafted"] for r in runs), sum(r["n_accept"] for r in runs)
@@ -249,6 +263,7 @@ def lookup_case(
         "tok_s": statistics.mean(r["tok_s"] for r in runs),
         "acceptance": accepted / drafted if drafted else 0.0,
         "command": shlex.join(lookup_command(binary, gguf, threads, "PROMPT_TEXT", args.n_gen, args.k)),
+        "prompt_tokens_as_tandem": all(r["n_input"] == r["tandem_prompt_tokens"] for r in runs),
         "runs": runs,
     }
 
@@ -591,15 +606,16 @@ def main(argv: list[str] | None = None) -> int:
         installed = cpu_peer.ensure_converter_deps(tools.source, not args.no_install)
         if installed:
             results["notes"].append(f"installed for convert_hf_to_gguf.py: {' '.join(installed)}")
-        gguf, mapped = make_gguf(tools, bundle, gtype)
+        pre = pre_tokenizer_for(bundle)
+        gguf, mapped = make_gguf(tools, bundle, gtype, pre)
     except (llama_cpp.StepError, subprocess.TimeoutExpired) as exc:
         print(f"error: GGUF conversion: {exc}", file=sys.stderr)
         return 1
     results["gguf"] = str(gguf)
     if mapped:
-        results["notes"].append("the bundle's tokenizer is unknown to convert_hf_to_gguf.py's pre-tokenizer table; it "
-                                "was mapped to llama.cpp's 'default' (llama-lookup may split the prompt text "
-                                "differently: its prompt token counts are in the JSON)")  # fmt: skip
+        results["notes"].append(f"the bundle's tokenizer is unknown to convert_hf_to_gguf.py's pre-tokenizer table; "
+                                f"it was mapped to llama.cpp's {pre!r} (the same split as the bundle's ByteLevel "
+                                "regex when 'gpt-2')")  # fmt: skip
 
     mismatch = False
     for threads in args.thread_counts:
@@ -623,6 +639,9 @@ def main(argv: list[str] | None = None) -> int:
         case["llama_lookup"] = lk
         if lk["status"] == "ok":
             log(f"  llama-lookup: {lk['tok_s']:.1f} tok/s, acceptance {lk['acceptance']:.0%}")
+            if not lk["prompt_tokens_as_tandem"] and threads == args.thread_counts[0]:
+                counts = ", ".join(f"{r['n_input']:.0f} vs {r['tandem_prompt_tokens']}" for r in lk["runs"])
+                results["notes"].append(f"llama-lookup tokenized the prompt texts differently ({counts} tokens)")
         else:
             log(f"  llama-lookup: not run ({lk['reason']})")
         log(f"[{threads}T] Tandem")

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -64,7 +66,7 @@ accept       = 50.000%
 """
     r = sb.parse_lookup(out)
     assert r["n_input"] == 259 and r["n_predict"] == 129 and r["n_drafted"] == 120 and r["n_accept"] == 60
-    assert r["tok_s"] == 128 / 1.6 and r["acceptance"] == 0.5 and r["printed_tok_s"] == 80.625
+    assert r["tok_s"] == pytest.approx(128 / 1.6) and r["acceptance"] == 0.5 and r["printed_tok_s"] == 80.625
     try:
         sb.parse_lookup("decoded  12 tokens in 1.0 seconds, speed: 12.0 t/s")
     except KeyError as exc:
@@ -144,6 +146,9 @@ def test_default_bundle_and_dtype(tmp_path: Path) -> None:
     assert newest == tmp_path / "demo-20261201-145943" / "bundle"
     assert sb.bundle_dtype(newest) == "bfloat16"
     assert sb.data_section(newest) == {}
+    assert sb.pre_tokenizer_for(newest) == "default"  # no tokenizer.json
+    (newest / "tokenizer.json").write_text(json.dumps({"pre_tokenizer": {"type": "ByteLevel", "use_regex": True}}))
+    assert sb.pre_tokenizer_for(newest) == "gpt-2"
 
 
 def test_examples_build_flags() -> None:
