@@ -227,18 +227,28 @@ def lookup_command(binary: Path, gguf: Path, threads: int, prompt: str, n_gen: i
 def run_lookup(
     binary: Path, gguf: Path, threads: int, prompt: str, n_gen: int, k: int, timeout_s: float, cwd: Path
 ) -> dict:
-    """One llama-lookup run, in `cwd` (where it would save a dynamic n-gram cache if it were given one)."""
+    """One llama-lookup run, in `cwd` (where it would save a dynamic n-gram cache if it were given one). Its
+    summary goes through llama.cpp's asynchronous logger; a run that exits 0 without it (seen once in about 70
+    runs here) is repeated once, and its output kept in `cwd` as lookup-missing-summary-N.log."""
     cmd = lookup_command(binary, gguf, threads, prompt, n_gen, k)
     cwd.mkdir(parents=True, exist_ok=True)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout_s, cwd=cwd)
-    except subprocess.TimeoutExpired:
-        raise llama_cpp.StepError(f"llama-lookup timed out after {timeout_s:.0f} s") from None
-    text = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        tail = " | ".join(ln for ln in text.splitlines()[-6:] if ln.strip())
-        raise llama_cpp.StepError(f"llama-lookup failed (exit {proc.returncode}): {tail}")
-    return parse_lookup(text)
+    for attempt in (1, 2):
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout_s, cwd=cwd)
+        except subprocess.TimeoutExpired:
+            raise llama_cpp.StepError(f"llama-lookup timed out after {timeout_s:.0f} s") from None
+        text = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            tail = " | ".join(ln for ln in text.splitlines()[-6:] if ln.strip())
+            raise llama_cpp.StepError(f"llama-lookup failed (exit {proc.returncode}): {tail}")
+        try:
+            return {**parse_lookup(text), "attempts": attempt}
+        except KeyError:
+            n = len(list(cwd.glob("lookup-missing-summary-*.log")))
+            (cwd / f"lookup-missing-summary-{n}.log").write_text(shlex.join(cmd) + "\n" + text)
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def lookup_case(
