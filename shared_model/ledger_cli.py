@@ -4,7 +4,8 @@ Contract: reads only the config (never the weights, and without importing torch)
 model size. `--model` is a preset name first, else a folder holding a config.json. Defaults:
 - context: 4,096 tokens, or the model's max_position_embeddings when that is smaller (presets and folders alike);
 - weight dtype: a folder's own `torch_dtype` (or `dtype`) from config.json, else bf16; K/V dtype: the weight dtype
-  (the engine keeps K/V in the weights' dtype).
+  (the engine's `--kv-cache-dtype auto`); `--kv-dtype fp8|int8` adds their per-(block, kv head) fp32 scales, in
+  blocks of `--kv-block-size` tokens (the engine's `--block-size`), by `shared_model.ledger.kv_bytes_per_block`.
 The table is in decimal units (kB, MB, GB) throughout.
 """
 
@@ -24,6 +25,7 @@ from shared_model.ledger import (
     DEFAULT_CONTEXT,
     DEFAULT_GROUP_SIZE,
     INT4_GROUP_SIZES,
+    KV_BLOCK_SIZE,
     QUANTIZATIONS,
     format_report,
     ledger_report,
@@ -104,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-dtype", default=None, choices=sorted(BYTES_PER_ELEMENT), help="K/V cache dtype; default: the weight dtype"
     )
     p.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=KV_BLOCK_SIZE,
+        help="tokens per K/V block (fp8/int8 keep a scale per block)",
+    )
+    p.add_argument(
         "--weight-dtype",
         default=None,
         choices=sorted(BYTES_PER_ELEMENT),
@@ -138,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             quantization=args.quantization,
             group_size=args.quantization_group_size,
             weight_dtype_source=source,
+            kv_block_size=args.kv_block_size,
         )
     except (SharedModelError, ValueError) as exc:
         print(f"tandem ledger: {exc}", file=sys.stderr)

@@ -11,7 +11,9 @@ Contract:
   A request whose logits are not finite finishes alone with `finish_reason=ERROR` and `error` set (one log line);
   `generate()` raises `RequestFailedError` for it.
 - Times come from `time.monotonic()`; `Timing` is in milliseconds from the request's arrival.
-- Bytes per KV token come from `shared_model.ledger` (2 · layers · kv_width · bytes per element).
+- Bytes per KV token and block come from `shared_model.ledger` (2 · layers · kv_width · bytes per element, plus
+  the fp8/int8 scales per block) for the stored K/V dtype (`config.kv_cache_dtype`, `engine.kv_cache`); the pool
+  holds kv_cache_memory // bytes per block blocks.
 - Load-time transforms, in order: merged projections (`shared_model.fuse`), then `config.quantization`
   (`shared_model.quantize`); a model that cannot take the quantization is refused (`ModelLoadError` naming the
   weight). `config.threads`, when set, sizes torch's process-wide intra-op thread pool.
@@ -30,6 +32,7 @@ import torch
 from inference_svc.engine.block_manager import BlockManager
 from inference_svc.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from inference_svc.engine.detokenizer import IncrementalDetokenizer
+from inference_svc.engine.kv_cache import ledger_dtype_name, resolve_kv_dtype
 from inference_svc.engine.model_runner import BackendFactory, ModelRunner
 from inference_svc.engine.sampler import Sampler, SampleRequest, Samples
 from inference_svc.engine.scheduler import Scheduler, StepEvent
@@ -100,9 +103,9 @@ class GenerationResult:
     stop_reason: str | int | None = None
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token occupies across all layers: the ledger's 2·N·B·L·d·b with B = L = 1."""
-    return ledger.kv_bytes_per_token(config, str(dtype).removeprefix("torch."))
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, block_size: int = ledger.KV_BLOCK_SIZE) -> int:
+    """Bytes of K and V one token occupies across all layers, stored as `dtype` (`ledger.kv_bytes_per_token`)."""
+    return ledger.kv_bytes_per_token(config, ledger_dtype_name(dtype), block_size)
 
 
 class Engine:
@@ -126,10 +129,12 @@ class Engine:
         except QuantizationError as exc:
             raise ModelLoadError(f"{bundle.path}: quantization {config.quantization}: {exc}") from exc
         self.weight_bytes = serving_weight_bytes(model)
-        self.bytes_per_token = kv_bytes_per_token(self.model_config, self.dtype)
-        budget = _kv_budget(config, device, self.weight_bytes)
         bs = config.block_size
-        num_blocks = budget // (bs * self.bytes_per_token)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
+        self.bytes_per_token = kv_bytes_per_token(self.model_config, self.kv_dtype, bs)
+        self.bytes_per_block = ledger.kv_bytes_per_block(self.model_config, ledger_dtype_name(self.kv_dtype), bs)
+        budget = _kv_budget(config, device, self.weight_bytes)
+        num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
             raise ModelLoadError(
                 f"kv_cache_memory: {budget} bytes hold no block of {bs} tokens ({self.bytes_per_token} bytes/token)"
@@ -141,7 +146,9 @@ class Engine:
         )
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        self.runner = ModelRunner(model, self.model_config, num_blocks, bs, self.dtype, device, backend)
+        self.runner = ModelRunner(
+            model, self.model_config, num_blocks, bs, self.dtype, device, backend, kv_dtype=self.kv_dtype
+        )
         self.sampler = Sampler()
         self._eos_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_id} if self.tokenizer.eos_id is not None else set()
@@ -321,6 +328,8 @@ class Engine:
             weight_bytes=self.weight_bytes,
             peak_workspace_bytes=self.runner.peak_workspace_bytes,
             config=self.config,
+            kv_cache_dtype=ledger_dtype_name(self.kv_dtype),
+            kv_bytes_per_block=self.bytes_per_block,
         )
 
     # ------------------------------------------------------------------ offline use

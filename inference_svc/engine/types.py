@@ -260,12 +260,18 @@ class EngineInfo:
     attention_backend: str
     kv_blocks_total: int
     kv_bytes_per_token: int
+    """`shared_model.ledger.kv_bytes_per_token` of the stored K/V dtype (scales included, rounded up to a byte)."""
     kv_cache_bytes: int
     weight_bytes: int
     """The weights as held: merged projections, quantized formats and their scales (`serving_weight_bytes`)."""
     peak_workspace_bytes: int
     config: EngineConfig
     """The engine's settings as given (block size, batching limits, prefix caching, ...)."""
+    kv_cache_dtype: str = "auto"
+    """The stored K/V dtype, resolved: 'fp32', 'bf16', 'fp16', 'fp8' or 'int8' (`--kv-cache-dtype`)."""
+    kv_bytes_per_block: int = 0
+    """Bytes of one KV block across all layers, scales included (`shared_model.ledger.kv_bytes_per_block`):
+    the pool is kv_blocks_total of them."""
 
     @property
     def quantization(self) -> str:

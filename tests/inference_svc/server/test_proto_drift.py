@@ -60,6 +60,8 @@ def test_field_numbers_are_stable() -> None:
     assert numbers(pb.TokenLogprob) == {"token_id": 1, "logprob": 2}
     assert numbers(pb.PositionLogprobs) == {"token_id": 1, "logprob": 2, "top": 3}
     assert numbers(pb.ModelInfo)["http_port"] == 12 and numbers(pb.ModelInfo)["metrics_port"] == 13
+    assert numbers(pb.ModelInfo)["kv_cache_dtype"] == 14
+    assert numbers(pb.MemoryLedger)["kv_bytes_per_block"] == 8
     assert dict(pb.FinishReason.items()) == {
         "FINISH_REASON_UNSPECIFIED": 0, "FINISH_REASON_STOP": 1, "FINISH_REASON_LENGTH": 2,
         "FINISH_REASON_CANCELLED": 3,
