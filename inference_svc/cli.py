@@ -173,8 +173,8 @@ async def _serve(settings: ServerSettings, engine_config: Any, fault_hook: Any =
         if server.http_port is not None:
             print(f"tandem serve: HTTP API on http://{host_port(settings.host, server.http_port)}/v1", flush=True)
         print(
-            f"tandem serve: SERVING {settings.model} (dtype {info.dtype}, attention {info.attention_backend}, "
-            f"KV capacity {info.kv_capacity_tokens} tokens, metrics port {server.metrics_port})",
+            f"tandem serve: SERVING {settings.model} (dtype {info.dtype}, attention {info.attention_backend}, KV "
+            f"capacity {info.kv_capacity_tokens} tokens in {info.kv_cache_dtype}, metrics port {server.metrics_port})",
             flush=True,
         )
     await server.wait_for_termination()

@@ -72,9 +72,10 @@ def _store_kv_kernel(
         v_new = tl.load(v_new_ptr + row, mask=h_ok, other=1.0)
         prev = tl.load(slot_ptr + t - 1, mask=t > 0, other=-1).to(tl.int64)
         leads = (t == 0) | (prev < 0) | (prev // BLOCK_SIZE != block)
-        if leads & (offset > 0):  # rescale this block's earlier tokens to the new scale
-            k_f = tl.load(k_old_ptr + row, mask=h_ok, other=1.0) / k_new
-            v_f = tl.load(v_old_ptr + row, mask=h_ok, other=1.0) / v_new
+        k_f = tl.load(k_old_ptr + row, mask=h_ok, other=1.0) / k_new  # [HEADS_PAD] old / new, 1 if unchanged
+        v_f = tl.load(v_old_ptr + row, mask=h_ok, other=1.0) / v_new
+        grown = (tl.min(k_f, 0) < 1.0) | (tl.min(v_f, 0) < 1.0)
+        if leads & (offset > 0) & grown:  # rescale this block's earlier tokens to the new scale
             for o in range(0, offset):
                 k_o = tl.load(k_blk + o * stride_kct, mask=mask).to(tl.float32) * k_f[:, None]
                 v_o = tl.load(v_blk + o * stride_vct, mask=mask).to(tl.float32) * v_f[:, None]
