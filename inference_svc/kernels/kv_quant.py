@@ -10,8 +10,9 @@ Contract (shared by the torch path, the reference and the Triton kernels; pure t
   (exact for fp8 outside its subnormals; for int8 one re-rounding).
 - Error bounds of one round trip (`dequantize(quantize(x, s), s)` for |x| ≤ QMAX · s): int8 ≤ s / 2 absolute;
   fp8 (3 mantissa bits) ≤ 2^-4 relative to |x| for |x| / s ≥ 2^-6 (e4m3's smallest normal), else ≤ 2^-10 · s
-  absolute (half its subnormal step). A value re-rounded by block growth (below) stays within 2× these bounds'
-  scale terms (the growth steps are powers of two, so their errors sum to at most one step at the final scale).
+  absolute (half its subnormal step). A value re-expressed by block growth (below): int8 within s (the growth
+  steps are powers of two, so its earlier roundings sum to at most one more half-step at the final scale); fp8
+  within 2^-4 · |x| + 2^-9 · s (a power-of-two rescale is exact unless it moves the value into the subnormals).
 - `update_scales(x, scales, slots, block_size, dtype)` is a write's scale step: a block whose offset-0 token is in
   this write starts over (a reused block forgets its previous owner's scale); every other block's scale becomes
   max(its scale, the new tokens' need). It returns each token's block scale before and after, `[T, Hkv]` each,
