@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from inference_svc.dataclass_flags import FlagSpec, add_flags, from_args
-from inference_svc.engine.config import ATTENTION_BACKENDS, EngineConfig
+from inference_svc.engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, EngineConfig
 from inference_svc.errors import InferenceError
 from inference_svc.generate_cli import stream_completion
 from inference_svc.settings import AdmissionLimits, ServerSettings, host_port
@@ -44,6 +44,7 @@ ENGINE_FLAGS = FlagSpec(
     choices={
         "dtype": ["auto", "float32", "bfloat16", "float16"],
         "attention_backend": ATTENTION_BACKENDS,
+        "kv_cache_dtype": KV_CACHE_DTYPES,
         "quantization": QUANTIZATIONS,
         "quantization_group_size": INT4_GROUP_SIZES,
     },
@@ -172,8 +173,8 @@ async def _serve(settings: ServerSettings, engine_config: Any, fault_hook: Any =
         if server.http_port is not None:
             print(f"tandem serve: HTTP API on http://{host_port(settings.host, server.http_port)}/v1", flush=True)
         print(
-            f"tandem serve: SERVING {settings.model} (dtype {info.dtype}, attention {info.attention_backend}, "
-            f"KV capacity {info.kv_capacity_tokens} tokens, metrics port {server.metrics_port})",
+            f"tandem serve: SERVING {settings.model} (dtype {info.dtype}, attention {info.attention_backend}, KV "
+            f"capacity {info.kv_capacity_tokens} tokens in {info.kv_cache_dtype}, metrics port {server.metrics_port})",
             flush=True,
         )
     await server.wait_for_termination()

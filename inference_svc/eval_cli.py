@@ -9,6 +9,9 @@ Contract:
   OpenAI-compatible HTTP API (`--protocol http`; the port comes from GetModelInfo), or both. The table shows
   each path's perplexity, bits per byte and its relative difference from the offline figure; `--json` prints them
   as one object. The window defaults to the model's positions, capped at 512 and at the server's context − 1.
+- `--kv-cache-dtype auto|fp32|bf16|fp16|fp8|int8` (`EngineConfig.kv_cache_dtype`) also scores them through an
+  in-process engine (path "engine": fp32 weights on CPU, the torch attention path) whose K/V cache is stored in
+  that dtype, so the table shows what the K/V format costs in perplexity (`--kv-cache-memory` sizes its pool).
 - Exit 0 on success, 2 on a bad argument (one line), 1 when the server fails.
 """
 
@@ -24,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_WINDOW_CAP = 512
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8", "int8")
+"""`inference_svc.engine.config.KV_CACHE_DTYPES` (repeated so `--help` imports no torch; a test pins the two)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, default=None, help="sliding-window stride (default: non-overlapping)")
     p.add_argument("--max-tokens", type=int, default=8192, help="score at most this many tokens of text")
     p.add_argument("--api-key-file", default=None, help="file whose first key is sent as the API key")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=KV_CACHE_DTYPES,
+        help="also score through an in-process engine with its K/V cache stored in this dtype",
+    )
+    p.add_argument("--kv-cache-memory", default="256MiB", help="that engine's KV-cache budget (with --kv-cache-dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -87,6 +99,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     offline = evaluate_offline(bundle.model.eval(), bundle.tokenizer, texts, window, args.stride, args.max_tokens)
     results: dict[str, Any] = {"window": window, "stride": args.stride, "offline": offline.as_dict()}
     results["offline"]["seconds"] = time.perf_counter() - t0
+    if args.kv_cache_dtype is not None:
+        t0 = time.perf_counter()
+        res = _evaluate_engine(args, ws, bundle.tokenizer)
+        entry = res.as_dict()
+        entry["seconds"] = time.perf_counter() - t0
+        entry["kv_cache_dtype"] = args.kv_cache_dtype
+        entry["relative_difference"] = abs(res.perplexity - offline.perplexity) / offline.perplexity
+        results["engine"] = entry
     if info is not None:
         paths = ["grpc", "http"] if args.protocol == "both" else [args.protocol]
         for path in paths:
@@ -106,9 +126,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def _evaluate_engine(args: argparse.Namespace, ws: Sequence[Any], tokenizer: Any) -> Any:
+    from inference_svc.engine import Engine, EngineConfig
+    from inference_svc.engine.config import EngineConfigError
+    from inference_svc.evaluation import evaluate_engine
+
+    try:
+        config = EngineConfig(
+            dtype="float32", device="cpu", kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory
+        )
+    except EngineConfigError as exc:
+        raise ValueError(f"--{exc.field.replace('_', '-')}: {exc}") from None
+    return evaluate_engine(Engine.from_bundle(args.model, config), ws, tokenizer)[0]
+
+
 def _table(results: dict[str, Any]) -> str:
     rows = [f"{'path':<8} {'perplexity':>12} {'bits/byte':>10} {'tokens':>8} {'bytes':>9} {'vs offline':>11} {'s':>7}"]
-    for path in ("offline", "grpc", "http"):
+    for path in ("offline", "engine", "grpc", "http"):
         r = results.get(path)
         if r is None:
             continue

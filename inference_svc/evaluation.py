@@ -1,5 +1,5 @@
-"""Perplexity through a running service: the windows of `shared_model.evaluate`, scored by the server's prompt
-logprobs over gRPC or the OpenAI-compatible HTTP API.
+"""Perplexity through the engine: the windows of `shared_model.evaluate`, scored by prompt logprobs over gRPC or
+the OpenAI-compatible HTTP API of a running service, or by an `Engine` in this process (`evaluate_engine`).
 
 Contract:
 - `evaluate_grpc(target, windows, tokenizer)` sends each window as `prompt_token_ids` with `prompt_logprobs = 0`
@@ -11,6 +11,10 @@ Contract:
   error (nothing is averaged over a partial set).
 - A window must fit the server's context with one generated token: `max_context - 1` tokens at most
   (`GetModelInfo.max_context`), checked before anything is sent.
+- `evaluate_engine(engine, windows, tokenizer)` asks the same of an in-process `Engine` (its own settings:
+  `--kv-cache-dtype`, `--dtype`, ...), all windows at once through `Engine.generate`, and also returns the
+  model's top-1 token at every scored position (teacher-forced greedy choices, which
+  `benchmarks/kv_dtype_quality.py` compares across K/V dtypes).
 """
 
 from __future__ import annotations
@@ -20,6 +24,22 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from shared_model.evaluate import EvalResult, Window, score_bytes
+
+
+def evaluate_engine(engine: Any, ws: Sequence[Window], tokenizer: Any) -> tuple[EvalResult, list[int]]:
+    """The windows scored by an in-process `Engine`'s prompt logprobs; (result, the top-1 token the model gives
+    each scored position, window after window)."""
+    from inference_svc.engine.types import SamplingParams
+
+    check_fits(ws, engine.max_model_len)
+    results = engine.generate([w.ids for w in ws], SamplingParams(max_new_tokens=1, prompt_logprobs=1))
+    nll = 0.0
+    top1: list[int] = []
+    for w, r in zip(ws, results, strict=True):
+        entries = r.prompt_logprobs[w.first_scored :]  # one per prompt token, the first None: [j] scores token j
+        nll -= sum(e.logprob for e in entries)
+        top1 += [e.top[0][0] for e in entries]
+    return _result(nll, ws, tokenizer), top1
 
 
 async def _bounded(ws: Sequence[Window], score: Callable[[int, Window], Awaitable[float]], concurrency: int) -> float:

@@ -12,7 +12,9 @@ Contract:
   alone (`registry` itself, read directly, still has them).
 - `tandem_build_info` is 1, labelled with the `version` of the installed `tandem` distribution and `torch_version`
   (each "unknown" when its metadata is missing). The weights' dtype and quantization are labels of
-  `tandem_model_weight_bytes`.
+  `tandem_model_weight_bytes`; the stored K/V dtype (`--kv-cache-dtype`, resolved) labels
+  `tandem_kv_cache_bytes` (the pool) and `tandem_kv_bytes_per_token` (`EngineInfo`'s, which are the shared
+  ledger's `kv_bytes_per_block` / `kv_bytes_per_token`, fp8/int8 scales included: GetModelInfo reports the same).
 - `MetricsHTTPServer` is an asyncio server in the caller's event loop: no thread per connection (no thread at
   all), at most `max_connections` connections at once (one more is closed on accept), and each connection gets
   `timeout` seconds from accept to the end of its response, after which it is closed, so half-open or slow
@@ -200,6 +202,18 @@ class ServiceMetrics:
             (*m, "dtype", "quantization"),
             registry=r,
         )
+        self.kv_cache_bytes = Gauge(
+            "tandem_kv_cache_bytes",
+            "Bytes of the KV-cache pool as allocated (fp8/int8 scales included).",
+            (*m, "kv_cache_dtype"),
+            registry=r,
+        )
+        self.kv_bytes_per_token = Gauge(
+            "tandem_kv_bytes_per_token",
+            "KV-cache bytes one token occupies across all layers (fp8/int8 scales included).",
+            (*m, "kv_cache_dtype"),
+            registry=r,
+        )
         self.kv_used = one(Gauge("tandem_kv_blocks_used", "KV-cache blocks in use.", m, registry=r))
         self.kv_total = one(Gauge("tandem_kv_blocks_total", "KV-cache blocks in the pool.", m, registry=r))
         self.kv_cached = one(Gauge("tandem_kv_blocks_cached", "KV blocks holding a registered prefix.", m, registry=r))
@@ -295,9 +309,12 @@ class ServiceMetrics:
             self._last[name] = value
 
     def observe_model(self, info: Any) -> None:
-        """Once, when the engine is built: what its weights occupy (`EngineInfo.weight_bytes`)."""
+        """Once, when the engine is built: what its weights and its KV pool occupy (`EngineInfo`)."""
         labels = {**self._model, "dtype": info.dtype, "quantization": info.quantization}
         self.weight_bytes.labels(**labels).set(info.weight_bytes)
+        kv = {**self._model, "kv_cache_dtype": info.kv_cache_dtype}
+        self.kv_cache_bytes.labels(**kv).set(info.kv_cache_bytes)
+        self.kv_bytes_per_token.labels(**kv).set(info.kv_bytes_per_token)
 
     def observe_admission(self, requests: int, tokens: int) -> None:
         self.admission_queue.set(requests)

@@ -176,6 +176,10 @@ def model_info_to_proto(
         kv_blocks_total=info.kv_blocks_total,
         kv_block_size=info.config.block_size,
         extra=extra,
+        kv_bytes_per_block=info.kv_bytes_per_block,
+        draft_kv_bytes_per_block=info.draft_kv_bytes_per_block,
+        draft_kv_cache_bytes=info.draft_kv_cache_bytes,
+        draft_weight_bytes=info.draft_weight_bytes,
     )
     return pb.ModelInfo(
         model_name=model_name,
@@ -191,6 +195,8 @@ def model_info_to_proto(
         quantization=info.quantization,
         http_port=http_port or 0,
         metrics_port=metrics_port or 0,
+        kv_cache_dtype=info.kv_cache_dtype,
+        draft_model=info.draft_model_path.name if info.draft_model_path is not None else "",
     )
 
 
@@ -200,8 +206,8 @@ def _ledger_figures(info: EngineInfo, model_name: str) -> dict[str, float]:
 
     rep = ledger_report(
         info.model_config, model_name, context=info.max_model_len,
-        kv_dtype=info.dtype, weight_dtype=info.dtype, quantization=info.quantization,
-        group_size=info.config.quantization_group_size,
+        kv_dtype=info.kv_cache_dtype, weight_dtype=info.dtype, quantization=info.quantization,
+        group_size=info.config.quantization_group_size, kv_block_size=info.config.block_size,
     )  # fmt: skip
     return {  # the formula for what the engine measured (ledger.weight_bytes): the two agree
         "ledger.weight_bytes": float(rep.inference["served_weight_bytes"]),

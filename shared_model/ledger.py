@@ -4,8 +4,10 @@ Contract:
 - Pure arithmetic on integers and configs; no torch tensors are allocated.
 - Inference: weight bytes by precision, and as served (`served_weight_bytes`: the engine's merged layout, int8 /
   int4 weight-only quantization with its scales, the policy of `shared_model.quantize`); K/V cache bytes
-  = 2·N·B·L·d·b (N layers, B sequences, L tokens, d = kv_heads·head_dim, b bytes per element); attention work
-  as query–key pairs.
+  = 2·N·B·L·d·b (N layers, B sequences, L tokens, d = kv_heads·head_dim, b bytes per element), plus, for the
+  scaled K/V dtypes (fp8, int8), one fp32 scale per (layer, K|V, block, kv head): `kv_bytes_per_block` is the one
+  owner of "bytes of a K/V dtype" (the engine sizes its pool with it; GetModelInfo, /metrics and `tandem ledger`
+  report it); attention work as query–key pairs.
 - Training (mixed-precision AdamW, the lecture's accounting): per parameter 2 (16-bit weights) + 4 (fp32 master)
   + 4 (fp32 gradients) + 8 (two fp32 Adam moments) = 18 bytes, and how ZeRO stages 1/2/3 divide those terms over
   N GPUs (1: optimizer state = master + moments; 2: + gradients; 3: + 16-bit weights).
@@ -103,9 +105,42 @@ def kv_cache_bytes(num_layers: int, batch: int, context: int, kv_width: int, byt
     return 2 * num_layers * batch * context * kv_width * bytes_per_element
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: str = "bf16") -> int:
-    """K/V bytes one token adds to the cache across all layers."""
-    return kv_cache_bytes(config.num_layers, 1, 1, config.kv_size, element_bytes(dtype))
+KV_BLOCK_SIZE = 16
+"""Tokens per K/V block the ledger assumes unless told (the engine's default `block_size`)."""
+SCALED_KV_DTYPES = ("fp8", "int8")
+"""K/V dtypes stored with per-(block, kv head) scales (`inference_svc.engine.kv_cache`)."""
+KV_SCALE_BYTES = 4
+"""Each K/V scale is one fp32."""
+
+
+def kv_scale_bytes_per_block(config: ModelConfig, dtype: str) -> int:
+    """Scale bytes of one K/V block across all layers: 2 (K, V) · N layers · kv_heads · 4 B for fp8/int8, else 0."""
+    element_bytes(dtype)  # an unknown name is an error here too
+    if dtype not in SCALED_KV_DTYPES:
+        return 0
+    return 2 * config.num_layers * config.num_kv_heads * KV_SCALE_BYTES
+
+
+def kv_bytes_per_block(config: ModelConfig, dtype: str = "bf16", block_size: int = KV_BLOCK_SIZE) -> int:
+    """Bytes of one K/V block of `block_size` tokens across all layers, scales included (the pool's unit)."""
+    data = kv_cache_bytes(config.num_layers, 1, block_size, config.kv_size, element_bytes(dtype))
+    return data + kv_scale_bytes_per_block(config, dtype)
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: str = "bf16", block_size: int = KV_BLOCK_SIZE) -> int:
+    """K/V bytes one token adds to the cache across all layers: `kv_bytes_per_block / block_size`, rounded up to
+    a whole byte when a block's scales do not divide evenly (exact for unscaled dtypes and whenever
+    layers · kv_heads · 8 is a multiple of the block size)."""
+    return -(-kv_bytes_per_block(config, dtype, block_size) // block_size)
+
+
+def kv_sequences_bytes(
+    config: ModelConfig, dtype: str, batch: int, context: int, block_size: int = KV_BLOCK_SIZE
+) -> int:
+    """K/V bytes of `batch` sequences of `context` tokens: 2·N·B·L·d·b, plus the scales of the
+    ceil(L / block_size) blocks each sequence touches (scaled dtypes only)."""
+    data = kv_cache_bytes(config.num_layers, batch, context, config.kv_size, element_bytes(dtype))
+    return data + batch * -(-context // block_size) * kv_scale_bytes_per_block(config, dtype)
 
 
 def prefill_pairs(context: int, causal: bool = False) -> int:
@@ -191,12 +226,13 @@ def ledger_report(
     quantization: str = "none",
     group_size: int = DEFAULT_GROUP_SIZE,
     weight_dtype_source: str = "default",
+    kv_block_size: int = KV_BLOCK_SIZE,
 ) -> LedgerReport:
     """The ledger of one model; `context` None means `default_context(config)`."""
     context_is_default = context is None
     if context is None:
         context = default_context(config)
-    for label, value in (("context", context), ("batch", batch), ("gpus", gpus)):
+    for label, value in (("context", context), ("batch", batch), ("gpus", gpus), ("kv_block_size", kv_block_size)):
         if value < 1:
             raise ValueError(f"{label} must be >= 1, got {value}")
     n = config.num_parameters()
@@ -219,14 +255,16 @@ def ledger_report(
         "served_weight_bytes": served_weight_bytes(config, weight_dtype, quantization, group_size),
     }
     rep.quantization = quantization
-    per_token = kv_bytes_per_token(config, kv_dtype)
     rep.kv_cache = {
         "layers": config.num_layers,
         "kv_width": config.kv_size,
         "dtype_bytes": b_kv,
-        "bytes_per_token": per_token,
-        "bytes": kv_cache_bytes(config.num_layers, batch, context, config.kv_size, b_kv),
-        "bytes_at_2x_context": kv_cache_bytes(config.num_layers, batch, 2 * context, config.kv_size, b_kv),
+        "block_size": kv_block_size,
+        "scale_bytes_per_block": kv_scale_bytes_per_block(config, kv_dtype),
+        "bytes_per_block": kv_bytes_per_block(config, kv_dtype, kv_block_size),
+        "bytes_per_token": kv_bytes_per_token(config, kv_dtype, kv_block_size),
+        "bytes": kv_sequences_bytes(config, kv_dtype, batch, context, kv_block_size),
+        "bytes_at_2x_context": kv_sequences_bytes(config, kv_dtype, batch, 2 * context, kv_block_size),
     }
     rep.attention_pairs = {
         "prefill_dense": prefill_pairs(context) * batch,
@@ -306,6 +344,8 @@ def format_report(rep: LedgerReport, context: int | None = None, batch: int | No
     lines.append("")
     kv = rep.kv_cache
     kv_formula = f"2 x {kv['layers']} layers x {kv['kv_width']} x {kv['dtype_bytes']} B"
+    if kv.get("scale_bytes_per_block"):
+        kv_formula += f" + {kv['scale_bytes_per_block']} B scales / {kv['block_size']} tokens"
     wb = int(rep.inference["weight_dtype_bytes"])
     source = "by default" if rep.weight_dtype_source == "default" else f"from {rep.weight_dtype_source}"
     weights_label = f"weights ({rep.weight_dtype} {source}, {wb} B/param)"

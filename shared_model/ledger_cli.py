@@ -4,7 +4,10 @@ Contract: reads only the config (never the weights, and without importing torch)
 model size. `--model` is a preset name first, else a folder holding a config.json. Defaults:
 - context: 4,096 tokens, or the model's max_position_embeddings when that is smaller (presets and folders alike);
 - weight dtype: a folder's own `torch_dtype` (or `dtype`) from config.json, else bf16; K/V dtype: the weight dtype
-  (the engine keeps K/V in the weights' dtype).
+  (the engine's `--kv-cache-dtype auto`); `--kv-dtype fp8|int8` adds their per-(block, kv head) fp32 scales, in
+  blocks of `--kv-block-size` tokens (the engine's `--block-size`), by `shared_model.ledger.kv_bytes_per_block`.
+`--draft MODEL` (a preset or folder) adds speculative decoding's draft model: its weights, its K/V per token in the
+same K/V dtype, and the target + draft K/V the engine sizes its pool by (a draft's K/V shares the KV budget).
 The table is in decimal units (kB, MB, GB) throughout.
 """
 
@@ -24,7 +27,10 @@ from shared_model.ledger import (
     DEFAULT_CONTEXT,
     DEFAULT_GROUP_SIZE,
     INT4_GROUP_SIZES,
+    KV_BLOCK_SIZE,
     QUANTIZATIONS,
+    LedgerReport,
+    decimal_bytes,
     format_report,
     ledger_report,
 )
@@ -104,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-dtype", default=None, choices=sorted(BYTES_PER_ELEMENT), help="K/V cache dtype; default: the weight dtype"
     )
     p.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=KV_BLOCK_SIZE,
+        help="tokens per K/V block (fp8/int8 keep a scale per block)",
+    )
+    p.add_argument(
         "--weight-dtype",
         default=None,
         choices=sorted(BYTES_PER_ELEMENT),
@@ -113,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization", default="none", choices=QUANTIZATIONS, help="weight-only quantization, as `tandem serve`"
     )
     p.add_argument("--quantization-group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=INT4_GROUP_SIZES)
+    p.add_argument(
+        "--draft", default=None, help="speculative decoding's draft model (preset or folder): its share of the memory"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -138,12 +153,53 @@ def main(argv: Sequence[str] | None = None) -> int:
             quantization=args.quantization,
             group_size=args.quantization_group_size,
             weight_dtype_source=source,
+            kv_block_size=args.kv_block_size,
         )
+        draft = None
+        if args.draft is not None:
+            d = resolve_spec(args.draft)
+            draft_dtype = default_weight_dtype(d)[0] if args.weight_dtype is None else args.weight_dtype
+            draft = ledger_report(
+                d.config, d.name, nominal_params=d.nominal_params, context=report.context, batch=args.batch,
+                kv_dtype=report.kv_dtype, weight_dtype=draft_dtype, quantization=args.quantization,
+                group_size=args.quantization_group_size, kv_block_size=args.kv_block_size,
+            )  # fmt: skip
     except (SharedModelError, ValueError) as exc:
         print(f"tandem ledger: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        out = report.to_dict()
+        if draft is not None:
+            out["draft"] = _draft_figures(report, draft)
+        print(json.dumps(out, indent=2))
     else:
-        print(format_report(report))
+        print(format_report(report) + ("" if draft is None else "\n\n" + _format_draft(report, draft)))
     return 0
+
+
+def _draft_figures(target: LedgerReport, draft: LedgerReport) -> dict[str, float | str]:
+    t, d = target.kv_cache, draft.kv_cache
+    return {
+        "model": draft.model,
+        "served_weight_bytes": draft.inference["served_weight_bytes"],
+        "kv_bytes_per_token": d["bytes_per_token"],
+        "kv_bytes": d["bytes"],
+        "total_kv_bytes_per_token": t["bytes_per_token"] + d["bytes_per_token"],
+        "total_kv_bytes": t["bytes"] + d["bytes"],
+        "capacity_vs_target_alone": t["bytes_per_token"] / (t["bytes_per_token"] + d["bytes_per_token"]),
+    }
+
+
+def _format_draft(target: LedgerReport, draft: LedgerReport) -> str:
+    f = _draft_figures(target, draft)
+    rows = [
+        (f"draft weights as served ({draft.weight_dtype}, {draft.quantization})", f["served_weight_bytes"]),
+        (f"draft K/V per token ({draft.kv_dtype})", f["kv_bytes_per_token"]),
+        ("K/V per token, target + draft", f["total_kv_bytes_per_token"]),
+        (f"K/V cache, target + draft (B={target.batch}, L={target.context})", f["total_kv_bytes"]),
+    ]
+    width = max(46, *(len(label) + 2 for label, _ in rows))
+    lines = [f"Speculative decoding with the draft model {draft.model} (its K/V shares the KV budget)"]
+    lines += [f"  {label:<{width}}{decimal_bytes(float(x)):>12}" for label, x in rows]
+    lines.append(f"  tokens a KV budget holds, vs the target alone  {f['capacity_vs_target_alone']:.2f}x")
+    return "\n".join(lines)

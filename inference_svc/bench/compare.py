@@ -5,12 +5,12 @@ Contract:
 - `main(argv) -> int` (called by `bench.cli.main` when its argv holds `--compare`). Exit 0 when every
   configuration ran to the end, 1 when one or more is a row with an error (the others are still measured and
   written), 2 on a bad flag or configuration (one line on stderr; no server is started).
-- `--configs A,B,...` names the configurations, in order. Each is a preset (`PRESETS`: fp32, bf16, fp16, int8,
-  int4, chunked, no-chunked, prefix, no-prefix, default), presets joined by `+` (`bf16+int8`), or an explicit
-  `NAME=FLAGS` whose FLAGS are `tandem serve` flags (`big-kv=--kv-cache-memory 1GiB`, split like a shell line;
-  no commas). Arguments after `--` go to every server (`-- --device cpu --kv-cache-memory 64MiB`). Flags are
-  checked against `tandem serve`'s own parser first; flags the comparison sets itself (model, host, ports,
-  HTTP, metrics) and TLS/API keys are refused.
+- `--configs A,B,...` names the configurations, in order. Each is a preset (`PRESETS`: fp32, bf16, fp16, int8, int4,
+  chunked, no-chunked, prefix, no-prefix, kv-bf16, kv-fp8, kv-int8, default), presets joined by `+` (`bf16+int8`), or
+  an explicit `NAME=FLAGS` whose FLAGS are `tandem serve` flags (`big-kv=--kv-cache-memory 1GiB`, split like a shell
+  line; no commas). Arguments after `--` go to every server (`-- --device cpu --kv-cache-memory 64MiB`). Flags are
+  checked against `tandem serve`'s own parser first; flags the comparison sets itself (model, host, ports, HTTP,
+  metrics) and TLS/API keys are refused.
 - Per configuration, in order: start `tandem serve` as a subprocess on a free loopback port (HTTP off, metrics on
   any free port, its output in `server-<name>.log`), wait for SERVING (`--startup-timeout`; a server that exits
   first fails at once), read GetModelInfo, score held-out perplexity and bits per byte through the server
@@ -29,9 +29,9 @@ Contract:
 - Output in `--out` (default ./bench-results/compare-<UTC timestamp>/): `compare.json` (`meta` with `columns`,
   `configs` one entry per requested configuration holding every column, null where not measured), `compare.png`
   (unless `--no-plots`), the server logs; the table is printed at the end.
-- What exists is what is compared: dtype, weight quantization, chunked prefill, prefix caching, and any other
-  `tandem serve` flag through `NAME=FLAGS`. K/V-cache dtype and speculative decoding are not serve options yet;
-  they get presets when they land.
+- What exists is what is compared: dtype, weight quantization, K/V-cache dtype (`kv-*`: `--kv-cache-dtype`),
+  chunked prefill, prefix caching, and any other `tandem serve` flag through `NAME=FLAGS`. Speculative decoding
+  is not a serve option yet; it gets a preset when it lands.
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ PRESETS: dict[str, list[str]] = {
     "no-chunked": ["--no-chunked-prefill"],
     "prefix": ["--prefix-caching"],
     "no-prefix": ["--no-prefix-caching"],
+    "kv-bf16": ["--kv-cache-dtype", "bf16"],
+    "kv-fp8": ["--kv-cache-dtype", "fp8"],
+    "kv-int8": ["--kv-cache-dtype", "int8"],
 }
 """Named configurations: the `tandem serve` flags each adds. Join them with '+' (`bf16+int8`)."""
 

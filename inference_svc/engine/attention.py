@@ -1,15 +1,21 @@
-"""Paged attention for the engine: step metadata, the KV cache, the one backend, and the torch ops.
+"""Paged attention for the engine: step metadata, the one backend, and the torch ops.
 
 Contract:
-- KV cache layout (shared with the Triton kernels): per layer `k_cache, v_cache: [num_blocks, block_size, Hkv, D]`.
-  Token slot = block_id * block_size + offset. Block tables are int32 `[S, max_blocks]` padded with 0.
+- KV cache layout (shared with the Triton kernels; the cache itself is `kv_cache.KVCache`): per layer
+  `k_cache, v_cache: [num_blocks, block_size, Hkv, D]` in the stored dtype (`--kv-cache-dtype`), and for fp8/int8
+  `k_scales, v_scales: [num_blocks, Hkv]` fp32 (`inference_svc.kernels.kv_quant`). Token slot =
+  block_id * block_size + offset. Block tables are int32 `[S, max_blocks]` padded with 0.
 - One engine step is one flat batch of T tokens: the D decode tokens first (one per sequence), then the prefill
   chunks of P sequences back to back. `AttentionMetadata` describes it with tensors only (and the count D).
 - One backend for every implementation: `PagedAttention(ops, cache, meta)` is built per step; per layer it stores
   this step's K/V at `slot_mapping` (each token's K/V written exactly once), then calls the ops' decode attention
   on the D decode queries (each over its sequence's cached context) and their prefill attention on the packed
-  chunks (causal over the cached prefix plus the chunk). The ops are an `AttentionOps`: the Triton kernels, the
-  plain reference (`inference_svc.kernels.reference`), or `torch_ops()` here, the CPU path.
+  chunks (causal over the cached prefix plus the chunk); every op gets the layer's scales as `k_scales`,
+  `v_scales` (None for an unscaled cache). The ops are an `AttentionOps`: the Triton kernels, the plain reference
+  (`inference_svc.kernels.reference`), or `torch_ops()` here, the CPU path.
+- `torch_ops()` stores K/V in the cache's dtype (fp8/int8 through `kv_quant.store_scaled`); where the stored
+  dtype is not q's it reads the blocks back in fp32 (dequantized with their scales), computes in fp32 and
+  returns q's dtype. A cache in q's dtype is read as it is (views where it can), exactly as before.
 - `torch_ops()` plans each step once (which blocks to gather, the length mask, whether a lone sequence's blocks
   are consecutive so its cache is read as a view): the plan is derived from the metadata tensors, kept for the
   tensors it was derived from (the same objects in every layer of a step), and replaced when new ones arrive.
@@ -24,32 +30,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inference_svc.engine.kv_cache import KVCache
+from inference_svc.kernels.kv_quant import as_bytes, store_scaled
 from inference_svc.kernels.triton_backend import AttentionOps
 
-
-class KVCache:
-    """All layers' paged K/V: `data[layer, 0|1]` is `[num_blocks, block_size, Hkv, D]`.
-
-    Per-layer views are made once here (not per step or per layer call): `layer(i)` gives the block views.
-    """
-
-    def __init__(self, data: torch.Tensor) -> None:
-        self.data = data  # [L, 2, num_blocks, block_size, Hkv, D]
-        self._layers = [(data[i, 0], data[i, 1]) for i in range(data.shape[0])]
-
-    @classmethod
-    def allocate(
-        cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device
-    ) -> KVCache:
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device))
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._layers[i]
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+__all__ = ["AttentionMetadata", "KVCache", "PagedAttention", "paged_attention_factory", "torch_ops"]
 
 
 @dataclass(frozen=True)
@@ -76,20 +61,38 @@ class PagedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         # q: [1, T, Hq, D]; k, v: [1, T, Hkv, D]
         k_cache, v_cache = self.cache.layer(layer_idx)
+        k_scales, v_scales = self.cache.layer_scales(layer_idx)  # [num_blocks, Hkv] fp32, or None
         q, k, v = q[0], k[0], v[0]
         m, ops = self.meta, self.ops
-        ops.store_kv(k, v, k_cache, v_cache, m.slot_mapping)
+        ops.store_kv(k, v, k_cache, v_cache, m.slot_mapping, k_scales=k_scales, v_scales=v_scales)
         d = m.num_decode_tokens
         parts: list[torch.Tensor] = []
         if d:
             decode_q = q if d == q.shape[0] else q[:d]
             parts.append(
-                ops.decode_attention(decode_q, k_cache, v_cache, m.decode_context_lens, m.decode_block_tables, scale)
+                ops.decode_attention(
+                    decode_q,
+                    k_cache,
+                    v_cache,
+                    m.decode_context_lens,
+                    m.decode_block_tables,
+                    scale,
+                    k_scales=k_scales,
+                    v_scales=v_scales,
+                )
             )
         if q.shape[0] > d:
             parts.append(
                 ops.prefill_attention(
-                    q[d:], k_cache, v_cache, m.cu_seqlens_q, m.prefill_context_lens, m.prefill_block_tables, scale
+                    q[d:],
+                    k_cache,
+                    v_cache,
+                    m.cu_seqlens_q,
+                    m.prefill_context_lens,
+                    m.prefill_block_tables,
+                    scale,
+                    k_scales=k_scales,
+                    v_scales=v_scales,
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
@@ -119,11 +122,22 @@ class _TorchOps:
 
     @staticmethod
     def store_kv(
-        k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> None:
+        if k_scales is not None and v_scales is not None:  # fp8 / int8: quantized at the blocks' scales
+            store_scaled(k, k_cache, k_scales, slot_mapping)
+            store_scaled(v, v_cache, v_scales, slot_mapping)
+            return
         hkv, dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, hkv, dim).index_copy_(0, slot_mapping, k)  # each token's K/V written once, at its slot
-        v_cache.view(-1, hkv, dim).index_copy_(0, slot_mapping, v)
+        # each token's K/V written once, at its slot (cast when the cache's dtype is not the model's)
+        k_cache.view(-1, hkv, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, hkv, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
     def decode_attention(
         self,
@@ -134,6 +148,8 @@ class _TorchOps:
         block_tables: torch.Tensor,  # [S, max_blocks] int32
         scale: float,
         num_splits: int | None = None,
+        k_scales: torch.Tensor | None = None,  # [num_blocks, Hkv] fp32 (fp8/int8 caches)
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         del num_splits  # a kernel tuning knob
         key = self._decode_key
@@ -146,24 +162,24 @@ class _TorchOps:
         hkv = k_cache.shape[2]
         if plan.contiguous is not None:  # one sequence, consecutive blocks: a view of the cache, no copy
             lo, hi = plan.contiguous
-            keys = k_cache.view(-1, hkv, dim)[None, lo:hi]  # [1, L, Hkv, D]
-            values = v_cache.view(-1, hkv, dim)[None, lo:hi]
+            keys = _slot_range(k_cache, k_scales, lo, hi, q.dtype)[None]  # [1, L, Hkv, D]
+            values = _slot_range(v_cache, v_scales, lo, hi, q.dtype)[None]
         elif plan.length is not None:  # one sequence, scattered blocks: one gather each, cut to its length
-            keys = k_cache.index_select(0, plan.block_index).view(1, -1, hkv, dim)[:, : plan.length]
-            values = v_cache.index_select(0, plan.block_index).view(1, -1, hkv, dim)[:, : plan.length]
+            keys = _gather(k_cache, k_scales, plan.block_index, q.dtype).view(1, -1, hkv, dim)[:, : plan.length]
+            values = _gather(v_cache, v_scales, plan.block_index, q.dtype).view(1, -1, hkv, dim)[:, : plan.length]
         else:
-            keys = k_cache.index_select(0, plan.block_index).view(s, -1, hkv, dim)  # [S, Lmax, Hkv, D]
-            values = v_cache.index_select(0, plan.block_index).view(s, -1, hkv, dim)
+            keys = _gather(k_cache, k_scales, plan.block_index, q.dtype).view(s, -1, hkv, dim)  # [S, Lmax, Hkv, D]
+            values = _gather(v_cache, v_scales, plan.block_index, q.dtype).view(s, -1, hkv, dim)
         # One query per sequence: fold the GQA group into the query axis, so each KV head is read once and
         # SDPA sees [S, Hkv, G, D] queries against [S, Hkv, L, D] keys (no causal mask needed within a decode).
         out = F.scaled_dot_product_attention(
-            q.reshape(s, hkv, hq // hkv, dim),
+            q.reshape(s, hkv, hq // hkv, dim).to(keys.dtype),
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=plan.mask,  # [S, 1, 1, Lmax] or None
             scale=scale,
         )
-        return out.reshape(s, hq, dim)  # [S, Hq, D]
+        return out.reshape(s, hq, dim).to(q.dtype)  # [S, Hq, D]
 
     def prefill_attention(
         self,
@@ -174,12 +190,17 @@ class _TorchOps:
         context_lens: torch.Tensor,  # [P] int32
         block_tables: torch.Tensor,  # [P, max_blocks] int32
         scale: float,
+        k_scales: torch.Tensor | None = None,  # [num_blocks, Hkv] fp32 (fp8/int8 caches)
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         key = self._prefill_key
         if key is None or key[0] is not cu_seqlens_q or key[1] is not context_lens or key[2] is not block_tables:
             self._prefill_plans = _plan_prefills(cu_seqlens_q, context_lens, block_tables, k_cache.shape[1], q.device)
             self._prefill_key = (cu_seqlens_q, context_lens, block_tables)
-        parts = [_prefill_one(plan, q[plan.start : plan.end], k_cache, v_cache, scale) for plan in self._prefill_plans]
+        parts = [
+            _prefill_one(plan, q[plan.start : plan.end], k_cache, v_cache, k_scales, v_scales, scale)
+            for plan in self._prefill_plans
+        ]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
@@ -258,18 +279,20 @@ def _prefill_one(
     q: torch.Tensor,  # [n, Hq, D]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
     hkv, dim = k_cache.shape[2], k_cache.shape[3]
     if plan.contiguous is not None:
         lo, hi = plan.contiguous
-        keys = k_cache.view(-1, hkv, dim)[lo:hi]  # [ctx, Hkv, D], a view
-        values = v_cache.view(-1, hkv, dim)[lo:hi]
+        keys = _slot_range(k_cache, k_scales, lo, hi, q.dtype)  # [ctx, Hkv, D], a view in q's dtype
+        values = _slot_range(v_cache, v_scales, lo, hi, q.dtype)
     else:
-        keys = k_cache.index_select(0, plan.block_index).view(-1, hkv, dim)[: plan.context_len]  # [ctx, Hkv, D]
-        values = v_cache.index_select(0, plan.block_index).view(-1, hkv, dim)[: plan.context_len]
+        keys = _gather(k_cache, k_scales, plan.block_index, q.dtype).view(-1, hkv, dim)[: plan.context_len]
+        values = _gather(v_cache, v_scales, plan.block_index, q.dtype).view(-1, hkv, dim)[: plan.context_len]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],  # [1, Hq, n, D]
+        q.transpose(0, 1)[None].to(keys.dtype),  # [1, Hq, n, D]
         keys.transpose(0, 1)[None],  # [1, Hkv, ctx, D]
         values.transpose(0, 1)[None],
         attn_mask=plan.mask,
@@ -277,4 +300,25 @@ def _prefill_one(
         scale=scale,
         enable_gqa=q.shape[1] != hkv,
     )
-    return out[0].transpose(0, 1)  # [n, Hq, D]
+    return out[0].transpose(0, 1).to(q.dtype)  # [n, Hq, D]
+
+
+def _gather(cache: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks `index` of a cache `[num_blocks, bs, Hkv, D]` → `[n, bs, Hkv, D]`: as stored when that is `dtype`,
+    else in fp32 (dequantized with the blocks' scales when the cache is fp8/int8)."""
+    blocks = as_bytes(cache).index_select(0, index).view(cache.dtype)
+    if scales is not None:
+        return blocks.float() * scales.index_select(0, index)[:, None, :, None]
+    return blocks if blocks.dtype == dtype else blocks.float()
+
+
+def _slot_range(cache: torch.Tensor, scales: torch.Tensor | None, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+    """Slots [lo, hi) of a cache → `[hi - lo, Hkv, D]`: a view when stored in `dtype`, else fp32 (as `_gather`)."""
+    bs, hkv, dim = cache.shape[1], cache.shape[2], cache.shape[3]
+    if scales is None and cache.dtype == dtype:
+        return cache.view(-1, hkv, dim)[lo:hi]
+    first, last = lo // bs, -(-hi // bs)
+    blocks = cache[first:last].float()  # [nb, bs, Hkv, D]
+    if scales is not None:
+        blocks = blocks * scales[first:last][:, None, :, None]
+    return blocks.view(-1, hkv, dim)[lo - first * bs : hi - first * bs]

@@ -20,6 +20,8 @@ from inference_svc.errors import InferenceError
 from shared_model.ledger import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZATIONS
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8", "int8")
+"""`kv_cache_dtype` values (`inference_svc.engine.kv_cache` maps them to torch dtypes)."""
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 DEFAULT_CPU_KV_BYTES = 256 * 1024**2
 SPECULATIVE_METHODS = ("off", "ngram")
@@ -94,7 +96,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     """'torch', 'triton' or 'auto' (triton on CUDA when available, torch otherwise)."""
     dtype: str = "auto"
-    """Weights and KV dtype: 'auto' (the bundle's own), 'float32'/'fp32', 'bfloat16'/'bf16', 'float16'/'fp16'."""
+    """Weights (compute) dtype: 'auto' (the bundle's own), 'float32'/'fp32', 'bfloat16'/'bf16', 'float16'/'fp16'."""
+    kv_cache_dtype: str = "auto"
+    """K/V cache storage: 'auto' (the compute dtype), 'fp32', 'bf16', 'fp16', or 'fp8' (e4m3) / 'int8' with an fp32
+    scale per (block, kv head); attention reads other dtypes in fp32. fp8/int8 hold about 2x bf16's tokens."""
     device: str = "auto"
     """'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N'."""
     max_model_len: int | None = None
@@ -151,6 +156,10 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise EngineConfigError(
                 "attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineConfigError(
+                "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
             )
         if self.dtype not in DTYPES:
             raise EngineConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")

@@ -11,10 +11,12 @@ Contract:
   A request whose logits are not finite finishes alone with `finish_reason=ERROR` and `error` set (one log line);
   `generate()` raises `RequestFailedError` for it.
 - Times come from `time.monotonic()`; `Timing` is in milliseconds from the request's arrival.
-- Bytes per KV token come from `shared_model.ledger` (2 · layers · kv_width · bytes per element).
+- Bytes per KV token and block come from `shared_model.ledger` (2 · layers · kv_width · bytes per element, plus
+  the fp8/int8 scales per block) for the stored K/V dtype (`config.kv_cache_dtype`, `engine.kv_cache`); the pool
+  holds kv_cache_memory // bytes per block blocks (a draft model's block bytes added: its K/V shares the budget).
 - Speculative decoding (`config.speculative`, or per request `SamplingParams.num_speculative_tokens`): the
-  scheduler's `Speculator` drafts by prompt lookup; a verify item's K + 1 rows go to `rejection.verify`, the others
-  to the sampler, and usage reports drafts, kept drafts and steps.
+  scheduler's `Speculator` drafts by prompt lookup or with the draft model; a verify item's K + 1 rows go to
+  `rejection.verify`, the others to the sampler, and usage reports drafts, kept drafts and steps.
 - Load-time transforms, in order: merged projections (`shared_model.fuse`), then `config.quantization`
   (`shared_model.quantize`); a model that cannot take the quantization is refused (`ModelLoadError` naming the
   weight). `config.threads`, when set, sizes torch's process-wide intra-op thread pool.
@@ -34,6 +36,7 @@ from inference_svc.engine.block_manager import BlockManager
 from inference_svc.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from inference_svc.engine.detokenizer import IncrementalDetokenizer
 from inference_svc.engine.draft_model import DraftModelProposer
+from inference_svc.engine.kv_cache import ledger_dtype_name, resolve_kv_dtype
 from inference_svc.engine.model_runner import BackendFactory, ModelRunner, ScheduledSeq
 from inference_svc.engine.rejection import verify
 from inference_svc.engine.sampler import Emitted, Sampler, SampleRequest
@@ -123,9 +126,9 @@ class GenerationResult:
     stop_reason: str | int | None = None
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token occupies across all layers: the ledger's 2·N·B·L·d·b with B = L = 1."""
-    return ledger.kv_bytes_per_token(config, str(dtype).removeprefix("torch."))
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, block_size: int = ledger.KV_BLOCK_SIZE) -> int:
+    """Bytes of K and V one token occupies across all layers, stored as `dtype` (`ledger.kv_bytes_per_token`)."""
+    return ledger.kv_bytes_per_token(config, ledger_dtype_name(dtype), block_size)
 
 
 class Engine:
@@ -157,12 +160,17 @@ class Engine:
         self.draft_path = None if draft is None else draft.path
         self.weight_bytes = serving_weight_bytes(model)
         self.draft_weight_bytes = 0 if draft_model is None else serving_weight_bytes(draft_model)
-        self.bytes_per_token = kv_bytes_per_token(self.model_config, self.dtype)
-        self.draft_bytes_per_token = 0 if draft is None else kv_bytes_per_token(draft.config, draft.dtype)
-        budget = _kv_budget(config, device, self.weight_bytes + self.draft_weight_bytes)
         bs = config.block_size
-        per_token = self.bytes_per_token + self.draft_bytes_per_token  # a draft model's K/V shares the budget
-        num_blocks = budget // (bs * per_token)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
+        kv_name = ledger_dtype_name(self.kv_dtype)
+        self.bytes_per_token = kv_bytes_per_token(self.model_config, self.kv_dtype, bs)
+        self.bytes_per_block = ledger.kv_bytes_per_block(self.model_config, kv_name, bs)
+        # a draft model stores its K/V in the same dtype, in blocks of its own beside the target's
+        self.draft_bytes_per_token = 0 if draft is None else kv_bytes_per_token(draft.config, self.kv_dtype, bs)
+        self.draft_bytes_per_block = 0 if draft is None else ledger.kv_bytes_per_block(draft.config, kv_name, bs)
+        budget = _kv_budget(config, device, self.weight_bytes + self.draft_weight_bytes)
+        per_token = self.bytes_per_token + self.draft_bytes_per_token
+        num_blocks = budget // (self.bytes_per_block + self.draft_bytes_per_block)
         if num_blocks < 1:
             raise ModelLoadError(
                 f"kv_cache_memory: {budget} bytes hold no block of {bs} tokens ({per_token} bytes/token"
@@ -174,11 +182,13 @@ class Engine:
             num_blocks * bs,
         )
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, self.model_config, num_blocks, bs, self.dtype, device, backend)
+        self.runner = ModelRunner(
+            model, self.model_config, num_blocks, bs, self.dtype, device, backend, kv_dtype=self.kv_dtype
+        )
         self.draft_runner = None
         if draft is not None and draft_model is not None:
             self.draft_runner = ModelRunner(draft_model, draft.config, num_blocks, bs, draft.dtype, device, backend,
-                                            prompt_logprobs=False)  # fmt: skip
+                                            prompt_logprobs=False, kv_dtype=self.kv_dtype)  # fmt: skip
         self.sampler = Sampler()
         self._eos_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_id} if self.tokenizer.eos_id is not None else set()
@@ -420,12 +430,16 @@ class Engine:
             attention_backend=self.attention_backend,
             kv_blocks_total=self.block_manager.num_blocks,
             kv_bytes_per_token=self.bytes_per_token,
-            kv_cache_bytes=self.runner.cache.nbytes + (self.draft_runner.cache.nbytes if self.draft_runner else 0),
+            kv_cache_bytes=self.runner.cache.nbytes,
             weight_bytes=self.weight_bytes,
             peak_workspace_bytes=self.runner.peak_workspace_bytes,
             config=self.config,
+            kv_cache_dtype=ledger_dtype_name(self.kv_dtype),
+            kv_bytes_per_block=self.bytes_per_block,
             draft_model_path=self.draft_path,
             draft_kv_bytes_per_token=self.draft_bytes_per_token,
+            draft_kv_bytes_per_block=self.draft_bytes_per_block,
+            draft_kv_cache_bytes=self.draft_runner.cache.nbytes if self.draft_runner is not None else 0,
             draft_weight_bytes=self.draft_weight_bytes,
         )
 

@@ -1,7 +1,8 @@
 """The model runner: turns one scheduled batch into one forward pass over the paged KV cache.
 
 Contract:
-- Owns the model, the KV cache and the attention backend choice. Reads Sequences (never writes them).
+- Owns the model, the KV cache (`kv_cache.KVCache`, stored in `kv_dtype`) and the attention backend choice. Reads
+  Sequences (never writes them).
 - `run(batch)` flattens the batch into one `[T]` token row (decodes first, then prefill chunks), builds the
   `AttentionMetadata` (slots, block tables, context lengths) once (a verify item of speculative decoding is a
   chunk like a prefill chunk: its last token and drafts over its cached context), runs shared_model's decoder
@@ -110,6 +111,7 @@ class ModelRunner:
         device: torch.device,
         backend_factory: BackendFactory | None = None,
         prompt_logprobs: bool = True,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.computes_prompt_logprobs = prompt_logprobs
@@ -119,9 +121,10 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.backend_factory = backend_factory or paged_attention_factory(torch_ops())
+        # the stored K/V dtype (`kv_cache.resolve_kv_dtype`); the compute dtype by default
         self.cache = KVCache.allocate(
             model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim,
-            dtype, device,
+            kv_dtype or dtype, device,
         )  # fmt: skip
         self.peak_workspace_bytes = 0
         # the prefill fields of a decode-only step (read-only constants, as `_prepare` would build them)
@@ -245,9 +248,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def zero_blocks(self, blocks: Seq[int]) -> None:
-        """Zero the K and V of `blocks` in every layer (a failed sequence's, before anyone reuses them)."""
-        index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        self.cache.data.index_fill_(2, index, 0)  # data: [L, 2, num_blocks, block_size, Hkv, D]
+        """Zero the K and V (and fp8/int8 scales) of `blocks` in every layer (a failed sequence's, before reuse)."""
+        self.cache.zero_blocks(torch.tensor(blocks, dtype=torch.int64, device=self.device))
 
     def _track_workspace(self, num_tokens: int, num_logit_rows: int) -> None:
         """Estimate of the step's largest live activations (bytes) plus its fp32 logits rows."""

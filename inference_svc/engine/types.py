@@ -285,16 +285,26 @@ class EngineInfo:
     attention_backend: str
     kv_blocks_total: int
     kv_bytes_per_token: int
+    """`shared_model.ledger.kv_bytes_per_token` of the stored K/V dtype (scales included, rounded up to a byte)."""
     kv_cache_bytes: int
     weight_bytes: int
     """The weights as held: merged projections, quantized formats and their scales (`serving_weight_bytes`)."""
     peak_workspace_bytes: int
     config: EngineConfig
     """The engine's settings as given (block size, batching limits, prefix caching, ...)."""
+    kv_cache_dtype: str = "auto"
+    """The stored K/V dtype, resolved: 'fp32', 'bf16', 'fp16', 'fp8' or 'int8' (`--kv-cache-dtype`)."""
+    kv_bytes_per_block: int = 0
+    """Bytes of one KV block across all layers, scales included (`shared_model.ledger.kv_bytes_per_block`):
+    the pool is kv_blocks_total of them."""
     draft_model_path: Path | None = None
     """Speculative decoding's draft model, when the engine drafts with one."""
     draft_kv_bytes_per_token: int = 0
-    """The draft model's K/V per token: `kv_cache_bytes` holds both models' K/V for `kv_blocks_total` blocks."""
+    """The draft model's K/V per token (same K/V dtype as the target's)."""
+    draft_kv_bytes_per_block: int = 0
+    draft_kv_cache_bytes: int = 0
+    """The draft model's pool: `kv_blocks_total` blocks of its own, addressed by the target's block tables;
+    `kv_cache_bytes + draft_kv_cache_bytes` fit the KV budget."""
     draft_weight_bytes: int = 0
 
     @property

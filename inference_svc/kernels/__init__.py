@@ -2,7 +2,8 @@
 
 Contract (shared by `inference_svc.kernels` and `inference_svc.kernels.reference`, same signatures):
 - KV cache, one pair per layer: k_cache, v_cache `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous,
-  in the model dtype. Token slot = block_id * block_size + offset_in_block.
+  in the stored dtype (the model's, another float, or fp8/int8 with `k_scales, v_scales` `[num_blocks, Hkv]` fp32
+  passed by keyword to every op: `kv_quant`). Token slot = block_id * block_size + offset_in_block.
 - Block tables: int32 `[num_seqs, max_blocks_per_seq]`, padded past each sequence's last block (never read).
 - `store_kv(k, v, k_cache, v_cache, slot_mapping)`: k, v `[T, Hkv, D]`, slot_mapping `[T]` int64 (< 0: skip).
 - `prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale) -> [T, Hq, D]`:

@@ -12,7 +12,9 @@ Contract:
   not ``0``: autotuning times several configs on the device, which fails without a GPU. Elsewhere, and with
   autotuning off, one heuristic config is used.
 - In the interpreter, q, k and v are upcast to fp32 on load (`UPCAST`): Triton 3.9's interpreter stores bf16 as
-  raw uint16 and does bf16 arithmetic wrongly, and fp32 numpy is also the fastest path there.
+  raw uint16 and does bf16 arithmetic wrongly, and fp32 numpy is also the fastest path there. Compiled, they are
+  upcast (and the dots run in fp32, `dot_precision(float32)`) when the cache is stored in another dtype than q
+  (`--kv-cache-dtype`: fp8/int8, or a float of another width).
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Contract: `decode_attention(q, k_cache, v_cache, context_lens, block_tables, sca
 - q `[S, Hq, D]`: one query token per sequence; it attends to keys 0..context_lens[s]-1 (int32 `[S]`, ≥ 1), read
   from the cache `[num_blocks, block_size, Hkv, D]` through block_tables[s] (int32 `[S, max_blocks]`).
 - Returns `[S, Hq, D]` in q's dtype. Query head h reads kv head h // (Hq // Hkv).
+- The cache may be stored in another dtype than q (`--kv-cache-dtype`): then tiles are read in fp32 and the dots
+  run in fp32. fp8/int8 caches come with `k_scales, v_scales` `[num_blocks, Hkv]` fp32 (`kv_quant`): a key's block
+  scale multiplies its column of scores, a value's its column of probabilities (never a dequantized tile).
 - num_splits=None chooses the split count from the lengths (`configs.decode_num_splits`, from the block table's
   width × block size: a host-side bound, no device sync). num_splits=1 writes the output directly; more splits
   write fp32 partial outputs and log2-sum-exps, and a second kernel merges them.
@@ -24,6 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from inference_svc.kernels import configs as cfg
+from inference_svc.kernels.kv_quant import check_scales
 
 LOG2E = math.log2(math.e)
 
@@ -37,6 +41,8 @@ def _decode_kernel(
     part_lse_ptr,  # [S, Hq, NUM_SPLITS] fp32, log2 domain
     context_lens_ptr,  # [S] int32
     block_tables_ptr,  # [S, max_blocks] int32
+    k_scales_ptr,  # [num_blocks, Hkv] fp32 (SCALED: fp8 / int8 caches)
+    v_scales_ptr,
     qk_scale,  # softmax scale × log2(e)
     stride_qs,
     stride_qh,
@@ -49,6 +55,7 @@ def _decode_kernel(
     stride_vt,
     stride_vh,
     stride_bts,
+    stride_sb,  # scales' block stride (Hkv)
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     GROUP: tl.constexpr,
@@ -56,6 +63,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,
+    SCALED: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -96,6 +104,8 @@ def _decode_kernel(
         if UPCAST:
             k_t = k_t.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=DOT_PREC) * qk_scale  # [GROUP_PAD, BLOCK_N]
+        if SCALED:  # dequantize: each key's block scale multiplies its column of scores
+            s = s * tl.load(k_scales_ptr + blk * stride_sb + kv_head, mask=n_ok, other=0.0)[None, :]
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
@@ -105,6 +115,8 @@ def _decode_kernel(
         v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
+        if SCALED:  # ... and each value's block scale its column of probabilities
+            p = p * tl.load(v_scales_ptr + blk * stride_sb + kv_head, mask=n_ok, other=0.0)[None, :]
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
 
@@ -158,14 +170,22 @@ _DECODE = cfg.LazyKernel(
     _decode_kernel,
     autotune=(
         cfg.decode_autotune_configs,
-        ["HEAD_DIM_PAD", "GROUP_PAD", "BLOCK_SIZE", "DOT_PREC"],
+        ["HEAD_DIM_PAD", "GROUP_PAD", "BLOCK_SIZE", "SCALED", "DOT_PREC"],
         cfg.prune_decode_configs,
     ),
 )
 _MERGE = cfg.LazyKernel(_merge_kernel)
 
 
-def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor, tables: Tensor) -> None:
+def _check(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    lens: Tensor,
+    tables: Tensor,
+    k_scales: Tensor | None,
+    v_scales: Tensor | None,
+) -> None:
     s, hq, d = q.shape
     hkv = k_cache.shape[2]
     if k_cache.shape != v_cache.shape or k_cache.shape[3] != d:
@@ -174,8 +194,10 @@ def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor, tables: Te
         raise ValueError(f"query heads {hq} are not a multiple of kv heads {hkv}")
     if d > cfg.MAX_HEAD_DIM:
         raise ValueError(f"head_dim {d} > {cfg.MAX_HEAD_DIM}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"cache dtype {k_cache.dtype} differs from q dtype {q.dtype}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache dtype {k_cache.dtype} differs from v_cache dtype {v_cache.dtype}")
+    check_scales(k_cache, k_scales, "k_scales")
+    check_scales(v_cache, v_scales, "v_scales")
     if lens.shape != (s,) or tables.dim() != 2 or tables.shape[0] != s:
         raise ValueError(f"context_lens {tuple(lens.shape)}, block_tables {tuple(tables.shape)} vs {s} queries")
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -201,9 +223,11 @@ def decode_attention(
     block_tables: Tensor,
     scale: float,
     num_splits: int | None = None,
+    k_scales: Tensor | None = None,
+    v_scales: Tensor | None = None,
 ) -> Tensor:
     """One query token per sequence against its paged K/V (split-KV when num_splits > 1); returns `[S, Hq, D]`."""
-    _check(q, k_cache, v_cache, context_lens, block_tables)
+    _check(q, k_cache, v_cache, context_lens, block_tables, k_scales, v_scales)
     s, hq, d = q.shape
     hkv = k_cache.shape[2]
     out = torch.empty_like(q)
@@ -216,6 +240,8 @@ def decode_attention(
     group = hq // hkv
     d_pad = cfg.pad_pow2(d)
     interpret = cfg.interpret_mode()
+    upcast = interpret or k_cache.dtype != q.dtype  # a cache in another dtype (fp8/int8 too) is read in fp32
+    no_scales = torch.empty((1,), dtype=torch.float32, device=q.device)  # the pointer argument when unscaled
     if splits > 1:
         part_out = torch.empty((s, hq, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((s, hq, splits), dtype=torch.float32, device=q.device)
@@ -230,6 +256,8 @@ def decode_attention(
         part_lse,
         lens,
         tables,
+        no_scales if k_scales is None else k_scales,
+        no_scales if v_scales is None else v_scales,
         float(scale) * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -242,6 +270,7 @@ def decode_attention(
         v_cache.stride(1),
         v_cache.stride(2),
         tables.stride(0),
+        k_scales.stride(0) if k_scales is not None else 0,
     )
     meta = {
         "HEAD_DIM": d,
@@ -250,8 +279,9 @@ def decode_attention(
         "GROUP_PAD": cfg.pad_pow2(group),
         "BLOCK_SIZE": k_cache.shape[1],
         "NUM_SPLITS": splits,
-        "UPCAST": interpret,
-        "DOT_PREC": cfg.dot_precision(q.dtype),
+        "UPCAST": upcast,
+        "SCALED": k_scales is not None,
+        "DOT_PREC": cfg.dot_precision(torch.float32 if upcast else q.dtype),
     }
     grid = (s, hkv, splits)
     if _DECODE.tuned:

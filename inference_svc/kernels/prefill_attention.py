@@ -7,6 +7,9 @@ Contract: `prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, bl
   own K/V were already written by `store_kv`; every key is read from the cache through block_tables[s].
 - Query j of sequence s sits at position context_lens[s] - q_len_s + j and sees keys 0..that position.
 - Returns `[T, Hq, D]` in q's dtype. Hq is a multiple of Hkv; query head h reads kv head h // (Hq // Hkv).
+- The cache may be stored in another dtype than q (`--kv-cache-dtype`): then tiles are read in fp32 and the dots
+  run in fp32. fp8/int8 caches come with `k_scales, v_scales` `[num_blocks, Hkv]` fp32 (`kv_quant`): a key's block
+  scale multiplies its column of scores, a value's its column of probabilities (never a dequantized tile).
 
 How (one program per (query tile, kv head)):
 - GQA packing: a tile's BLOCK_M rows are BLOCK_M // group query tokens × the group's query heads, so each K/V
@@ -29,6 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from inference_svc.kernels import configs as cfg
+from inference_svc.kernels.kv_quant import check_scales
 
 LOG2E = math.log2(math.e)
 
@@ -41,6 +45,8 @@ def _prefill_kernel(
     cu_seqlens_ptr,  # [S + 1] int32
     context_lens_ptr,  # [S] int32
     block_tables_ptr,  # [S, max_blocks] int32
+    k_scales_ptr,  # [num_blocks, Hkv] fp32 (SCALED: fp8 / int8 caches)
+    v_scales_ptr,
     qk_scale,  # softmax scale × log2(e)
     num_seqs,
     stride_qt,
@@ -54,11 +60,13 @@ def _prefill_kernel(
     stride_vt,
     stride_vh,
     stride_bts,
+    stride_sb,  # scales' block stride (Hkv)
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
+    SCALED: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -118,6 +126,8 @@ def _prefill_kernel(
         if UPCAST:
             k_t = k_t.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SCALED:  # dequantize: each key's block scale multiplies its column of scores
+            s = s * tl.load(k_scales_ptr + blk * stride_sb + kv_head)[None, :]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
@@ -126,6 +136,8 @@ def _prefill_kernel(
         v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
+        if SCALED:  # ... and each value's block scale its column of probabilities
+            p = p * tl.load(v_scales_ptr + blk * stride_sb + kv_head)[None, :]
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
 
@@ -139,6 +151,8 @@ def _prefill_kernel(
         if UPCAST:
             k_t = k_t.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=DOT_PREC) * qk_scale
+        if SCALED:
+            s = s * tl.load(k_scales_ptr + blk * stride_sb + kv_head, mask=n_ok, other=0.0)[None, :]
         visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -149,6 +163,8 @@ def _prefill_kernel(
         v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
+        if SCALED:
+            p = p * tl.load(v_scales_ptr + blk * stride_sb + kv_head, mask=n_ok, other=0.0)[None, :]
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
 
@@ -166,13 +182,22 @@ _PREFILL = cfg.LazyKernel(
     _prefill_kernel,
     autotune=(
         cfg.prefill_autotune_configs,
-        ["HEAD_DIM_PAD", "GROUP", "BLOCK_SIZE", "DOT_PREC"],
+        ["HEAD_DIM_PAD", "GROUP", "BLOCK_SIZE", "SCALED", "DOT_PREC"],
         cfg.prune_prefill_configs,
     ),
 )
 
 
-def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu: Tensor, lens: Tensor, tables: Tensor) -> None:
+def _check(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cu: Tensor,
+    lens: Tensor,
+    tables: Tensor,
+    k_scales: Tensor | None,
+    v_scales: Tensor | None,
+) -> None:
     _, hq, d = q.shape
     _, _, hkv, dk = k_cache.shape
     if k_cache.shape != v_cache.shape or dk != d:
@@ -181,8 +206,10 @@ def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu: Tensor, lens: Tensor
         raise ValueError(f"query heads {hq} are not a multiple of kv heads {hkv}")
     if d > cfg.MAX_HEAD_DIM:
         raise ValueError(f"head_dim {d} > {cfg.MAX_HEAD_DIM}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"cache dtype {k_cache.dtype} differs from q dtype {q.dtype}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache dtype {k_cache.dtype} differs from v_cache dtype {v_cache.dtype}")
+    check_scales(k_cache, k_scales, "k_scales")
+    check_scales(v_cache, v_scales, "v_scales")
     s = lens.shape[0]
     if cu.shape != (s + 1,) or tables.dim() != 2 or tables.shape[0] != s:
         raise ValueError(
@@ -205,9 +232,11 @@ def prefill_attention(
     context_lens: Tensor,
     block_tables: Tensor,
     scale: float,
+    k_scales: Tensor | None = None,
+    v_scales: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of packed query chunks over their sequences' paged K/V; returns `[T, Hq, D]`."""
-    _check(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables)
+    _check(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, k_scales, v_scales)
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     num_seqs = context_lens.shape[0]
@@ -218,6 +247,8 @@ def prefill_attention(
     group = hq // hkv
     d_pad = cfg.pad_pow2(d)
     interpret = cfg.interpret_mode()
+    upcast = interpret or k_cache.dtype != q.dtype  # a cache in another dtype (fp8/int8 too) is read in fp32
+    no_scales = torch.empty((1,), dtype=torch.float32, device=q.device)  # the pointer argument when unscaled
     args = (
         q,
         k_cache,
@@ -226,6 +257,8 @@ def prefill_attention(
         cu,
         lens,
         tables,
+        no_scales if k_scales is None else k_scales,
+        no_scales if v_scales is None else v_scales,
         float(scale) * LOG2E,
         num_seqs,
         q.stride(0),
@@ -239,14 +272,16 @@ def prefill_attention(
         v_cache.stride(1),
         v_cache.stride(2),
         tables.stride(0),
+        k_scales.stride(0) if k_scales is not None else 0,
     )
     meta = {
         "HEAD_DIM": d,
         "HEAD_DIM_PAD": d_pad,
         "GROUP": group,
         "BLOCK_SIZE": k_cache.shape[1],
-        "UPCAST": interpret,
-        "DOT_PREC": cfg.dot_precision(q.dtype),
+        "UPCAST": upcast,
+        "SCALED": k_scales is not None,
+        "DOT_PREC": cfg.dot_precision(torch.float32 if upcast else q.dtype),
     }
 
     def grid(m: dict) -> tuple[int, int]:

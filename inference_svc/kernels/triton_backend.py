@@ -5,7 +5,8 @@ Contract:
   CPU interpreter when ``TRITON_INTERPRET=1`` is set (slow; for tests). Otherwise (False, reason), a sentence the
   engine can print when `--attention-backend triton` was asked for and cannot be honoured.
 - `AttentionOps` is the one attention-ops interface: `store_kv`, `prefill_attention` and `decode_attention`, the
-  signatures documented in `inference_svc.kernels`, over tensors only. `triton_ops()` returns the Triton kernels
+  signatures documented in `inference_svc.kernels`, over tensors only (each takes the keyword arguments
+  `k_scales`, `v_scales` for fp8/int8 caches, None otherwise). `triton_ops()` returns the Triton kernels
   (inputs made contiguous for them), `reference_ops()` the plain-torch reference, and
   `inference_svc.engine.attention.torch_ops()` the engine's CPU path; the engine runs any of them under the same
   per-step backend (`attention.PagedAttention`) without branching on which.
@@ -61,14 +62,16 @@ def triton_ops() -> AttentionOps:
         raise RuntimeError(f"Triton attention backend unavailable: {why}")
     from inference_svc import kernels
 
-    def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
-        kernels.store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, slots)  # the kernels index densely
+    def store_kv(
+        k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, **scales
+    ) -> None:
+        kernels.store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, slots, **scales)  # dense indexing
 
-    def prefill_attention(q: torch.Tensor, *args: Any) -> torch.Tensor:
-        return kernels.prefill_attention(q.contiguous(), *args)
+    def prefill_attention(q: torch.Tensor, *args: Any, **scales: Any) -> torch.Tensor:
+        return kernels.prefill_attention(q.contiguous(), *args, **scales)
 
-    def decode_attention(q: torch.Tensor, *args: Any) -> torch.Tensor:
-        return kernels.decode_attention(q.contiguous(), *args)
+    def decode_attention(q: torch.Tensor, *args: Any, **scales: Any) -> torch.Tensor:
+        return kernels.decode_attention(q.contiguous(), *args, **scales)
 
     return AttentionOps(
         name="triton", store_kv=store_kv, prefill_attention=prefill_attention, decode_attention=decode_attention

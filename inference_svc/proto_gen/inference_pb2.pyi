@@ -254,7 +254,7 @@ class ModelConfig(_message.Message):
     def __init__(self, model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., num_parameters: _Optional[int] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class MemoryLedger(_message.Message):
-    __slots__ = ("weight_bytes", "kv_bytes_per_token", "kv_cache_bytes", "kv_capacity_tokens", "kv_block_size", "kv_blocks_total", "extra")
+    __slots__ = ("weight_bytes", "kv_bytes_per_token", "kv_cache_bytes", "kv_capacity_tokens", "kv_block_size", "kv_blocks_total", "extra", "kv_bytes_per_block", "draft_kv_bytes_per_block", "draft_kv_cache_bytes", "draft_weight_bytes")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,10 @@ class MemoryLedger(_message.Message):
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     weight_bytes: int
     kv_bytes_per_token: int
     kv_cache_bytes: int
@@ -276,10 +280,14 @@ class MemoryLedger(_message.Message):
     kv_block_size: int
     kv_blocks_total: int
     extra: _containers.ScalarMap[str, float]
-    def __init__(self, weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    kv_bytes_per_block: int
+    draft_kv_bytes_per_block: int
+    draft_kv_cache_bytes: int
+    draft_weight_bytes: int
+    def __init__(self, weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ..., kv_bytes_per_block: _Optional[int] = ..., draft_kv_bytes_per_block: _Optional[int] = ..., draft_kv_cache_bytes: _Optional[int] = ..., draft_weight_bytes: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "config", "max_context", "dtype", "attention_backend", "device", "kv_capacity_tokens", "ledger", "max_new_tokens_limit", "max_request_bytes", "quantization", "http_port", "metrics_port")
+    __slots__ = ("model_name", "config", "max_context", "dtype", "attention_backend", "device", "kv_capacity_tokens", "ledger", "max_new_tokens_limit", "max_request_bytes", "quantization", "http_port", "metrics_port", "kv_cache_dtype", "draft_model")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +301,8 @@ class ModelInfo(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     config: ModelConfig
     max_context: int
@@ -306,4 +316,6 @@ class ModelInfo(_message.Message):
     quantization: str
     http_port: int
     metrics_port: int
-    def __init__(self, model_name: _Optional[str] = ..., config: _Optional[_Union[ModelConfig, _Mapping]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., ledger: _Optional[_Union[MemoryLedger, _Mapping]] = ..., max_new_tokens_limit: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., http_port: _Optional[int] = ..., metrics_port: _Optional[int] = ...) -> None: ...
+    kv_cache_dtype: str
+    draft_model: str
+    def __init__(self, model_name: _Optional[str] = ..., config: _Optional[_Union[ModelConfig, _Mapping]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., ledger: _Optional[_Union[MemoryLedger, _Mapping]] = ..., max_new_tokens_limit: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., http_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., draft_model: _Optional[str] = ...) -> None: ...

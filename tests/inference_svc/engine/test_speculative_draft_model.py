@@ -61,7 +61,8 @@ def test_draft_kv_shares_the_budget_and_is_reported(llama_dir, qwen3_dir, make_e
     assert info.draft_model_path == qwen3_dir
     assert info.draft_kv_bytes_per_token == alone.info().kv_bytes_per_token  # same sizes
     assert info.kv_blocks_total == alone.info().kv_blocks_total // 2
-    assert info.kv_cache_bytes <= 4 * 1024**2
+    assert info.draft_kv_cache_bytes == info.kv_blocks_total * info.draft_kv_bytes_per_block
+    assert info.kv_cache_bytes + info.draft_kv_cache_bytes <= 4 * 1024**2
     assert info.draft_weight_bytes > 0
 
 
@@ -108,3 +109,18 @@ def test_speculative_names_a_method_or_a_folder(tmp_path):
         EngineConfig(speculative=str(tmp_path / "missing"))
     assert EngineConfig(speculative=str(tmp_path)).draft_model_path == tmp_path
     assert EngineConfig(speculative="ngram").draft_model_path is None
+
+
+def test_the_ledger_shows_the_drafts_share_as_the_engine_counts_it(llama_dir, qwen3_dir, make_engine, capsys):
+    import json
+
+    from shared_model.ledger_cli import main
+
+    for kv in ("fp32", "int8"):
+        info = make_engine(llama_dir, speculative=str(qwen3_dir), kv_cache_dtype=kv).info()
+        assert main(["--model", str(llama_dir), "--draft", str(qwen3_dir), "--kv-dtype", kv, "--json"]) == 0
+        draft = json.loads(capsys.readouterr().out)["draft"]
+        assert draft["kv_bytes_per_token"] == info.draft_kv_bytes_per_token
+        assert draft["total_kv_bytes_per_token"] == info.kv_bytes_per_token + info.draft_kv_bytes_per_token
+    assert main(["--model", str(llama_dir), "--draft", str(qwen3_dir)]) == 0
+    assert "K/V per token, target + draft" in capsys.readouterr().out

@@ -31,7 +31,14 @@ def test_store_kv_matches_reference(device, num_kv_heads, head_dim, block_size, 
 
 
 def test_store_kv_rejects_dtype_mismatch(device) -> None:
+    """k and v must share a dtype, and so must the two caches (a cache in another float dtype is a cast: see
+    test_kernel_kv_dtype.py); an int8 cache without scales is refused."""
     cache = torch.zeros(2, 16, 1, 16, device=device)
     k = torch.zeros(1, 1, 16, dtype=torch.float16, device=device)
+    slot = torch.zeros(1, dtype=torch.int64, device=device)
     with pytest.raises(ValueError, match="dtype"):
-        kernels.store_kv(k, k, cache, cache.clone(), torch.zeros(1, dtype=torch.int64, device=device))
+        kernels.store_kv(k, k.float(), cache, cache.clone(), slot)
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.store_kv(k, k, cache, cache.half(), slot)
+    with pytest.raises(ValueError, match="fp8/int8"):
+        kernels.store_kv(k, k, cache.to(torch.int8), cache.to(torch.int8), slot)

@@ -50,7 +50,12 @@ def _value(metrics: ServiceMetrics, name: str, **labels: str) -> float:
 def _exercised(model_name: str = MODEL) -> ServiceMetrics:
     """A `ServiceMetrics` through every call site the service uses, so every metric has a series."""
     m = ServiceMetrics(model_name=model_name)
-    m.observe_model(SimpleNamespace(dtype="float32", quantization="int8", weight_bytes=1234))
+    m.observe_model(
+        SimpleNamespace(
+            dtype="float32", quantization="int8", weight_bytes=1234,
+            kv_cache_dtype="int8", kv_cache_bytes=8320, kv_bytes_per_token=130,
+        )
+    )  # fmt: skip
     m.observe_stats(_stats())
     m.observe_admission(3, 300)
     m.observe_tokenizer(10, 100)
@@ -71,6 +76,8 @@ def test_every_series_carries_the_model_name() -> None:
         "tandem_tokenized_chars_total",
         "tandem_prefix_cache_hits_total",
         "tandem_kv_cache_usage_ratio",
+        "tandem_kv_cache_bytes",
+        "tandem_kv_bytes_per_token",
         "tandem_build_info",
     ):
         assert expected in names, expected
@@ -80,6 +87,8 @@ def test_every_series_carries_the_model_name() -> None:
     assert _value(m, "tandem_requests_finished_total", model_name=MODEL, finish_reason="length") == 1
     assert _value(m, "tandem_request_errors_total", model_name=MODEL, code="CANCELLED") == 1
     assert _value(m, "tandem_model_weight_bytes", dtype="float32", quantization="int8") == 1234
+    assert _value(m, "tandem_kv_cache_bytes", kv_cache_dtype="int8") == 8320
+    assert _value(m, "tandem_kv_bytes_per_token", kv_cache_dtype="int8") == 130
     assert _value(m, "tandem_time_to_first_token_seconds_sum") == pytest.approx(0.020)
     assert _value(m, "tandem_admission_queue_tokens") == 300
 

@@ -9,7 +9,7 @@ import pytest
 
 from shared_model.bundle import save_bundle
 from shared_model.config import RopeScaling
-from shared_model.ledger import served_weight_bytes
+from shared_model.ledger import kv_bytes_per_block, kv_bytes_per_token, kv_sequences_bytes, served_weight_bytes
 from shared_model.model import build_model
 from shared_model.tokenizer import Tokenizer
 from tests.conftest import tiny_config
@@ -60,5 +60,32 @@ def test_quantized_server_reports_its_weights_as_held(bundle_dir: Path, kind: st
             srv.server.metrics.render(), "tandem_model_weight_bytes", dtype="float32", quantization=kind
         )
         assert held == info.ledger.weight_bytes
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_a_quantized_kv_cache_reports_the_same_bytes_everywhere(bundle_dir: Path, kv: str) -> None:
+    """`--kv-cache-dtype`: GetModelInfo, the engine, /metrics and the shared ledger agree on the K/V bytes
+    (scales included), and the pool holds ≥ 1.9× the tokens of a bf16 cache in the same memory."""
+    srv = make_server(bundle_dir, engine=engine_config(kv_cache_dtype=kv, kv_cache_memory="1MiB"))
+    try:
+        with srv.client(timeout=30) as c:
+            info = c.model_info()
+            reply = c.generate("import os", max_new_tokens=4, ignore_eos=True)
+        assert info.kv_cache_dtype == kv and len(reply.token_ids) == 4
+        engine_info = srv.server.engine_info()
+        config, bs = engine_info.model_config, engine_info.config.block_size
+        per_token, per_block = kv_bytes_per_token(config, kv, bs), kv_bytes_per_block(config, kv, bs)
+        assert info.ledger.kv_bytes_per_token == engine_info.kv_bytes_per_token == per_token
+        assert info.ledger.kv_bytes_per_block == engine_info.kv_bytes_per_block == per_block
+        assert info.ledger.kv_cache_bytes == info.ledger.kv_blocks_total * per_block == engine_info.kv_cache_bytes
+        kv_seq = info.ledger.extra["ledger.kv_bytes_per_sequence_at_max_context"]
+        assert kv_seq == kv_sequences_bytes(config, kv, 1, info.max_context, bs)
+        text = srv.server.metrics.render()
+        assert metric_value(text, "tandem_kv_bytes_per_token", kv_cache_dtype=kv) == per_token
+        assert metric_value(text, "tandem_kv_cache_bytes", kv_cache_dtype=kv) == info.ledger.kv_cache_bytes
+        bf16_tokens = (2**20 // kv_bytes_per_block(config, "bf16", bs)) * bs
+        assert info.kv_capacity_tokens >= 1.9 * bf16_tokens
     finally:
         srv.close()

@@ -63,6 +63,11 @@ def test_field_numbers_are_stable() -> None:
     assert numbers(pb.TokenLogprob) == {"token_id": 1, "logprob": 2}
     assert numbers(pb.PositionLogprobs) == {"token_id": 1, "logprob": 2, "top": 3}
     assert numbers(pb.ModelInfo)["http_port"] == 12 and numbers(pb.ModelInfo)["metrics_port"] == 13
+    assert numbers(pb.ModelInfo)["kv_cache_dtype"] == 14
+    assert numbers(pb.MemoryLedger)["kv_bytes_per_block"] == 8
+    assert numbers(pb.ModelInfo)["draft_model"] == 15
+    draft = {k: v for k, v in numbers(pb.MemoryLedger).items() if k.startswith("draft_")}
+    assert draft == {"draft_kv_bytes_per_block": 9, "draft_kv_cache_bytes": 10, "draft_weight_bytes": 11}
     assert dict(pb.FinishReason.items()) == {
         "FINISH_REASON_UNSPECIFIED": 0, "FINISH_REASON_STOP": 1, "FINISH_REASON_LENGTH": 2,
         "FINISH_REASON_CANCELLED": 3,

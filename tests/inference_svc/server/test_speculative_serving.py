@@ -114,3 +114,20 @@ def _wait_idle(server: ServerThread, timeout: float = 15.0):
             return st
         assert time.monotonic() < deadline, f"KV blocks or requests left behind: {st}"
         time.sleep(0.05)
+
+
+def test_model_info_reports_the_draft_models_share_of_the_budget(bundle_dir) -> None:
+    srv = make_server(bundle_dir, engine=engine_config(speculative=str(bundle_dir), kv_cache_memory="2MiB"))
+    try:
+        with TandemClient(srv.target, timeout=60) as client:
+            info = client.model_info()
+            r = client.generate(PROMPT, max_new_tokens=12, ignore_eos=True)
+    finally:
+        srv.close()
+    led = info.ledger
+    assert info.draft_model == bundle_dir.name
+    assert led.draft_kv_bytes_per_block == led.kv_bytes_per_block  # the bundle drafts for itself: same sizes
+    assert led.draft_kv_cache_bytes == led.kv_blocks_total * led.draft_kv_bytes_per_block
+    assert led.kv_cache_bytes + led.draft_kv_cache_bytes <= 2 * 1024**2
+    assert led.draft_weight_bytes == led.weight_bytes
+    assert r.usage.accepted_draft_tokens > 0
