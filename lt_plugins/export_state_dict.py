@@ -39,6 +39,7 @@ from shared_model.bundle import (
     WEIGHTS_FILE,
     dtype_name,
     parse_dtype,
+    replace_dir,
     write_manifest,
 )
 from shared_model.errors import SharedModelError
@@ -135,23 +136,8 @@ def publish_folder(
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         check_bundle_out(out_dir, overwrite)  # again: the target may have changed while the tensors were written
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir.resolve()
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Rename src onto dst; an existing dst (already checked replaceable) is moved aside and removed after."""
-    if not dst.exists():
-        os.rename(src, dst)
-        return
-    old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
-    os.rename(dst, old)
-    try:
-        os.rename(src, dst)
-    except BaseException:
-        os.rename(old, dst)
-        raise
-    shutil.rmtree(old, ignore_errors=True)

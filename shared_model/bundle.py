@@ -469,7 +469,7 @@ def save_bundle(
         write_manifest(tmp, source)
         _fsync_dir(tmp)
         check_bundle_target(out_dir, overwrite)  # again: the folder may have changed while the weights were written
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -615,7 +615,7 @@ def _fsync_dir(folder: Path) -> None:
             os.fsync(fh.fileno())
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
+def replace_dir(src: Path, dst: Path) -> None:
     """Rename src onto dst; an existing dst is moved aside first and removed only after the swap."""
     if not dst.exists():
         os.rename(src, dst)

@@ -139,6 +139,19 @@ def client(server: ServerThread) -> Iterator[TandemClient]:
         yield c
 
 
+def wait_idle(server: ServerThread, timeout: float = 30.0) -> Any:
+    """Poll until the engine holds no request and no KV block (bounded: fails naming what was left behind); returns
+    the idle engine's stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = server.stats()
+        if st.num_running == 0 and st.num_waiting == 0 and st.kv_blocks_used == 0:
+            assert server.server.engine is not None and server.server.engine.num_in_flight == 0
+            return st
+        assert time.monotonic() < deadline, f"KV blocks or requests left behind: {st}"
+        time.sleep(0.02)
+
+
 def metric_value(text: str | bytes, name: str, **labels: str) -> float:
     """The value of the one sample `name` (exposition name, e.g. `tandem_request_errors_total`) whose labels include
     `labels` (other labels, such as `model_name`, may be present); 0.0 when no such sample exists yet."""

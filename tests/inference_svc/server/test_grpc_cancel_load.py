@@ -14,20 +14,9 @@ import pytest
 
 from inference_svc.client import NO_RETRY, AsyncTandemClient
 from inference_svc.proto_gen import inference_pb2 as pb
-from tests.inference_svc.server.conftest import ServerThread, engine_config, make_server
+from tests.inference_svc.server.conftest import ServerThread, engine_config, make_server, wait_idle
 
 PROMPT = "class Reader:\n    def read(self, size=-1):\n        "
-
-
-def _wait_idle(server: ServerThread, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        st = server.stats()
-        if st.num_running == 0 and st.num_waiting == 0 and st.kv_blocks_used == 0:
-            assert server.server.engine is not None and server.server.engine.num_in_flight == 0
-            return st
-        assert time.monotonic() < deadline, f"KV blocks or requests left behind: {st}"
-        time.sleep(0.05)
 
 
 def test_cancel_frees_blocks_at_next_step(client, server: ServerThread, slow_steps) -> None:
@@ -35,7 +24,7 @@ def test_cancel_frees_blocks_at_next_step(client, server: ServerThread, slow_ste
     got = [next(stream), next(stream)]
     assert server.stats().kv_blocks_used > 0
     stream.close()  # client-side cancel
-    st = _wait_idle(server)
+    st = wait_idle(server)
     assert st.kv_blocks_used == 0
     assert sum(len(m.token_ids) for m in got) >= 2
 
@@ -48,7 +37,7 @@ def test_disconnect_frees_blocks(server: ServerThread) -> None:
     it = pb_grpc.InferenceStub(channel).GenerateStream(req, timeout=30)
     next(it)
     channel.close()  # the whole connection goes away
-    _wait_idle(server)
+    wait_idle(server)
 
 
 def test_deadline_mid_decode(client, server: ServerThread, slow_steps) -> None:
@@ -59,11 +48,11 @@ def test_deadline_mid_decode(client, server: ServerThread, slow_steps) -> None:
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert received, "the deadline should have hit mid-decode, after some tokens"
     assert sum(len(m.token_ids) for m in received) < 60
-    _wait_idle(server)
+    wait_idle(server)
     with pytest.raises(grpc.RpcError) as info:
         client.generate(PROMPT, request_id="slow-2", max_new_tokens=60, ignore_eos=True, timeout=0.4)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_idle(server)
+    wait_idle(server)
 
 
 def test_deadline_while_queued(server: ServerThread) -> None:
@@ -82,7 +71,7 @@ def test_deadline_while_queued(server: ServerThread) -> None:
         c.generate(PROMPT, max_new_tokens=10, timeout=0.3)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     release.set()
-    st = _wait_idle(server)
+    st = wait_idle(server)
     # it reached the engine only after its deadline: dropped from the queue before any token was generated
     assert st.generation_tokens_total == before
     with server.client() as c:
@@ -110,7 +99,7 @@ def test_engine_enforces_deadline_itself(server: ServerThread, slow_steps) -> No
         return n
 
     assert server.call(run()) < 60
-    _wait_idle(server)
+    wait_idle(server)
 
 
 # ------------------------------------------------------------------------------ load with faults
@@ -184,7 +173,7 @@ def test_load_with_faults(load_server: ServerThread) -> None:
             assert outcome in ("cancelled", "done"), (outcome, value)
             assert value == alone[p][: len(value)]  # cancelled streams were exact up to where they stopped
     assert completed == kinds.count("normal")
-    st = _wait_idle(srv)
+    st = wait_idle(srv)
     assert st.kv_blocks_used == 0  # only evictable cached-prefix blocks may remain
     with srv.client() as c:
         assert c.health() == "SERVING"

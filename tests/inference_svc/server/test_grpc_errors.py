@@ -15,7 +15,7 @@ from inference_svc.client_results import GenerateResult
 from inference_svc.engine.types import FinishReason, RequestOutput
 from inference_svc.proto_gen import inference_pb2 as pb
 from inference_svc.settings import AdmissionLimits
-from tests.inference_svc.server.conftest import MAX_CONTEXT, MAX_NEW_TOKENS_LIMIT, ServerThread, make_server
+from tests.inference_svc.server.conftest import MAX_CONTEXT, MAX_NEW_TOKENS_LIMIT, ServerThread, make_server, wait_idle
 
 PROMPT = "import os\nimport sys\n"
 
@@ -82,20 +82,10 @@ def test_duplicate_request_id_in_flight(client, slow_steps) -> None:
 def test_server_ok_after_errors(client, server: ServerThread) -> None:
     assert client.health() == "SERVING"
     assert len(client.generate(PROMPT, max_new_tokens=3, ignore_eos=True).token_ids) == 3
-    _wait_idle(server)
+    wait_idle(server)
 
 
 # ------------------------------------------------------------------------------ RESOURCE_EXHAUSTED
-def _wait_idle(server: ServerThread, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = server.stats()
-        if st.num_running == 0 and st.num_waiting == 0 and st.kv_blocks_used == 0:
-            return
-        assert time.monotonic() < deadline, f"engine not idle: {st}"
-        time.sleep(0.05)
-
-
 @pytest.fixture
 def small_queue_server(bundle_dir) -> Iterator[ServerThread]:
     srv = make_server(bundle_dir, admission=AdmissionLimits(max_queued_requests=2, max_queued_tokens=60))
@@ -169,7 +159,7 @@ def test_queue_full_by_requests_and_tokens(small_queue_server: ServerThread, sma
     release.set()
     t.join(30)
     assert isinstance(results["t0"], GenerateResult)
-    _wait_idle(srv)
+    wait_idle(srv)
 
 
 def test_client_retries_resource_exhausted(small_queue_server: ServerThread) -> None:
@@ -213,6 +203,6 @@ def test_internal_failure_is_confined_to_one_request(bundle_dir) -> None:
             assert rest[-1].finish_reason is FinishReason.LENGTH
             assert c.health() == "SERVING"
             assert len(c.generate(PROMPT, request_id="ok-2", max_new_tokens=4, ignore_eos=True).token_ids) == 4
-        _wait_idle(srv)
+        wait_idle(srv)
     finally:
         srv.close()

@@ -23,7 +23,7 @@ import pytest
 
 from inference_svc.client import AsyncTandemClient
 from inference_svc.client_results import GenerateResult
-from tests.inference_svc.server.conftest import ServerThread, engine_config, make_server
+from tests.inference_svc.server.conftest import ServerThread, engine_config, make_server, wait_idle
 
 TEMPLATE = (
     "{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -56,16 +56,6 @@ def _base(srv: ServerThread) -> str:
 
 def _sdk(srv: ServerThread, **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=_base(srv) + "/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
-
-
-def _wait_idle(srv: ServerThread, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        st = srv.stats()
-        if st.num_running == 0 and st.num_waiting == 0 and st.kv_blocks_used == 0:
-            return st
-        assert time.monotonic() < deadline, f"KV blocks or requests left behind: {st}"
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -399,7 +389,7 @@ def test_disconnect_mid_stream_frees_blocks(http_server: ServerThread, slow) -> 
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         assert http_server.stats().kv_blocks_used > 0
-    st = _wait_idle(http_server)  # closing the response closed the connection: the request is aborted
+    st = wait_idle(http_server)  # closing the response closed the connection: the request is aborted
     assert st.generation_tokens_total - before < 60, "the request ran to its end instead of being aborted"
 
 
@@ -409,7 +399,7 @@ def test_disconnect_of_a_whole_request_frees_blocks(http_server: ServerThread, s
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(_base(http_server) + "/v1/completions", json=body, headers={"X-Request-Id": "slow-whole"},
                    timeout=httpx.Timeout(30, read=0.3))  # fmt: skip
-    st = _wait_idle(http_server)
+    st = wait_idle(http_server)
     assert st.generation_tokens_total - before < 60, "the request ran to its end instead of being aborted"
 
 
@@ -426,7 +416,7 @@ def test_deadline_ends_a_stream_with_an_error_event(http_server: ServerThread, s
     assert events[-1] == "[DONE]"
     err = json.loads(events[-2])["error"]
     assert err["code"] == "DEADLINE_EXCEEDED" and err["type"] == "timeout"
-    assert _wait_idle(http_server).generation_tokens_total - before < 60
+    assert wait_idle(http_server).generation_tokens_total - before < 60
 
 
 # ---------------------------------------------------------------------------------------- load
@@ -481,7 +471,7 @@ def test_64_sse_streams_with_disconnects_and_grpc_alongside(http_server: ServerT
         else:
             assert alone[p].startswith(text), (p, text, alone[p])
     assert grpc_texts == [alone[i] for i in range(len(LOAD_PROMPTS))]
-    _wait_idle(http_server)
+    wait_idle(http_server)
 
 
 # ---------------------------------------------------------------------------------------- hostile clients

@@ -14,7 +14,7 @@ import httpx2 as httpx
 import pytest
 
 from inference_svc.client import TandemClient
-from tests.inference_svc.server.conftest import ServerThread, engine_config, make_server, metric_value
+from tests.inference_svc.server.conftest import ServerThread, engine_config, make_server, metric_value, wait_idle
 
 PROMPT = "def read(self, size=-1):\n    "
 LOOP = {100: 100.0}
@@ -94,26 +94,16 @@ def test_cancel_and_deadline_during_speculation_free_every_block(bundle_dir) -> 
             )
             got = [next(stream), next(stream)]
             stream.close()
-            _wait_idle(srv)
+            wait_idle(srv)
             with pytest.raises(grpc.RpcError) as err:
                 client.generate(PROMPT, request_id="slow-deadline", max_new_tokens=60, logit_bias=LOOP,
                                 ignore_eos=True, timeout=1.0)  # fmt: skip
             assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-            stats = _wait_idle(srv)
+            stats = wait_idle(srv)
         assert sum(len(m.token_ids) for m in got) >= 2
         assert stats.spec_draft_tokens_total > 0 and stats.spec_verify_steps_total >= 2
     finally:
         srv.close()
-
-
-def _wait_idle(server: ServerThread, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        st = server.stats()
-        if st.num_running == 0 and st.num_waiting == 0 and st.kv_blocks_used == 0:
-            return st
-        assert time.monotonic() < deadline, f"KV blocks or requests left behind: {st}"
-        time.sleep(0.05)
 
 
 def test_model_info_reports_the_draft_models_share_of_the_budget(bundle_dir) -> None:
