@@ -119,7 +119,13 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[Any] | None =
         )
         if cfg.export.enabled:
             all_callbacks.append(
-                ExportBundle(run_dir / "checkpoints", run_dir / "bundle", cfg.export.dtype, run_dir / META_DIR)
+                ExportBundle(
+                    run_dir / "checkpoints",
+                    run_dir / "bundle",
+                    cfg.export.dtype,
+                    run_dir / META_DIR,
+                    tandem_model=cfg.model.class_path is None,
+                )
             )
     loggers: list[Any] = []
     if cfg.logging.csv:

@@ -254,7 +254,12 @@ def bundle_staleness(bundle: Path, ckpt: Path, dtype: str | None = None) -> str 
 
 
 class ExportBundle(Callback):
-    """At the end of training, export the newest checkpoint under `checkpoint_dir` to `out_dir` (rank 0)."""
+    """At the end of training, export the newest checkpoint under `checkpoint_dir` to `out_dir` (rank 0).
+
+    `tandem_model=False` (a `model.class_path` module, not Tandem's LitCausalLM) exports what `tandem export
+    --format auto` would for a module of its own: a Hugging Face folder when the checkpoint's hyperparameters hold
+    a Hugging Face config, else the consolidated safetensors state dict (`export_any`), never a bundle.
+    """
 
     def __init__(
         self,
@@ -262,10 +267,23 @@ class ExportBundle(Callback):
         out_dir: str | Path,
         dtype: str = "bfloat16",
         meta_dir: str | Path | None = None,
+        tandem_model: bool = True,
     ) -> None:
         self.checkpoint_dir, self.out_dir, self.dtype = Path(checkpoint_dir), Path(out_dir), dtype
         self.meta_dir = meta_dir
+        self.tandem_model = tandem_model
         self.bundle_path: Path | None = None
+
+    def _export(self, ckpt: Path) -> Path:
+        if self.tandem_model:
+            return export_bundle(ckpt, self.out_dir, self.dtype, self.meta_dir, overwrite=True)
+        from lt_plugins.export_any import export_checkpoint
+        from lt_plugins.export_hf import hyperparameter_hf_config
+
+        fmt = "hf" if hyperparameter_hf_config(ckpt) is not None else "state-dict"
+        exported = export_checkpoint(ckpt, self.out_dir, format=fmt, dtype=self.dtype, overwrite=True)
+        rank_zero_info(f"{exported.format}: {exported.path} (a model.class_path module: not a Tandem bundle)")
+        return exported.path
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.strategy.barrier("tandem_export_start")
@@ -275,7 +293,7 @@ class ExportBundle(Callback):
                 ckpt = latest_checkpoint(self.checkpoint_dir)
                 if ckpt is None:
                     raise CheckpointError(f"no checkpoint under {self.checkpoint_dir} to export")
-                self.bundle_path = export_bundle(ckpt, self.out_dir, self.dtype, self.meta_dir, overwrite=True)
+                self.bundle_path = self._export(ckpt)
             except CheckpointError as exc:
                 error = exc
         trainer.strategy.barrier("tandem_export_done")
@@ -295,5 +313,5 @@ class ExportBundle(Callback):
             rank_zero_info(f"bundle {self.out_dir} is the export of {ckpt.name}: left as it is")
             return self.out_dir.resolve()
         rank_zero_info(f"bundle {self.out_dir} is {why}: exporting {ckpt.name}")
-        self.bundle_path = export_bundle(ckpt, self.out_dir, self.dtype, self.meta_dir, overwrite=True)
+        self.bundle_path = self._export(ckpt)
         return self.bundle_path

@@ -97,6 +97,13 @@ def find_hf_config(ckpt: Path, hf_config: str | Path | None = None) -> HFConfig 
     return _config_file(meta, "model_meta") if meta is not None else None
 
 
+def hyperparameter_hf_config(ckpt: Path) -> HFConfig | None:
+    """A Hugging Face config among the checkpoint's saved hyperparameters only (not the run's model_meta, which
+    describes Tandem's preset, not a module of the user's own), or None."""
+    found = _configs_in(read_hyperparameters(ckpt))
+    return found[0] if found else None
+
+
 def find_prefix(keys: Iterable[str], expected: set[str], optional: set[str]) -> list[str]:
     """Every key prefix ("" or ending in ".") under which the keys hold all of `expected` (less `optional`)."""
     keys = list(keys)

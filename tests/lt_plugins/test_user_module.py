@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lt_plugins.config import load_config
@@ -48,7 +49,7 @@ def test_user_module_trains_on_the_corpus_batches(tmp_path: Path) -> None:
     cmd += ["data.max_documents=12", "data.block_size=16", "data.batch_size=2", "data.vocab_size=300"]
     cmd += ["trainer.max_steps=2", "trainer.precision=32-true", "trainer.val_check_interval=2"]
     cmd += ["trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false"]
-    cmd += ["logging.tensorboard=false", "export.enabled=false", f"run_dir={run_dir}"]
+    cmd += ["logging.tensorboard=false", "export.dtype=float32", f"run_dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(HERE), env.get("PYTHONPATH")]))
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -59,3 +60,10 @@ def test_user_module_trains_on_the_corpus_batches(tmp_path: Path) -> None:
     metrics = (run_dir / "logs" / "metrics.csv").read_text().splitlines()
     assert {"train_loss", "val_loss"} <= set(metrics[0].split(","))
     assert "class_path: user_module_example.BagOfTokens" in (run_dir / "config.yaml").read_text()
+    # the end of training exports the module's own state dict (not a Tandem bundle, which it could not be)
+    assert f"bundle: {run_dir / 'bundle'}" in proc.stdout
+    from safetensors.torch import load_file
+
+    state = load_file(run_dir / "bundle" / "model.safetensors")
+    assert set(state) == {"embed.weight", "head.weight", "head.bias"}
+    assert state["embed.weight"].shape == (hparams["vocab_size"], 4) and state["embed.weight"].dtype == torch.float32
