@@ -94,7 +94,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[Any] | None =
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
 
-    from lt_plugins.auto_strategy import resolve_auto, training_callbacks  # issue 4: planner, checkpointing, ledger
+    from lt_plugins.auto_strategy import resolve_auto, training_callbacks  # the planner's checkpointing and ledger
     from lt_plugins.checkpoint_io import PeriodicCheckpoint
     from lt_plugins.export import META_DIR, ExportBundle
     from lt_plugins.finite import NonFiniteLossGuard
@@ -199,7 +199,7 @@ def run_training(cfg: TrainConfig) -> Path | None:
     """Train as configured; return the bundle path on rank 0 (None elsewhere or when export is disabled)."""
     _quiet()
     check_precision(cfg.trainer.precision, "cpu" if cfg.trainer.accelerator == "cpu" else "cuda")
-    from lt_plugins.auto_strategy import resolve_auto  # issue 4: strategy auto → the planner's choice
+    from lt_plugins.auto_strategy import resolve_auto  # strategy auto → the planner's choice
 
     cfg = resolve_auto(cfg)  # before config.yaml is written, so the saved config says what ran
     run_dir = resolve_run_dir(cfg)

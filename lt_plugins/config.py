@@ -32,7 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lt_plugins.checkpointing import DEFAULT_SAVE_OPS, MODES, CheckpointingConfig
 from lt_plugins.errors import TrainingConfigError
-from lt_plugins.ledger_callback import LedgerSection  # issue 4: memory ledger section
+from lt_plugins.ledger_callback import LedgerSection
 from lt_plugins.precision import SUPPORTED_PRECISIONS
 from lt_plugins.strategy import ZeroConfig, merge_deepspeed_config
 
@@ -435,7 +435,7 @@ class TrainConfig:
     checkpoints: CheckpointsSection = field(default_factory=CheckpointsSection)
     export: ExportSection = field(default_factory=ExportSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
-    # issue 4 (memory planner): activation checkpointing and the memory ledger
+    # the memory planner's levers: activation checkpointing and the memory ledger
     checkpointing: CheckpointingSection = field(default_factory=CheckpointingSection)
     ledger: LedgerSection = field(default_factory=LedgerSection)
 

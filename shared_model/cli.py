@@ -1,12 +1,12 @@
 """The `tandem` console script: a dispatcher that imports only the subcommand it runs.
 
 Contract:
-- `SUBCOMMANDS` maps each subcommand to "module:function", the extra it needs, and the issue that delivers it.
-  The function takes the remaining argv and returns an exit code.
+- `SUBCOMMANDS` maps each subcommand to "module:function" and the extra it needs. The function takes the
+  remaining argv and returns an exit code.
 - Nothing is imported until a subcommand is chosen, so `tandem serve` and `tandem ledger` start where Lightning
   and DeepSpeed are not installed.
-- A subcommand whose module is not in this checkout says so plainly; one whose extra is missing names the
-  `pip install` that fixes it.
+- A subcommand whose module is missing from this installation says so plainly (an incomplete checkout or a
+  broken install); one whose extra is missing names the `pip install` that fixes it.
 """
 
 from __future__ import annotations
@@ -24,43 +24,21 @@ class Subcommand:
     help: str
     extra: str | None
     """The optional-dependency group it needs (pip install 'tandem[extra]')."""
-    delivered_by: str
-    """The piece of work that provides it, for the 'not available yet' message."""
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
-    "train": Subcommand(
-        "lt_plugins.cli:train_main", "train a model from an OmegaConf YAML config", "train", "training plugin"
-    ),
+    "train": Subcommand("lt_plugins.cli:train_main", "train a model from an OmegaConf YAML config", "train"),
     "export": Subcommand(
-        "lt_plugins.cli:export_main",
-        "consolidate a ZeRO checkpoint into a bundle",
-        "train",
-        "training plugin",
+        "lt_plugins.cli:export_main", "export a checkpoint: a bundle, a safetensors state dict or a HF folder", "train"
     ),
-    "plan": Subcommand(
-        "lt_plugins.planner_cli:main",
-        "pick the cheapest training configuration that fits the GPUs",
-        None,
-        "memory planner",
-    ),
-    "ledger": Subcommand("shared_model.ledger_cli:main", "print the memory ledger of a model", None, "foundation"),
-    "serve": Subcommand("inference_svc.cli:serve_main", "serve a model over gRPC", "serve", "gRPC service"),
-    "generate": Subcommand(
-        "inference_svc.generate_cli:generate_main", "stream a completion from a server", "serve", "gRPC service"
-    ),
+    "plan": Subcommand("lt_plugins.planner_cli:main", "pick the cheapest training configuration that fits", None),
+    "ledger": Subcommand("shared_model.ledger_cli:main", "print the memory ledger of a model", None),
+    "serve": Subcommand("inference_svc.cli:serve_main", "serve a model over gRPC and the OpenAI API", "serve"),
+    "generate": Subcommand("inference_svc.generate_cli:generate_main", "stream a completion from a server", "serve"),
     "eval": Subcommand(
-        "inference_svc.eval_cli:main",
-        "held-out perplexity and bits per byte, offline and through a server",
-        "serve",
-        "evaluation",
+        "inference_svc.eval_cli:main", "held-out perplexity and bits per byte, offline and through a server", "serve"
     ),
-    "bench": Subcommand(
-        "inference_svc.bench.cli:main",
-        "load-test a server and plot latency/throughput",
-        "serve",
-        "load benchmark",
-    ),
+    "bench": Subcommand("inference_svc.bench.cli:main", "load-test a server and plot latency/throughput", "serve"),
 }
 
 _OWN_PACKAGES = ("shared_model", "lt_plugins", "inference_svc")
@@ -81,12 +59,12 @@ def _resolve(name: str, sub: Subcommand) -> Callable[[list[str]], int] | str:
     except ModuleNotFoundError as exc:
         missing = exc.name or ""
         if missing.split(".")[0] in _OWN_PACKAGES:
-            return f"tandem {name}: not available yet: the {sub.delivered_by} work has not landed ({missing} missing)"
+            return f"tandem {name}: this installation lacks {missing}: reinstall from a complete checkout"
         hint = f" (pip install 'tandem[{sub.extra}]')" if sub.extra else ""
         return f"tandem {name}: needs the Python package '{missing}', which is not installed{hint}"
     func = getattr(module, func_name, None)
     if func is None:
-        return f"tandem {name}: not available yet: the {sub.delivered_by} work has not landed ({sub.target})"
+        return f"tandem {name}: this installation lacks {sub.target}: reinstall from a complete checkout"
     return func
 
 
