@@ -12,10 +12,11 @@ Contract:
   ever holds the whole model; elsewhere it is an ordinary build. `self.model` is None until then. Idempotent.
 - Weights: from scratch, `CausalLM.init_weights` with a generator seeded by `seed`, the same values at every stage
   (under ZeRO-3 each leaf module is gathered, initialised on rank 0 in the same order, and re-partitioned). With
-  `init_from` (a Hugging Face folder) its tensors are checked against the config first, then copied in module by
-  module: under ZeRO-3 inside `deepspeed.zero.GatheredParameters(the module's own params, modifier_rank=0)`, rank 0
-  copying each tensor in row blocks from the safetensors files (`FolderTensors.copy_into`), so a rank holds at most
-  one module's full parameters beside its partitions; at stages 0-2 the same copy into the whole model.
+  `init_from` (a Hugging Face folder) its tensors are checked against the config first, then copied in: under
+  ZeRO-3 each rank reads only the flat slice of each tensor its partition holds (`param.ds_tensor`, DeepSpeed's
+  contiguous rank-order split), with positional reads of the safetensors files (`FolderTensors.copy_range`: no
+  memory map, no gather, no full tensor anywhere); at stages 0-2 row blocks into the whole model
+  (`FolderTensors.copy_into`).
 - `model_source(cfg.model, block_size)` and `build_module(cfg.model, ...)` are what `tandem train` builds from the
   `model:` section: a preset or an `init_from` folder (config + tokenizer, checked before any data is read), and
   LitCausalLM or your own `class_path` module.
@@ -221,12 +222,28 @@ def load_folder_weights(model: CausalLM, folder: str | Path) -> int:
     with FolderTensors(folder) as tensors:
         tensors.check(model.config, expected)
         for prefix, _module, params in _modules_with_params(model):
-            with _whole([p for _, p in params], partitioned) as writer:
-                for name, param in params:
-                    if writer:  # row blocks straight from the file into the (gathered) parameter
-                        tensors.copy_into(f"{prefix}.{name}" if prefix else name, param.data)
-                    copied += 1
+            for name, param in params:
+                full = f"{prefix}.{name}" if prefix else name
+                if partitioned:  # this rank's slice, read from the file straight into its partition: no gather
+                    start, local = _partition_slice(param)
+                    tensors.copy_range(full, local, start)
+                else:  # row blocks straight from the file into the parameter
+                    tensors.copy_into(full, param.data)
+                copied += 1
+    release_freed_memory()
     return copied
+
+
+def _partition_slice(param: nn.Parameter) -> tuple[int, torch.Tensor]:
+    """(first flat element, 1-D view of the elements this rank holds) of a ZeRO-3 parameter: DeepSpeed partitions
+    the flattened parameter into equal contiguous pieces in rank order (`ds_tensor`, the last one padded)."""
+    import torch.distributed as dist
+
+    local = param.ds_tensor.view(-1)  # [partition size]
+    group = getattr(param, "ds_process_group", None)
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    start = min(rank * local.numel(), param.ds_numel)
+    return start, local[: min(local.numel(), param.ds_numel - start)]
 
 
 # ---------------------------------------------------------------------------------- what `tandem train` builds

@@ -182,6 +182,9 @@ def _check_finite(file: Path, name: str, t: torch.Tensor, cast_to: torch.dtype |
     raise BundleError(f"{file}: tensor {name} has values outside the range of {dtype_name(cast_to)}")
 
 
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
 class FolderTensors:
     """The safetensors of a model folder, read one tensor at a time (see the module contract). A context manager."""
 
@@ -191,6 +194,7 @@ class FolderTensors:
         self.where: dict[str, Path] = {}
         """Tensor name → the file holding it."""
         self._unread: dict[Path, set[str]] = {}
+        self._headers: dict[Path, tuple[int, dict]] = {}
         try:
             for file in weight_files(self.folder):
                 handle = safe_open(str(file), framework="pt")
@@ -242,6 +246,44 @@ class FolderTensors:
             if block.is_floating_point() and block.dtype != dest.dtype:
                 _check_finite(file, name, dest[start : start + step], cast_to=dest.dtype)
         self._done(file, name)
+
+    def copy_range(self, name: str, dest: torch.Tensor, start: int, chunk_bytes: int = 32 * 1024**2) -> None:
+        """Copy the flat elements [start, start + dest.numel()) of tensor `name` (row-major) into the 1-D `dest`
+        (any dtype) with positional reads of the file in pieces of about `chunk_bytes`: no memory map, no copy of
+        the whole tensor, so a ZeRO-3 rank reads only its own partition. NaN/Inf is a BundleError."""
+        file = self.where[name]
+        dtype, shape, base = self._entry(file, name)
+        count = dest.numel()
+        if start < 0 or start + count > math.prod(shape):
+            where = f"[{start}, {start + count})"
+            raise BundleError(f"{file}: tensor {name} of shape {tuple(shape)} has no elements {where}")
+        size = torch.empty((), dtype=dtype).element_size()
+        step = max(1, chunk_bytes // size)
+        with open(file, "rb") as fh:
+            for lo in range(0, count, step):
+                n = min(step, count - lo)
+                raw = os.pread(fh.fileno(), n * size, base + (start + lo) * size)
+                if len(raw) != n * size:
+                    raise BundleError(f"{file}: tensor {name} is truncated")
+                block = torch.frombuffer(bytearray(raw), dtype=dtype)  # [n]
+                _check_finite(file, name, block)
+                dest[lo : lo + n].copy_(block)
+                if block.is_floating_point() and block.dtype != dest.dtype:
+                    _check_finite(file, name, dest[lo : lo + n], cast_to=dest.dtype)
+
+    def _entry(self, file: Path, name: str) -> tuple[torch.dtype, list[int], int]:
+        """(dtype, shape, absolute byte offset) of a tensor, from the file's safetensors header."""
+        header = self._headers.get(file)
+        if header is None:
+            with open(file, "rb") as fh:
+                length = int.from_bytes(fh.read(8), "little")
+                header = self._headers[file] = (8 + length, json.loads(fh.read(length)))
+        data_start, entries = header
+        entry = entries[name]
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise BundleError(f"{file}: tensor {name} has dtype {entry['dtype']}, which a partition read does not take")
+        return dtype, list(entry["shape"]), data_start + int(entry["data_offsets"][0])
 
     def _done(self, file: Path, name: str) -> None:
         self._unread[file].discard(name)
