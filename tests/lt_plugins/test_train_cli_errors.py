@@ -41,9 +41,14 @@ CLI_CASES = {
     "extra-missing": (lambda p: ["data.extra=[/no/such/dir/x.py]"], "data.extra: path not found: /no/such/dir/x.py"),
     "extra-is-a-directory": (lambda p: [f"data.extra=[{p}]"], "data.extra: "),
     "corpus-empty": (lambda p: ["data.include_stdlib=false"], "data: the corpus is empty"),
+    # the split hashes a file's path, which holds pytest's tmp folder: fix the fraction, not the luck of the name
     "corpus-no-tokens": (
-        lambda p: ["data.include_stdlib=false", f"data.extra=[{_empty_file(p)}]"],
+        lambda p: ["data.include_stdlib=false", f"data.extra=[{_empty_file(p)}]", "data.val_fraction=0"],
         "data: the training split holds fewer than data.block_size+1=33 tokens",
+    ),
+    "corpus-all-held-out": (
+        lambda p: ["data.include_stdlib=false", f"data.extra=[{_empty_file(p)}]", "data.val_fraction=0.9999999"],
+        "data: the corpus has no training document (1 held out by data.val_fraction",
     ),
     "tokenizer-missing": (lambda p: ["data.tokenizer=/no/such/tokenizer"], "data.tokenizer: path not found"),
     "tokenizer-unreadable": (lambda p: [f"data.tokenizer={_empty_file(p)}"], "data.tokenizer: "),
