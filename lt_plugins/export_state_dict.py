@@ -39,6 +39,7 @@ from shared_model.bundle import (
     WEIGHTS_FILE,
     dtype_name,
     parse_dtype,
+    plan_shards,
     replace_dir,
     write_manifest,
 )
@@ -89,15 +90,7 @@ def unshared(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
 def save_sharded(folder: Path, tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[str]:
     """Write `tensors` as one safetensors file, or shards of at most `max_shard_bytes` (a tensor larger than that
     gets a shard of its own) plus the index. Returns the file names written."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
+    shards = plan_shards(tensors, max_shard_bytes)
     mode = _open_mode(folder)
     n = len(shards)
     names = [WEIGHTS_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]

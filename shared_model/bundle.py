@@ -586,7 +586,8 @@ def _tensors_to_write(
     return out
 
 
-def _write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
+def plan_shards(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Tensors grouped in order into shards of at most `max_shard_bytes` (a larger tensor gets a shard of its own)."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -596,6 +597,11 @@ def _write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_shard_byt
             size = 0
         shards[-1][name] = t
         size += nbytes
+    return shards
+
+
+def _write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
+    shards = plan_shards(tensors, max_shard_bytes)
     if len(shards) == 1:
         _save_safetensors(shards[0], folder / WEIGHTS_FILE)
         return
