@@ -28,7 +28,10 @@ RUN pip install ".[serve]" \
  && python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('lightning', 'deepspeed')))"
 
 FROM ${PYTHON_IMAGE} AS runtime
-RUN useradd --system --uid 10001 --create-home tandem
+# g++: `--compile auto` (the default) builds the compiled decode step with inductor's C++ backend at start-up;
+# without a compiler the service still runs, eagerly, and says so in its log.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
+ && useradd --system --uid 10001 --create-home tandem
 COPY --from=builder /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 MPLCONFIGDIR=/tmp/matplotlib
 USER tandem

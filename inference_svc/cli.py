@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from inference_svc.dataclass_flags import FlagSpec, add_flags, from_args
-from inference_svc.engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, EngineConfig
+from inference_svc.engine.config import ATTENTION_BACKENDS, COMPILE_MODES, KV_CACHE_DTYPES, EngineConfig
 from inference_svc.errors import InferenceError
 from inference_svc.generate_cli import stream_completion
 from inference_svc.settings import AdmissionLimits, ServerSettings, host_port
@@ -45,6 +45,7 @@ ENGINE_FLAGS = FlagSpec(
         "dtype": ["auto", "float32", "bfloat16", "float16"],
         "attention_backend": ATTENTION_BACKENDS,
         "kv_cache_dtype": KV_CACHE_DTYPES,
+        "compile": COMPILE_MODES,
         "quantization": QUANTIZATIONS,
         "quantization_group_size": INT4_GROUP_SIZES,
     },

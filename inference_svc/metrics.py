@@ -214,6 +214,14 @@ class ServiceMetrics:
             (*m, "kv_cache_dtype"),
             registry=r,
         )
+        self.compile_seconds = one(
+            Gauge(
+                "tandem_compile_seconds",
+                "Seconds the compiled decode step's warm-up compile took at start-up (0: eager, --compile off).",
+                m,
+                registry=r,
+            )
+        )
         self.kv_used = one(Gauge("tandem_kv_blocks_used", "KV-cache blocks in use.", m, registry=r))
         self.kv_total = one(Gauge("tandem_kv_blocks_total", "KV-cache blocks in the pool.", m, registry=r))
         self.kv_cached = one(Gauge("tandem_kv_blocks_cached", "KV blocks holding a registered prefix.", m, registry=r))
@@ -315,6 +323,7 @@ class ServiceMetrics:
         kv = {**self._model, "kv_cache_dtype": info.kv_cache_dtype}
         self.kv_cache_bytes.labels(**kv).set(info.kv_cache_bytes)
         self.kv_bytes_per_token.labels(**kv).set(info.kv_bytes_per_token)
+        self.compile_seconds.set(info.compile_seconds)
 
     def observe_admission(self, requests: int, tokens: int) -> None:
         self.admission_queue.set(requests)

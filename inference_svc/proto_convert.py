@@ -197,6 +197,8 @@ def model_info_to_proto(
         metrics_port=metrics_port or 0,
         kv_cache_dtype=info.kv_cache_dtype,
         draft_model=info.draft_model_path.name if info.draft_model_path is not None else "",
+        compiled=info.compiled,
+        compile_seconds=info.compile_seconds,
     )
 
 

@@ -40,6 +40,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     if torch.is_grad_enabled():
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    elif torch.compiler.is_compiling():  # traced (`shared_model.compiled`): Python scalars become graph constants
+        h = h * torch.rsqrt(torch.sum(h * h, dim=-1, keepdim=True) / h.shape[-1] + eps)
     else:  # the width and eps as cached fp32 0-d tensors: no scalar wrapping per call
         ms = torch.sum(h * h, dim=-1, keepdim=True).div_(_constant(float(h.shape[-1]), h.device))
         h = h * ms.add_(_constant(eps, h.device)).rsqrt_()
@@ -94,8 +96,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, T] int -> cos, sin: [B, T, 1, D] (broadcast over heads)
-        inv = self._by_device.get(positions.device)
-        if inv is None:
+        inv = self._by_device.get(positions.device) if not torch.compiler.is_compiling() else None
+        if inv is None and torch.compiler.is_compiling():  # traced: a graph constant, no cache to guard on
+            inv = self._inv_freq.to(positions.device)
+        elif inv is None:
             inv = self._by_device.setdefault(positions.device, self._inv_freq.to(positions.device))
         freqs = positions.float()[..., None] * inv  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)

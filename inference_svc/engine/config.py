@@ -25,6 +25,10 @@ KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8", "int8")
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 DEFAULT_CPU_KV_BYTES = 256 * 1024**2
 SPECULATIVE_METHODS = ("off", "ngram")
+COMPILE_MODES = ("auto", "on", "off")
+COMPILE_AUTO_MIN_PARAMS = 2_000_000
+"""`compile='auto'` compiles on CPU from this many parameters up: below it a step costs well under a millisecond
+and the warm-up compile (tens of seconds) is not paid back by a short-lived server (a test's, a demo's)."""
 
 _UNITS = {
     "": 1,
@@ -113,6 +117,10 @@ class EngineConfig:
     quantization_group_size inputs); the LM head is int8 under both (`shared_model.quantize`)."""
     quantization_group_size: int = DEFAULT_GROUP_SIZE
     """Inputs per int4 scale and zero: 32, 64, 128 or 256."""
+    compile: str = "auto"
+    """Compiled decode step (torch.compile, inductor) around the eager paged attention: 'on', 'off' or 'auto' (on
+    for a CPU model of at least 2M parameters when a C++ compiler is present). Compiled at start-up, before health
+    says SERVING; never recompiled while serving (`shared_model.compiled`)."""
     threads: int | None = None
     """CPU threads for the model's ops (torch intra-op threads); None: torch's default, one per core."""
     speculative: str = "off"
@@ -157,6 +165,8 @@ class EngineConfig:
             raise EngineConfigError(
                 "attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.compile not in COMPILE_MODES:
+            raise EngineConfigError("compile", f"must be one of {', '.join(COMPILE_MODES)}; got {self.compile!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise EngineConfigError(
                 "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"

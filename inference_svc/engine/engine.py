@@ -20,6 +20,10 @@ Contract:
 - Load-time transforms, in order: merged projections (`shared_model.fuse`), then `config.quantization`
   (`shared_model.quantize`); a model that cannot take the quantization is refused (`ModelLoadError` naming the
   weight). `config.threads`, when set, sizes torch's process-wide intra-op thread pool.
+- Compiled step (`config.compile`, resolved by `_resolve_compile`): the runners trace the decoder with
+  `shared_model.compiled`, and the constructor warms them up before it returns (a prefill chunk, a lone decode
+  and a batched decode of throwaway sequences over free blocks, which are zeroed afterwards), so the first request
+  never waits on a compile; `info()` reports whether it compiled and how long that took.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from pathlib import Path
 import torch
 
 from inference_svc.engine.block_manager import BlockManager
-from inference_svc.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from inference_svc.engine.config import COMPILE_AUTO_MIN_PARAMS, DEFAULT_CPU_KV_BYTES, EngineConfig
 from inference_svc.engine.detokenizer import IncrementalDetokenizer
 from inference_svc.engine.draft_model import DraftModelProposer
 from inference_svc.engine.kv_cache import ledger_dtype_name, resolve_kv_dtype
@@ -56,6 +60,7 @@ from inference_svc.engine.types import (
 from inference_svc.errors import InvalidRequestError, ModelLoadError, RequestFailedError
 from shared_model import ledger
 from shared_model.bundle import Bundle, load_bundle, parse_dtype
+from shared_model.compiled import compiler_available
 from shared_model.config import ModelConfig
 from shared_model.fuse import fuse_projections
 from shared_model.model import CausalLM
@@ -182,13 +187,16 @@ class Engine:
             num_blocks * bs,
         )
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.compiled = _resolve_compile(config.compile, device, model)
         self.runner = ModelRunner(
-            model, self.model_config, num_blocks, bs, self.dtype, device, backend, kv_dtype=self.kv_dtype
-        )
+            model, self.model_config, num_blocks, bs, self.dtype, device, backend, kv_dtype=self.kv_dtype,
+            compiled=self.compiled,
+        )  # fmt: skip
         self.draft_runner = None
         if draft is not None and draft_model is not None:
             self.draft_runner = ModelRunner(draft_model, draft.config, num_blocks, bs, draft.dtype, device, backend,
-                                            prompt_logprobs=False, kv_dtype=self.kv_dtype)  # fmt: skip
+                                            prompt_logprobs=False, kv_dtype=self.kv_dtype,
+                                            compiled=self.compiled)  # fmt: skip
         self.sampler = Sampler()
         self._eos_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_id} if self.tokenizer.eos_id is not None else set()
@@ -198,6 +206,40 @@ class Engine:
         self._pending_aborts: list[str] = []
         self._next_index = 0
         self._prompt_tokens_total = 0
+        self.compile_seconds = 0.0
+        if self.compiled:
+            self.compile_seconds = sum(self._warm_up(r) for r in (self.runner, self.draft_runner) if r is not None)
+            log.info("compiled the decode step in %.1f s", self.compile_seconds)
+
+    def _warm_up(self, runner: ModelRunner) -> float:
+        """Compile `runner`'s graphs on throwaway sequences over free blocks, then zero those blocks; seconds.
+
+        The steps: a prefill chunk (the T >= 2 graph), a lone decode (T == 1), then a decode of two sequences,
+        which the T >= 2 graph must already cover (were it not, `CompiledDecoder` logs it and runs it eagerly)."""
+        assert runner.compiled is not None
+        bs = self.config.block_size
+        n = min(2 * bs, (self.block_manager.num_blocks // 2) * bs - 1)  # two sequences of n + 1 tokens must fit
+        if n < 2:
+            log.warning("compile: the KV pool is too small to warm up on; steps compile on first use")
+            return 0.0
+        per_seq = -(-(n + 1) // bs)
+        seqs = [
+            Sequence(f"compile-warm-up-{i}", -1, [0] * n, n, SamplingParams(), 0.0,
+                     IncrementalDetokenizer(self.tokenizer, ()), frozenset(),
+                     block_table=list(range(i * per_seq, (i + 1) * per_seq)))
+            for i in range(2)
+        ]  # fmt: skip
+
+        def run() -> None:
+            runner.run([ScheduledSeq(seqs[0], 0, n)])  # prefill
+            seqs[0].token_ids.append(0)
+            runner.run([ScheduledSeq(seqs[0], n, 1)])  # lone decode
+
+        seconds = runner.compiled.warm_up(run)
+        seqs[1].token_ids.append(0)
+        runner.run([ScheduledSeq(s, n, 1) for s in seqs])  # batched decode: covered, or logged and counted
+        runner.zero_blocks(sorted(b for s in seqs for b in s.block_table))
+        return seconds
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -441,6 +483,8 @@ class Engine:
             draft_kv_bytes_per_block=self.draft_bytes_per_block,
             draft_kv_cache_bytes=self.draft_runner.cache.nbytes if self.draft_runner is not None else 0,
             draft_weight_bytes=self.draft_weight_bytes,
+            compiled=self.compiled,
+            compile_seconds=self.compile_seconds,
         )
 
     # ------------------------------------------------------------------ offline use
@@ -532,6 +576,24 @@ def _check_draft(target: Bundle, draft: Bundle) -> None:
                 f"{where} has a different tokenizer (first difference at token id {first}): a draft model must "
                 "share the target's tokenizer"
             )
+
+
+def _resolve_compile(mode: str, device: torch.device, model: CausalLM) -> bool:
+    """`EngineConfig.compile` → whether to compile: 'auto' on CPU from `COMPILE_AUTO_MIN_PARAMS` parameters when
+    inductor can build kernels here; 'on' wherever it can (else `ModelLoadError` with the reason)."""
+    if mode == "off":
+        return False
+    ok, why = compiler_available(device)
+    if mode == "on":
+        if not ok:
+            raise ModelLoadError(f"compile: cannot compile the decode step here: {why}")
+        return True
+    params = sum(p.numel() for p in model.parameters())
+    if device.type != "cpu" or params < COMPILE_AUTO_MIN_PARAMS:
+        return False
+    if not ok:
+        log.info("compile auto: running eagerly, %s", why)
+    return ok
 
 
 def _resolve_device(name: str) -> torch.device:

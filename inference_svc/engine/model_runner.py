@@ -8,8 +8,9 @@ Contract:
   chunk like a prefill chunk: its last token and drafts over its cached context), runs shared_model's decoder
   with a per-step backend (the same `CausalLM`, prepared by the engine: projections merged by
   `shared_model.fuse`, bit-equal to the plain decoder, and weights quantized by `shared_model.quantize` when
-  asked), and returns fp32 logits only for the rows that sample: the last row of a sequence whose chunk reaches
-  its last token, and every row of a verify item; the LM head runs on those rows only.
+  asked; traced by `shared_model.compiled` when `compiled` is set), and returns fp32 logits only for the rows
+  that sample: the last row of a sequence whose chunk reaches its last token, and every row of a verify item;
+  the LM head runs on those rows only.
 - Prompt logprobs: for a sequence whose request asks for them, the positions of this step's chunk whose next
   token is a prompt token, and that `Sequence.prompt_logprobs` does not hold yet, also go through the LM head
   (in pieces of `logprobs.ROWS_PER_PIECE` rows) and come back reduced to `TokenLogprob`s in `StepLogits.prompt`:
@@ -30,6 +31,7 @@ from inference_svc.engine.attention import AttentionMetadata, KVCache, paged_att
 from inference_svc.engine.logprobs import ROWS_PER_PIECE, token_logprobs
 from inference_svc.engine.sequence import Sequence
 from inference_svc.engine.types import TokenLogprob
+from shared_model.compiled import CompiledDecoder
 from shared_model.config import ModelConfig
 from shared_model.model import CausalLM
 
@@ -112,8 +114,12 @@ class ModelRunner:
         backend_factory: BackendFactory | None = None,
         prompt_logprobs: bool = True,
         kv_dtype: torch.dtype | None = None,
+        compiled: bool = False,
     ) -> None:
         self.model = model
+        self.compiled = CompiledDecoder(model) if compiled else None
+        """The compiled forward (None: eager); the engine warms it up before serving."""
+        self._hidden_states = model.hidden_states if self.compiled is None else self.compiled.hidden_states
         self.computes_prompt_logprobs = prompt_logprobs
         """False for a draft model's runner: the target's logits are the ones reported."""
         self.config = model_config
@@ -145,7 +151,7 @@ class ModelRunner:
         else:
             input_ids, positions, meta, sample_rows, prompt_rows = self._prepare(batch)
         backend = self.backend_factory(self.cache, meta)
-        hidden = self.model.hidden_states(input_ids[None], positions[None], backend)[0]  # [T, H]
+        hidden = self._hidden_states(input_ids[None], positions[None], backend)[0]  # [T, H]
         in_order = len(sample_rows) == hidden.shape[0] and sample_rows == list(range(hidden.shape[0]))
         rows = hidden if in_order else hidden[sample_rows]  # [R, H], the sampling items' rows in batch order
         logits = self.model.logits(rows).float()  # [S_sample, vocab]

@@ -306,6 +306,10 @@ class EngineInfo:
     """The draft model's pool: `kv_blocks_total` blocks of its own, addressed by the target's block tables;
     `kv_cache_bytes + draft_kv_cache_bytes` fit the KV budget."""
     draft_weight_bytes: int = 0
+    compiled: bool = False
+    """Whether steps run the compiled forward (`EngineConfig.compile`, resolved)."""
+    compile_seconds: float = 0.0
+    """Seconds the warm-up compile took at start-up (target and draft model together; 0 when eager)."""
 
     @property
     def quantization(self) -> str:

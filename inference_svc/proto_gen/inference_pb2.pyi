@@ -287,7 +287,7 @@ class MemoryLedger(_message.Message):
     def __init__(self, weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ..., kv_bytes_per_block: _Optional[int] = ..., draft_kv_bytes_per_block: _Optional[int] = ..., draft_kv_cache_bytes: _Optional[int] = ..., draft_weight_bytes: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "config", "max_context", "dtype", "attention_backend", "device", "kv_capacity_tokens", "ledger", "max_new_tokens_limit", "max_request_bytes", "quantization", "http_port", "metrics_port", "kv_cache_dtype", "draft_model")
+    __slots__ = ("model_name", "config", "max_context", "dtype", "attention_backend", "device", "kv_capacity_tokens", "ledger", "max_new_tokens_limit", "max_request_bytes", "quantization", "http_port", "metrics_port", "kv_cache_dtype", "draft_model", "compiled", "compile_seconds")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +303,8 @@ class ModelInfo(_message.Message):
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    COMPILED_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     config: ModelConfig
     max_context: int
@@ -318,4 +320,6 @@ class ModelInfo(_message.Message):
     metrics_port: int
     kv_cache_dtype: str
     draft_model: str
-    def __init__(self, model_name: _Optional[str] = ..., config: _Optional[_Union[ModelConfig, _Mapping]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., ledger: _Optional[_Union[MemoryLedger, _Mapping]] = ..., max_new_tokens_limit: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., http_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., draft_model: _Optional[str] = ...) -> None: ...
+    compiled: bool
+    compile_seconds: float
+    def __init__(self, model_name: _Optional[str] = ..., config: _Optional[_Union[ModelConfig, _Mapping]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., ledger: _Optional[_Union[MemoryLedger, _Mapping]] = ..., max_new_tokens_limit: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., http_port: _Optional[int] = ..., metrics_port: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., draft_model: _Optional[str] = ..., compiled: _Optional[bool] = ..., compile_seconds: _Optional[float] = ...) -> None: ...

@@ -53,7 +53,7 @@ def _exercised(model_name: str = MODEL) -> ServiceMetrics:
     m.observe_model(
         SimpleNamespace(
             dtype="float32", quantization="int8", weight_bytes=1234,
-            kv_cache_dtype="int8", kv_cache_bytes=8320, kv_bytes_per_token=130,
+            kv_cache_dtype="int8", kv_cache_bytes=8320, kv_bytes_per_token=130, compile_seconds=12.5,
         )
     )  # fmt: skip
     m.observe_stats(_stats())
@@ -78,6 +78,7 @@ def test_every_series_carries_the_model_name() -> None:
         "tandem_kv_cache_usage_ratio",
         "tandem_kv_cache_bytes",
         "tandem_kv_bytes_per_token",
+        "tandem_compile_seconds",
         "tandem_build_info",
     ):
         assert expected in names, expected
@@ -89,6 +90,7 @@ def test_every_series_carries_the_model_name() -> None:
     assert _value(m, "tandem_model_weight_bytes", dtype="float32", quantization="int8") == 1234
     assert _value(m, "tandem_kv_cache_bytes", kv_cache_dtype="int8") == 8320
     assert _value(m, "tandem_kv_bytes_per_token", kv_cache_dtype="int8") == 130
+    assert _value(m, "tandem_compile_seconds") == 12.5
     assert _value(m, "tandem_time_to_first_token_seconds_sum") == pytest.approx(0.020)
     assert _value(m, "tandem_admission_queue_tokens") == 300
 

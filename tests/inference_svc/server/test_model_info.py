@@ -89,3 +89,26 @@ def test_a_quantized_kv_cache_reports_the_same_bytes_everywhere(bundle_dir: Path
         assert info.kv_capacity_tokens >= 1.9 * bf16_tokens
     finally:
         srv.close()
+
+
+def test_a_compiled_server_reports_its_compile_and_serves(bundle_dir: Path) -> None:
+    """`--compile on`: health says SERVING only after the warm-up compile, whose seconds GetModelInfo and /metrics
+    report alike; a tiny model under the default ('auto') stays eager and says so."""
+    srv = make_server(bundle_dir, engine=engine_config(compile="on"))
+    try:
+        with srv.client(timeout=30) as c:
+            info = c.model_info()
+            reply = c.generate("import os", max_new_tokens=4, ignore_eos=True)
+        assert info.compiled and info.compile_seconds > 0 and len(reply.token_ids) == 4
+        assert metric_value(srv.server.metrics.render(), "tandem_compile_seconds") == info.compile_seconds
+        assert srv.server.engine.engine.runner.compiled.eager_calls == 0
+    finally:
+        srv.close()
+    srv = make_server(bundle_dir)
+    try:
+        with srv.client(timeout=30) as c:
+            info = c.model_info()
+        assert not info.compiled and info.compile_seconds == 0
+        assert metric_value(srv.server.metrics.render(), "tandem_compile_seconds") == 0
+    finally:
+        srv.close()

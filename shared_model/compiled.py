@@ -1,0 +1,141 @@
+"""A compiled forward of the one decoder, for serving: torch.compile around an opaque attention call.
+
+Contract:
+- `CompiledDecoder(model)` wraps a `CausalLM` (already prepared for serving: merged by `shared_model.fuse`,
+  quantized or not) and offers `hidden_states(input_ids, positions, backend)` with the decoder's own contract. The
+  decoder's code is not changed or copied: `torch.compile` (inductor) traces `CausalLM.hidden_states` itself, and
+  fuses what lies between the projections (norms, RoPE, SiLU·mul, residual adds) into a few generated kernels.
+- The attention backend stays eager and opaque: inside the compiled graph every `backend(layer, q, k, v, scale)`
+  call is the custom op `tandem::attention`, whose implementation calls the backend this decoder was given for the
+  current call. So any `AttentionBackend` works unchanged (its plans, host-side logic and cache writes are never
+  traced), and the graph does not depend on the context length, block tables or which backend runs.
+  The op returns a contiguous tensor of q's shape and dtype (what the decoder expects of a backend).
+- Shapes: the token axis is dynamic, so one graph serves every T >= 2 (prefill chunks, verify steps, batched
+  decodes) and one T == 1 (a lone decode; torch specialises size 1). `warm_up(run)` calls `run` (which must reach
+  both kinds of step), returns the seconds it took, and records them in `compile_seconds`. After warm-up the
+  compiled code never compiles again: a call whose shapes or guards no graph covers is refused by dynamo at its
+  guard check (the 'fail_on_recompile' stance), before anything ran, and runs the same decoder eagerly instead;
+  `eager_calls` counts those calls and the first is logged. So serving never stalls on a compile.
+- Numerics: the fused kernels may round differently from eager (the same maths in another order), so the compiled
+  forward is not bit-equal to the eager one: it is checked against it by greedy-token equality and a logit
+  tolerance (tests/shared_model/test_compiled.py). Inference only: run it under `torch.inference_mode()`.
+- `compiler_available()` says whether inductor can build kernels here (on CPU it needs a C++ compiler).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import shutil
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from shared_model.attention import AttentionBackend
+from shared_model.model import CausalLM
+
+_DECODERS: weakref.WeakValueDictionary[int, CompiledDecoder] = weakref.WeakValueDictionary()
+"""handle -> the decoder whose call is in flight (the custom op finds its backend there)."""
+_HANDLES = itertools.count()
+_RECOMPILE = "Detected recompile"
+"""The start of the RuntimeError dynamo raises under the 'fail_on_recompile' stance."""
+log = logging.getLogger(__name__)
+
+
+@torch.library.custom_op("tandem::attention", mutates_args=())
+def _attention(
+    handle: int, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    backend = _DECODERS[handle].current_backend
+    if backend is None:
+        raise RuntimeError("tandem::attention called outside a CompiledDecoder call")
+    return backend(layer_idx, q, k, v, scale).contiguous()  # [B, T, Hq, D], a new tensor
+
+
+@_attention.register_fake
+def _(handle: int, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    del handle, layer_idx, k, v, scale
+    return q.new_empty(q.shape)
+
+
+class _OpaqueBackend:
+    """The backend the compiled graph sees: one custom-op call per layer, resolved to the real backend at run time."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.ops.tandem.attention(self.handle, layer_idx, q, k, v, scale)
+
+
+def compiler_available(device: torch.device) -> tuple[bool, str]:
+    """Whether inductor can generate kernels for `device` here, and if not, why (a sentence)."""
+    if device.type == "cpu":
+        for cc in ("cc", "gcc", "clang", "g++", "c++"):
+            if shutil.which(cc):
+                return True, f"inductor's C++ backend ({shutil.which(cc)})"
+        return False, "no C++ compiler on PATH (inductor's CPU backend needs one: apt-get install g++)"
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False, "triton is not installed (inductor's CUDA backend needs it)"
+        return True, "inductor's Triton backend"
+    return False, f"no compiled path for device type {device.type!r}"
+
+
+class CompiledDecoder:
+    """`CausalLM.hidden_states` compiled by inductor, attention left to the caller's backend (see the module doc)."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+        self.handle = next(_HANDLES)
+        _DECODERS[self.handle] = self
+        self.current_backend: AttentionBackend | None = None
+        self._opaque = _OpaqueBackend(self.handle)
+        self._compiled = torch.compile(model.hidden_states, dynamic=None, fullgraph=True)
+        self.compile_seconds: float | None = None
+        """Seconds `warm_up` took (None before it ran)."""
+        self.eager_calls = 0
+        """Calls after warm-up that no compiled graph covered, run eagerly instead (the first one is logged)."""
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
+        """As `CausalLM.hidden_states` ([B, T] ids and positions -> [B, T, hidden]), through the compiled graph."""
+        if input_ids.dim() == 2 and input_ids.shape[1] > 1:  # one graph for every T >= 2
+            torch._dynamo.mark_dynamic(input_ids, 1)
+            torch._dynamo.mark_dynamic(positions, positions.dim() - 1)
+        self.current_backend = backend
+        try:
+            if self.compile_seconds is None:
+                return self._compiled(input_ids, positions, self._opaque)
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    return self._compiled(input_ids, positions, self._opaque)
+            except RuntimeError as exc:  # raised at the guard check, before the graph ran: nothing happened yet
+                if _RECOMPILE not in str(exc):
+                    raise
+                reason = _reason(exc)
+            self.eager_calls += 1
+            if self.eager_calls == 1:
+                log.warning("compiled decoder: no graph covers this step (%s); such steps run eagerly", reason)
+            return self.model.hidden_states(input_ids, positions, backend)
+        finally:
+            self.current_backend = None
+
+    def warm_up(self, run: Callable[[], object]) -> float:
+        """Compile by calling `run` (steps of each kind through `hidden_states`); returns and records its seconds."""
+        start = time.perf_counter()
+        run()
+        self.compile_seconds = time.perf_counter() - start
+        return self.compile_seconds
+
+
+def _reason(exc: BaseException) -> str:
+    """The guard failures dynamo lists in its recompile error (else its first line)."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    failures = [line.removeprefix("- ") for line in lines if line.startswith("- ")]
+    return "; ".join(failures) if failures else (lines[0] if lines else type(exc).__name__)
