@@ -253,13 +253,18 @@ def gguf_read_bytes(source: Path, path: Path) -> dict[str, Any]:
 class Server:
     """`tandem serve` as a subprocess on a free loopback port; `close()` always ends it."""
 
-    def __init__(self, bundle: Path, dtype: str, quant: str | None, threads: int, threads_flag: bool, log_path: Path):
+    def __init__(
+        self, bundle: Path, dtype: str, quant: str | None, threads: int, threads_flag: bool, log_path: Path,
+        compile_mode: str | None = None,
+    ) -> None:  # fmt: skip
         self.port = _free_port()
         self.target = f"127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "shared_model.cli", "serve", "--model", str(bundle), "--port", str(self.port)]
         cmd += ["--no-metrics", "--no-http", "--device", "cpu", "--dtype", dtype, "--log-level", "WARNING"]
         if quant:
             cmd += ["--quantization", quant]
+        if compile_mode:
+            cmd += ["--compile", compile_mode]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         if threads_flag:
             cmd += ["--threads", str(threads)]
@@ -354,17 +359,19 @@ def tandem_read_bytes(config, quant: str | None, dtype: str, group: int = 64) ->
     return served - (0 if embedding_is_head else config.vocab_size * config.hidden_size * element_bytes(dtype))
 
 
-def tandem_case(bundle: Path, config, precision: str, threads: int, args, state: dict, out_dir: Path) -> dict:
+def tandem_case(
+    bundle: Path, config, precision: str, threads: int, args, state: dict, out_dir: Path, compile_mode: str | None
+) -> dict:
     from inference_svc.client import NO_RETRY, TandemClient
 
     dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(precision, args.quant_dtype)
     quant = precision if precision in ("int8", "int4") else None
-    log_path = out_dir / "servers" / f"{precision}-t{threads}.log"
+    log_path = out_dir / "servers" / f"{precision}-t{threads}-compile-{compile_mode or 'default'}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     server = None
     try:
         for _ in range(2):  # a second try without --threads when the server lacks it
-            server = Server(bundle, dtype, quant, threads, state["threads_flag"], log_path)
+            server = Server(bundle, dtype, quant, threads, state["threads_flag"], log_path, compile_mode)
             try:
                 server.wait_serving(args.server_timeout)
                 break
@@ -393,6 +400,9 @@ def tandem_case(bundle: Path, config, precision: str, threads: int, args, state:
             "threads_via": "--threads" if state["threads_flag"] else "OMP_NUM_THREADS",
             "dtype": info.dtype,
             "quantization": quant or "none",
+            "compile": compile_mode,
+            "compiled": bool(getattr(info, "compiled", False)),
+            "compile_seconds": float(getattr(info, "compile_seconds", 0.0)),
             "tg": statistics.mean(tg),
             "tg_stddev": statistics.stdev(tg) if len(tg) > 1 else 0.0,
             "tg_samples": tg,
@@ -419,6 +429,8 @@ def fmt(x: float | None, digits: int = 1) -> str:
 def markdown(results: dict[str, Any]) -> str:
     m = results["model"]
     tg, pp = f"tg{results['n_gen']}", f"pp{results['n_prompt']}"
+    modes = results.get("compile_modes", [])
+    first, others = (f" (--compile {modes[0]})" if modes else ""), modes[1:]
     lines = [
         f"CPU peer benchmark, {results['date']}: {results['machine']['model']}, {results['machine']['cores']} cores "
         f"({flags_line(results['machine'])}); llama.cpp from llama-cpp-python {results['llama_cpp']['version']} "
@@ -428,9 +440,10 @@ def markdown(results: dict[str, Any]) -> str:
         "7): " + ", ".join(f"{v:.1f} GB/s ({t}T)" for t, v in results["bandwidth_gbs"].items()) + ".",
         f"Command: `{results['command']}`",
         "",
-        f"| precision (Tandem / GGUF) | threads | {tg} llama.cpp | {tg} Tandem | tg ratio | {pp} llama.cpp "
-        f"| {pp} Tandem | pp ratio | decode GB/s llama.cpp | decode GB/s Tandem |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        f"| precision (Tandem / GGUF) | threads | {tg} llama.cpp | {tg} Tandem{first} | tg ratio | {pp} llama.cpp "
+        f"| {pp} Tandem | pp ratio | decode GB/s llama.cpp | decode GB/s Tandem |"
+        + "".join(f" {tg} Tandem --compile {mode} | tg ratio |" for mode in others),
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|" + "--:|--:|" * len(others),
     ]
     for c in results["cases"]:
         lc, td = c["llama_cpp"], c["tandem"]
@@ -441,13 +454,14 @@ def markdown(results: dict[str, Any]) -> str:
             status = td.get("status", "error")
             lines.append(
                 f"| {name} | {c['threads']} | {fmt(lc.get('tg'))} | {status} | – | {fmt(lc.get('pp'))} | {status} "
-                f"| – | {lgbs} | – |"
+                f"| – | {lgbs} | – |" + _other_compile_cells(c, others)
             )
             continue
         tgbs = f"{td['tg_gbs']:.1f} ({td['tg_gbs'] / bw:.0%})"
         lines.append(
             f"| {name} | {c['threads']} | {fmt(lc.get('tg'))} | {fmt(td['tg'])} | {fmt(c['ratio'].get('tg'), 2)} "
             f"| {fmt(lc.get('pp'))} | {fmt(td['pp'])} | {fmt(c['ratio'].get('pp'), 2)} | {lgbs} | {tgbs} |"
+            + _other_compile_cells(c, others)
         )
     lines += [
         "",
@@ -459,6 +473,19 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     lines += [f"Note: {n}" for n in results["notes"]]
     return "\n".join(lines)
+
+
+def _other_compile_cells(case: dict[str, Any], modes: list[str]) -> str:
+    """The tg cells (tok/s, ratio to llama.cpp) of the Tandem runs with the other --compile modes."""
+    cells = ""
+    for mode in modes:
+        td = case.get("tandem_other_compile", {}).get(mode, {})
+        lc_tg = case["llama_cpp"].get("tg")
+        if td.get("status") != "ok":
+            cells += f" {td.get('status', '–')} | – |"
+            continue
+        cells += f" {fmt(td['tg'])} | {fmt(td['tg'] / lc_tg if lc_tg else None, 2)} |"
+    return cells
 
 
 def chart(results: dict[str, Any], path: Path) -> str | None:
@@ -511,6 +538,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=None, help="query heads (default hidden / 64)")
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default heads / 3)")
     p.add_argument("--intermediate", type=int, default=None, help="MLP width (default 8/3 hidden, rounded to 256)")
+    p.add_argument(
+        "--compile",
+        default="on,off",
+        help="comma-separated `tandem serve --compile` modes: the first is the table's Tandem figure, each other one "
+        "gets a tg column of its own (same run, same server flags otherwise)",
+    )
     p.add_argument("--quant-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="Tandem --dtype for int8/int4 (activations, scales)")  # fmt: skip
     p.add_argument("--reps", type=int, default=None, help="Tandem requests per figure (default 5, --quick 3)")
@@ -539,6 +572,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.thread_counts = [int(t) for t in args.threads.split(",") if t.strip()]
+    args.compile_modes = [m.strip() for m in args.compile.split(",") if m.strip()]
+    if not args.compile_modes or any(m not in ("auto", "on", "off") for m in args.compile_modes):
+        p.error("--compile must be a comma-separated list of auto, on, off")
     args.precision_list = [x.strip() for x in args.precisions.split(",") if x.strip()]
     unknown = [x for x in args.precision_list if x not in PAIRS]
     if unknown or not args.thread_counts or min(args.thread_counts) < 1:
@@ -562,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         "n_gen": args.n_gen,
         "n_prompt": args.n_prompt,
         "quant_dtype": args.quant_dtype,
+        "compile_modes": args.compile_modes,
         "notes": [],
         "cases": [],
         "errors": [],
@@ -637,21 +674,30 @@ def main(argv: list[str] | None = None) -> int:
                 lc = {"error": str(exc)}
                 results["errors"].append(f"llama-bench {gtype} t{threads}: {exc}")
                 print(f"error: llama-bench {gtype} t{threads}: {str(exc).splitlines()[0]}", file=sys.stderr)
-            try:
-                td = tandem_case(bundle, config, precision, threads, args, state, out_dir)
-            except Exception as exc:  # one case failing must not lose the others
-                td = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
-                results["errors"].append(f"tandem {precision} t{threads}: {td['error']}")
-                print(f"error: tandem {precision} t{threads}: {td['error'].splitlines()[0]}", file=sys.stderr)
+            runs: dict[str, dict[str, Any]] = {}
+            for mode in args.compile_modes:
+                where = f"tandem {precision} t{threads} --compile {mode}"
+                try:
+                    td = tandem_case(bundle, config, precision, threads, args, state, out_dir, mode)
+                except Exception as exc:  # one case failing must not lose the others
+                    td = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+                    results["errors"].append(f"{where}: {td['error']}")
+                    print(f"error: {where}: {td['error'].splitlines()[0]}", file=sys.stderr)
+                if td.get("status") == "ok":
+                    td["tg_gbs"] = td["read_per_token"] * td["tg"] / 1e9
+                    compiled = f"compiled in {td['compile_seconds']:.0f} s" if td["compiled"] else "eager"
+                    log(f"  Tandem --compile {mode} ({compiled}): tg{args.n_gen} {td['tg']:.1f} tok/s, "
+                        f"pp{args.n_prompt} {td['pp']:.1f} tok/s")  # fmt: skip
+                elif td.get("status") == "not offered":
+                    log(f"  Tandem --compile {mode}: not offered ({td['reason']})")
+                runs[mode] = td
+            td = runs[args.compile_modes[0]]
             if td.get("status") == "ok":
-                td["tg_gbs"] = td["read_per_token"] * td["tg"] / 1e9
-                log(f"  Tandem:    tg{args.n_gen} {td['tg']:.1f} tok/s, pp{args.n_prompt} {td['pp']:.1f} tok/s")
                 for k in ("tg", "pp"):
                     if k in lc:
                         case["ratio"][k] = td[k] / lc[k]
-            elif td.get("status") == "not offered":
-                log(f"  Tandem:    not offered ({td['reason']})")
             case["llama_cpp"], case["tandem"] = lc, td
+            case["tandem_other_compile"] = {m: runs[m] for m in args.compile_modes[1:]}
             results["cases"].append(case)
     busy = [c["background_cpu_busy"] for c in results["cases"] if c["background_cpu_busy"] == c["background_cpu_busy"]]
     if busy and max(busy) > 0.15:

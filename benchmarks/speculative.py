@@ -282,12 +282,13 @@ def lookup_case(
 class SpecServer(cpu_peer.Server):
     """`tandem serve` with speculation on by default (requests turn it off with num_speculative_tokens=0)."""
 
-    def __init__(self, bundle: Path, dtype: str, threads: int, k: int, log_path: Path):
+    def __init__(self, bundle: Path, dtype: str, threads: int, k: int, log_path: Path, compile_mode: str = "auto"):
         self.port = cpu_peer._free_port()
         self.target = f"127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "shared_model.cli", "serve", "--model", str(bundle), "--port", str(self.port)]
         cmd += ["--no-metrics", "--no-http", "--device", "cpu", "--dtype", dtype, "--log-level", "WARNING"]
         cmd += ["--threads", str(threads), "--speculative", "ngram", "--num-speculative-tokens", str(k)]
+        cmd += ["--compile", compile_mode]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         self.cmd = cmd
         self.log_path = log_path
@@ -377,13 +378,16 @@ def tandem_case(bundle: Path, dtype: str, threads: int, prompts: list[dict], arg
 
     log_path = out_dir / "servers" / f"t{threads}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    server = SpecServer(bundle, dtype, threads, args.k, log_path)
+    server = SpecServer(bundle, dtype, threads, args.k, log_path, args.compile)
     result: dict[str, Any] = {"server_command": shlex.join(server.cmd)}
     try:
         server.wait_serving(args.server_timeout)
         timeout = args.request_timeout
         with TandemClient(server.target, retry=NO_RETRY, timeout=timeout) as c:
-            result["dtype"] = c.model_info().dtype
+            info = c.model_info()
+            result["dtype"] = info.dtype
+            result["compiled"], result["compile_seconds"] = info.compiled, info.compile_seconds
+            log(f"  Tandem: {'compiled in %.0f s' % info.compile_seconds if info.compiled else 'eager'}")
             warm = prompts[0]["ids"][: max(8, len(prompts[0]["ids"]) // 2)]
             for k in (0, args.k):  # warm-up: both paths (a verify step is a chunked-prefill-shaped forward)
                 stream_one(c, warm, min(args.n_gen, 16), k, timeout)
@@ -515,6 +519,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-lookup", action="store_true", help="skip llama-lookup (and its build)")
     p.add_argument("--no-install", action="store_true", help="fail instead of pip-installing converter deps")
     p.add_argument("--quiet-wait", type=float, default=0.0, help="seconds to wait before each case for a calm CPU")
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="`tandem serve --compile` mode")
     p.add_argument("--quiet-below", type=float, default=0.1, help="share of the CPUs that counts as calm")
     args = p.parse_args(argv)
     args.thread_counts = [int(t) for t in args.threads.split(",") if t.strip()]

@@ -118,9 +118,9 @@ class EngineConfig:
     quantization_group_size: int = DEFAULT_GROUP_SIZE
     """Inputs per int4 scale and zero: 32, 64, 128 or 256."""
     compile: str = "auto"
-    """Compiled decode step (torch.compile, inductor) around the eager paged attention: 'on', 'off' or 'auto' (on
-    for a CPU model of at least 2M parameters when a C++ compiler is present). Compiled at start-up, before health
-    says SERVING; never recompiled while serving (`shared_model.compiled`)."""
+    """Compiled decode step (torch.compile, inductor) around the eager paged attention: 'on', 'off' or 'auto'
+    (compiled for a CPU model of at least 2M parameters when a C++ compiler is present, and kept if a decode step
+    measured faster than eager at start-up). Compiled before health says SERVING; never recompiled while serving."""
     threads: int | None = None
     """CPU threads for the model's ops (torch intra-op threads); None: torch's default, one per core."""
     speculative: str = "off"

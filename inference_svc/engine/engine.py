@@ -23,7 +23,8 @@ Contract:
 - Compiled step (`config.compile`, resolved by `_resolve_compile`): the runners trace the decoder with
   `shared_model.compiled`, and the constructor warms them up before it returns (a prefill chunk, a lone decode
   and a batched decode of throwaway sequences over free blocks, which are zeroed afterwards), so the first request
-  never waits on a compile; `info()` reports whether it compiled and how long that took.
+  never waits on a compile; under 'auto' it keeps the compiled forward only if a batch-1 decode step measured
+  faster with it (`ModelRunner.probe`); `info()` reports whether steps run compiled and how long the compile took.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ from shared_model.quantize import QuantizationError, quantize_weights, serving_w
 from shared_model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+AUTO_PROBE_STEPS = 8
+"""`compile='auto'`: batch-1 decode steps timed eagerly and compiled (interleaved, medians) after the compile."""
 
 
 @dataclass(frozen=True)
@@ -210,12 +213,15 @@ class Engine:
         if self.compiled:
             self.compile_seconds = sum(self._warm_up(r) for r in (self.runner, self.draft_runner) if r is not None)
             log.info("compiled the decode step in %.1f s", self.compile_seconds)
+            self.compiled = self.runner.compiled is not None  # 'auto' keeps it only where it measured faster
 
     def _warm_up(self, runner: ModelRunner) -> float:
         """Compile `runner`'s graphs on throwaway sequences over free blocks, then zero those blocks; seconds.
 
         The steps: a prefill chunk (the T >= 2 graph), a lone decode (T == 1), then a decode of two sequences,
-        which the T >= 2 graph must already cover (were it not, `CompiledDecoder` logs it and runs it eagerly)."""
+        which the T >= 2 graph must already cover (were it not, `CompiledDecoder` logs it and runs it eagerly).
+        Under 'auto' it then times batch-1 decode steps both ways and drops the compiled forward unless it was
+        faster here (a machine's cores, threads and kernels decide, not a rule)."""
         assert runner.compiled is not None
         bs = self.config.block_size
         n = min(2 * bs, (self.block_manager.num_blocks // 2) * bs - 1)  # two sequences of n + 1 tokens must fit
@@ -238,6 +244,13 @@ class Engine:
         seconds = runner.compiled.warm_up(run)
         seqs[1].token_ids.append(0)
         runner.run([ScheduledSeq(s, n, 1) for s in seqs])  # batched decode: covered, or logged and counted
+        if self.config.compile == "auto":
+            eager, compiled = runner.probe([ScheduledSeq(seqs[0], n, 1)], steps=AUTO_PROBE_STEPS)
+            keep = compiled < eager
+            log.info("compile auto: a batch-1 decode step took %.2f ms eagerly and %.2f ms compiled: running %s",
+                     eager * 1e3, compiled * 1e3, "compiled" if keep else "eagerly")  # fmt: skip
+            if not keep:
+                runner.drop_compiled()
         runner.zero_blocks(sorted(b for s in seqs for b in s.block_table))
         return seconds
 

@@ -20,6 +20,8 @@ Contract:
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -251,6 +253,29 @@ class ModelRunner:
             prefill_block_tables=self._no_prefill_tables,
         )
         return input_ids, positions, meta, list(range(len(batch)))
+
+    def probe(self, batch: Seq[ScheduledSeq], steps: int) -> tuple[float, float]:
+        """Median seconds per step of `steps` runs of `batch` eagerly and compiled, interleaved: (eager, compiled).
+
+        For `EngineConfig.compile='auto'`; the batch must be re-runnable (it rewrites the same cache slots)."""
+        assert self.compiled is not None
+        compiled_forward = self._hidden_states
+        times: dict[bool, list[float]] = {False: [], True: []}
+        try:
+            for _ in range(steps):
+                for compiled in (False, True):
+                    self._hidden_states = compiled_forward if compiled else self.model.hidden_states
+                    start = time.perf_counter()
+                    self.run(batch)
+                    times[compiled].append(time.perf_counter() - start)
+        finally:
+            self._hidden_states = compiled_forward
+        return statistics.median(times[False]), statistics.median(times[True])
+
+    def drop_compiled(self) -> None:
+        """Run every step eagerly from now on."""
+        self.compiled = None
+        self._hidden_states = self.model.hidden_states
 
     @torch.inference_mode()
     def zero_blocks(self, blocks: Seq[int]) -> None:

@@ -18,6 +18,9 @@ import torch
 
 from inference_svc.engine import Engine, EngineConfig, SamplingParams
 from inference_svc.engine.config import COMPILE_AUTO_MIN_PARAMS, EngineConfigError
+from inference_svc.engine.detokenizer import IncrementalDetokenizer
+from inference_svc.engine.model_runner import ScheduledSeq
+from inference_svc.engine.sequence import Sequence
 from inference_svc.errors import ModelLoadError
 from shared_model.attention import CAUSAL
 from shared_model.bundle import load_bundle
@@ -126,3 +129,24 @@ def test_compile_on_without_a_compiler_is_refused(qwen3_dir, make_engine, tmp_pa
 def test_compile_mode_is_validated() -> None:
     with pytest.raises(EngineConfigError, match="compile: must be one of auto, on, off"):
         EngineConfig(compile="fast")
+
+
+def test_the_auto_probe_times_both_forwards_and_eager_can_take_over(qwen3_dir, make_engine) -> None:
+    """What `compile='auto'` decides on: `probe` times a decode step eagerly and compiled; `drop_compiled` then
+    runs every step eagerly, giving the eager engine's tokens. (This model is below auto's size threshold, so the
+    decision's two halves are exercised on a runner compiled with 'on'; the probe runs on free blocks before any
+    request, as at start-up.)"""
+    engine = make_engine(qwen3_dir, compile="on")
+    blocks = [engine.block_manager.num_blocks - 2, engine.block_manager.num_blocks - 1]
+    detok = IncrementalDetokenizer(engine.tokenizer, ())
+    probe_seq = Sequence("probe", -1, [1] * 17, 16, SamplingParams(), 0.0, detok, frozenset(), block_table=blocks)
+    eager, compiled = engine.runner.probe([ScheduledSeq(probe_seq, 16, 1)], steps=2)
+    assert eager > 0 and compiled > 0
+    assert engine.runner.compiled is not None and engine.runner.compiled.eager_calls == 0  # its compiled half
+    engine.runner.zero_blocks(blocks)
+    engine.runner.drop_compiled()
+    assert engine.runner.compiled is None
+    prompts = [list(range(20, 50)), [7, 8, 9] * 5]
+    want = make_engine(qwen3_dir, compile="off").generate(prompts, SamplingParams(max_new_tokens=8))
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=8))
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
