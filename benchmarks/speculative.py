@@ -387,7 +387,7 @@ def tandem_case(bundle: Path, dtype: str, threads: int, prompts: list[dict], arg
             info = c.model_info()
             result["dtype"] = info.dtype
             result["compiled"], result["compile_seconds"] = info.compiled, info.compile_seconds
-            log(f"  Tandem: {'compiled in %.0f s' % info.compile_seconds if info.compiled else 'eager'}")
+            log(f"  Tandem: compiled in {info.compile_seconds:.0f} s" if info.compiled else "  Tandem: eager")
             warm = prompts[0]["ids"][: max(8, len(prompts[0]["ids"]) // 2)]
             for k in (0, args.k):  # warm-up: both paths (a verify step is a chunked-prefill-shaped forward)
                 stream_one(c, warm, min(args.n_gen, 16), k, timeout)
