@@ -70,7 +70,7 @@ from shared_model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 AUTO_PROBE_STEPS = 8
-"""`compile='auto'`: batch-1 decode steps timed eagerly and compiled (interleaved, medians) after the compile."""
+"""`compile='auto'`: runs of each probed step shape, eagerly and compiled (interleaved, medians), after the compile."""
 
 
 @dataclass(frozen=True)
@@ -220,8 +220,9 @@ class Engine:
 
         The steps: a prefill chunk (the T >= 2 graph), a lone decode (T == 1), then a decode of two sequences,
         which the T >= 2 graph must already cover (were it not, `CompiledDecoder` logs it and runs it eagerly).
-        Under 'auto' it then times batch-1 decode steps both ways and drops the compiled forward unless it was
-        faster here (a machine's cores, threads and kernels decide, not a rule)."""
+        Under 'auto' it then times a batch-1 decode step (and, when the engine speculates by default, a verify
+        step's K + 1 rows) both ways and drops the compiled forward unless it was faster here (a machine's cores,
+        threads and kernels decide, not a rule)."""
         assert runner.compiled is not None
         bs = self.config.block_size
         n = min(2 * bs, (self.block_manager.num_blocks // 2) * bs - 1)  # two sequences of n + 1 tokens must fit
@@ -245,10 +246,16 @@ class Engine:
         seqs[1].token_ids.append(0)
         runner.run([ScheduledSeq(s, n, 1) for s in seqs])  # batched decode: covered, or logged and counted
         if self.config.compile == "auto":
-            eager, compiled = runner.probe([ScheduledSeq(seqs[0], n, 1)], steps=AUTO_PROBE_STEPS)
+            probes = [[ScheduledSeq(seqs[0], n, 1)]]  # a lone decode: the T == 1 graph
+            what = "a batch-1 decode step"
+            k = min(self.config.num_speculative_tokens, n - 1)
+            if self.config.speculative != "off":  # a verify step's shape, K + 1 rows: the T >= 2 graph
+                probes.append([ScheduledSeq(seqs[0], n + 1 - (k + 1), k + 1)])
+                what += f" and a {k + 1}-row verify step"
+            eager, compiled = runner.probe(probes, steps=AUTO_PROBE_STEPS)
             keep = compiled < eager
-            log.info("compile auto: a batch-1 decode step took %.2f ms eagerly and %.2f ms compiled: running %s",
-                     eager * 1e3, compiled * 1e3, "compiled" if keep else "eagerly")  # fmt: skip
+            log.info("compile auto: %s took %.2f ms eagerly and %.2f ms compiled: running %s",
+                     what, eager * 1e3, compiled * 1e3, "compiled" if keep else "eagerly")  # fmt: skip
             if not keep:
                 runner.drop_compiled()
         runner.zero_blocks(sorted(b for s in seqs for b in s.block_table))

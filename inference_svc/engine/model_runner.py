@@ -254,23 +254,26 @@ class ModelRunner:
         )
         return input_ids, positions, meta, list(range(len(batch)))
 
-    def probe(self, batch: Seq[ScheduledSeq], steps: int) -> tuple[float, float]:
-        """Median seconds per step of `steps` runs of `batch` eagerly and compiled, interleaved: (eager, compiled).
+    def probe(self, batches: Seq[Seq[ScheduledSeq]], steps: int) -> tuple[float, float]:
+        """Seconds of one run of each batch, eagerly and compiled: (eager, compiled), each the sum over the batches
+        of the median of `steps` runs, the two forwards interleaved.
 
-        For `EngineConfig.compile='auto'`; the batch must be re-runnable (it rewrites the same cache slots)."""
+        For `EngineConfig.compile='auto'`; the batches must be re-runnable (they rewrite the same cache slots)."""
         assert self.compiled is not None
         compiled_forward = self._hidden_states
-        times: dict[bool, list[float]] = {False: [], True: []}
+        times: dict[tuple[bool, int], list[float]] = {}
         try:
             for _ in range(steps):
-                for compiled in (False, True):
-                    self._hidden_states = compiled_forward if compiled else self.model.hidden_states
-                    start = time.perf_counter()
-                    self.run(batch)
-                    times[compiled].append(time.perf_counter() - start)
+                for i, batch in enumerate(batches):
+                    for compiled in (False, True):
+                        self._hidden_states = compiled_forward if compiled else self.model.hidden_states
+                        start = time.perf_counter()
+                        self.run(batch)
+                        times.setdefault((compiled, i), []).append(time.perf_counter() - start)
         finally:
             self._hidden_states = compiled_forward
-        return statistics.median(times[False]), statistics.median(times[True])
+        total = {c: sum(statistics.median(times[c, i]) for i in range(len(batches))) for c in (False, True)}
+        return total[False], total[True]
 
     def drop_compiled(self) -> None:
         """Run every step eagerly from now on."""

@@ -140,7 +140,8 @@ def test_the_auto_probe_times_both_forwards_and_eager_can_take_over(qwen3_dir, m
     blocks = [engine.block_manager.num_blocks - 2, engine.block_manager.num_blocks - 1]
     detok = IncrementalDetokenizer(engine.tokenizer, ())
     probe_seq = Sequence("probe", -1, [1] * 17, 16, SamplingParams(), 0.0, detok, frozenset(), block_table=blocks)
-    eager, compiled = engine.runner.probe([ScheduledSeq(probe_seq, 16, 1)], steps=2)
+    probes = [[ScheduledSeq(probe_seq, 16, 1)], [ScheduledSeq(probe_seq, 12, 5)]]  # a decode, a 5-row chunk
+    eager, compiled = engine.runner.probe(probes, steps=2)
     assert eager > 0 and compiled > 0
     assert engine.runner.compiled is not None and engine.runner.compiled.eager_calls == 0  # its compiled half
     engine.runner.zero_blocks(blocks)
