@@ -18,7 +18,11 @@ Contract:
   `eager_calls` counts those calls and the first is logged. So serving never stalls on a compile.
 - Numerics: the fused kernels may round differently from eager (the same maths in another order), so the compiled
   forward is not bit-equal to the eager one: it is checked against it by greedy-token equality and a logit
-  tolerance (tests/shared_model/test_compiled.py). Inference only: run it under `torch.inference_mode()`.
+  tolerance (tests/inference_svc/engine/test_compiled_engine.py). Inference only: run it under
+  `torch.inference_mode()`, with inputs made there too (dynamo's guards check the tensors' dispatch keys).
+- The op declares no mutated arguments although a paged backend writes its cache: those writes go to tensors that
+  are not graph inputs and that the graph never reads, and the layers' calls stay in order because each layer's
+  output is the next one's input.
 - `compiler_available()` says whether inductor can build kernels here (on CPU it needs a C++ compiler).
 """
 
@@ -37,7 +41,7 @@ from shared_model.attention import AttentionBackend
 from shared_model.model import CausalLM
 
 _DECODERS: weakref.WeakValueDictionary[int, CompiledDecoder] = weakref.WeakValueDictionary()
-"""handle -> the decoder whose call is in flight (the custom op finds its backend there)."""
+"""handle -> each live decoder (the custom op finds the backend of the call in flight there)."""
 _HANDLES = itertools.count()
 _RECOMPILE = "Detected recompile"
 """The start of the RuntimeError dynamo raises under the 'fail_on_recompile' stance."""

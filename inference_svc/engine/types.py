@@ -309,7 +309,8 @@ class EngineInfo:
     compiled: bool = False
     """Whether steps run the compiled forward (`EngineConfig.compile`, resolved)."""
     compile_seconds: float = 0.0
-    """Seconds the warm-up compile took at start-up (target and draft model together; 0 when eager)."""
+    """Seconds the start-up compile took (target and draft model together; 0 when nothing was compiled, and
+    kept when 'auto' then measured the compiled step slower and runs eagerly)."""
 
     @property
     def quantization(self) -> str:
