@@ -217,7 +217,7 @@ class ServiceMetrics:
         self.compile_seconds = one(
             Gauge(
                 "tandem_compile_seconds",
-                "Seconds the compiled decode step's warm-up compile took at start-up (0: eager, --compile off).",
+                "Seconds the start-up compile of the decode step took (0: nothing compiled).",
                 m,
                 registry=r,
             )

@@ -11,8 +11,10 @@ Contract:
   traced), and the graph does not depend on the context length, block tables or which backend runs.
   The op returns a contiguous tensor of q's shape and dtype (what the decoder expects of a backend).
 - Shapes: the token axis is dynamic, so one graph serves every T >= 2 (prefill chunks, verify steps, batched
-  decodes) and one T == 1 (a lone decode; torch specialises size 1). `warm_up(run)` calls `run` (which must reach
-  both kinds of step), returns the seconds it took, and records them in `compile_seconds`. After warm-up the
+  decodes) and one T == 1 (a lone decode; torch specialises size 1). A model that branches on T has one graph per
+  branch: a quantized projection takes its packed kernel up to `PACKED_MAX_ROWS` rows, so T in 2..4 and T >= 5
+  are two graphs. `warm_up(run)` calls `run` (which must reach every kind of step), returns the seconds it took,
+  and records them in `compile_seconds`. After warm-up the
   compiled code never compiles again: a call whose shapes or guards no graph covers is refused by dynamo at its
   guard check (the 'fail_on_recompile' stance), before anything ran, and runs the same decoder eagerly instead;
   `eager_calls` counts those calls and the first is logged. So serving never stalls on a compile.
@@ -24,6 +26,9 @@ Contract:
   are not graph inputs and that the graph never reads, and the layers' calls stay in order because each layer's
   output is the next one's input.
 - `compiler_available()` says whether inductor can build kernels here (on CPU it needs a C++ compiler).
+- One decoder at a time per process runs calls through its graphs: the 'fail_on_recompile' stance is dynamo's
+  process-wide state, so a second decoder compiling while another is inside a call would be refused as a
+  recompile. The engine is single-threaded, and a server holds one engine.
 """
 
 from __future__ import annotations
@@ -55,7 +60,10 @@ def _attention(
     backend = _DECODERS[handle].current_backend
     if backend is None:
         raise RuntimeError("tandem::attention called outside a CompiledDecoder call")
-    return backend(layer_idx, q, k, v, scale).contiguous()  # [B, T, Hq, D], a new tensor
+    out = backend(layer_idx, q, k, v, scale)  # [B, T, Hq, D]
+    if out.shape != q.shape:
+        raise RuntimeError(f"tandem::attention: the backend returned {tuple(out.shape)} for q {tuple(q.shape)}")
+    return out.to(q.dtype).contiguous()  # what the fake promises the graph: q's shape, dtype and layout
 
 
 @_attention.register_fake
@@ -76,11 +84,15 @@ class _OpaqueBackend:
 
 def compiler_available(device: torch.device) -> tuple[bool, str]:
     """Whether inductor can generate kernels for `device` here, and if not, why (a sentence)."""
-    if device.type == "cpu":
-        for cc in ("cc", "gcc", "clang", "g++", "c++"):
-            if shutil.which(cc):
-                return True, f"inductor's C++ backend ({shutil.which(cc)})"
-        return False, "no C++ compiler on PATH (inductor's CPU backend needs one: apt-get install g++)"
+    if device.type == "cpu":  # the compilers inductor itself tries (`torch._inductor.config.cpp.cxx`: $CXX or g++)
+        from torch._inductor import config as inductor_config
+
+        cxx = inductor_config.cpp.cxx
+        names = [c for c in (cxx if isinstance(cxx, (list, tuple)) else (cxx,)) if c]
+        found = next((path for path in map(shutil.which, names) if path), None)
+        if found is None:
+            return False, f"no C++ compiler on PATH ({', '.join(names)}; inductor's CPU backend needs one: g++)"
+        return True, f"inductor's C++ backend ({found})"
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
@@ -99,6 +111,9 @@ class CompiledDecoder:
         _DECODERS[self.handle] = self
         self.current_backend: AttentionBackend | None = None
         self._opaque = _OpaqueBackend(self.handle)
+        # Every decoder's graphs are entries of the one code object CausalLM.hidden_states (a handle is a guarded
+        # constant, so they never share one): room for a few engines' 2-3 graphs each in one process.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._compiled = torch.compile(model.hidden_states, dynamic=None, fullgraph=True)
         self.compile_seconds: float | None = None
         """Seconds `warm_up` took (None before it ran)."""
@@ -109,6 +124,9 @@ class CompiledDecoder:
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
     ) -> torch.Tensor:
         """As `CausalLM.hidden_states` ([B, T] ids and positions -> [B, T, hidden]), through the compiled graph."""
+        # fresh storage for views (a decode step's rows of one host copy): guards would pin their storage offsets
+        input_ids = input_ids.clone() if input_ids.storage_offset() else input_ids
+        positions = positions.clone() if positions.storage_offset() else positions
         if input_ids.dim() == 2 and input_ids.shape[1] > 1:  # one graph for every T >= 2
             torch._dynamo.mark_dynamic(input_ids, 1)
             torch._dynamo.mark_dynamic(positions, positions.dim() - 1)

@@ -96,11 +96,12 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, T] int -> cos, sin: [B, T, 1, D] (broadcast over heads)
-        inv = self._by_device.get(positions.device) if not torch.compiler.is_compiling() else None
-        if inv is None and torch.compiler.is_compiling():  # traced: a graph constant, no cache to guard on
+        if torch.compiler.is_compiling():  # traced: a graph constant, no cache dict to guard on
             inv = self._inv_freq.to(positions.device)
-        elif inv is None:
-            inv = self._by_device.setdefault(positions.device, self._inv_freq.to(positions.device))
+        else:
+            inv = self._by_device.get(positions.device)
+            if inv is None:
+                inv = self._by_device.setdefault(positions.device, self._inv_freq.to(positions.device))
         freqs = positions.float()[..., None] * inv  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]

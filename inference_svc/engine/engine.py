@@ -190,16 +190,16 @@ class Engine:
             num_blocks * bs,
         )
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.compiled = _resolve_compile(config.compile, device, model)
+        compile_step = _resolve_compile(config.compile, device, model)
         self.runner = ModelRunner(
             model, self.model_config, num_blocks, bs, self.dtype, device, backend, kv_dtype=self.kv_dtype,
-            compiled=self.compiled,
+            compiled=compile_step,
         )  # fmt: skip
         self.draft_runner = None
         if draft is not None and draft_model is not None:
             self.draft_runner = ModelRunner(draft_model, draft.config, num_blocks, bs, draft.dtype, device, backend,
                                             prompt_logprobs=False, kv_dtype=self.kv_dtype,
-                                            compiled=self.compiled)  # fmt: skip
+                                            compiled=compile_step)  # fmt: skip
         self.sampler = Sampler()
         self._eos_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_id} if self.tokenizer.eos_id is not None else set()
@@ -210,24 +210,32 @@ class Engine:
         self._next_index = 0
         self._prompt_tokens_total = 0
         self.compile_seconds = 0.0
-        if self.compiled:
+        """Seconds the start-up compile took, target and draft together (0 when nothing was compiled)."""
+        if compile_step:
             self.compile_seconds = sum(self._warm_up(r) for r in (self.runner, self.draft_runner) if r is not None)
             log.info("compiled the decode step in %.1f s", self.compile_seconds)
-            self.compiled = self.runner.compiled is not None  # 'auto' keeps it only where it measured faster
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the target model's steps run compiled (the runner owns that state; 'auto' may have dropped it)."""
+        return self.runner.compiled is not None
 
     def _warm_up(self, runner: ModelRunner) -> float:
         """Compile `runner`'s graphs on throwaway sequences over free blocks, then zero those blocks; seconds.
 
-        The steps: a prefill chunk (the T >= 2 graph), a lone decode (T == 1), then a decode of two sequences,
-        which the T >= 2 graph must already cover (were it not, `CompiledDecoder` logs it and runs it eagerly).
-        Under 'auto' it then times a batch-1 decode step (and, when the engine speculates by default, a verify
-        step's K + 1 rows) both ways and drops the compiled forward unless it was faster here (a machine's cores,
-        threads and kernels decide, not a rule)."""
+        The compile runs a prefill chunk, a lone decode and a decode of two sequences (T >= 2, T == 1, and the small
+        T a quantized model branches on); a 5-row chunk (a verify step's shape) must then be covered already (were
+        it not, `CompiledDecoder` logs it and runs it eagerly). Under 'auto' it then times a batch-1 decode step
+        (and, when the engine speculates by default, a verify step's K + 1 rows) both ways and drops the compiled
+        forward unless it was faster here: a machine's cores, threads and kernels decide, not a rule. Under 'auto'
+        a compile that fails is logged and the runner stays eager; under 'on' it is a `ModelLoadError`."""
         assert runner.compiled is not None
         bs = self.config.block_size
         n = min(2 * bs, (self.block_manager.num_blocks // 2) * bs - 1)  # two sequences of n + 1 tokens must fit
-        if n < 2:
-            log.warning("compile: the KV pool is too small to warm up on; steps compile on first use")
+        if n < 6:
+            log.warning("compile: the KV pool is too small to warm up on (%d blocks); running eagerly",
+                        self.block_manager.num_blocks)  # fmt: skip
+            runner.drop_compiled()
             return 0.0
         per_seq = -(-(n + 1) // bs)
         seqs = [
@@ -236,30 +244,45 @@ class Engine:
                      block_table=list(range(i * per_seq, (i + 1) * per_seq)))
             for i in range(2)
         ]  # fmt: skip
+        for s in seqs:
+            s.token_ids.append(0)
 
         def run() -> None:
             runner.run([ScheduledSeq(seqs[0], 0, n)])  # prefill
-            seqs[0].token_ids.append(0)
             runner.run([ScheduledSeq(seqs[0], n, 1)])  # lone decode
+            runner.run([ScheduledSeq(s, n, 1) for s in seqs])  # batched decode
 
-        seconds = runner.compiled.warm_up(run)
-        seqs[1].token_ids.append(0)
-        runner.run([ScheduledSeq(s, n, 1) for s in seqs])  # batched decode: covered, or logged and counted
-        if self.config.compile == "auto":
-            probes = [[ScheduledSeq(seqs[0], n, 1)]]  # a lone decode: the T == 1 graph
-            what = "a batch-1 decode step"
-            k = min(self.config.num_speculative_tokens, n - 1)
-            if self.config.speculative != "off":  # a verify step's shape, K + 1 rows: the T >= 2 graph
-                probes.append([ScheduledSeq(seqs[0], n + 1 - (k + 1), k + 1)])
-                what += f" and a {k + 1}-row verify step"
-            eager, compiled = runner.probe(probes, steps=AUTO_PROBE_STEPS)
-            keep = compiled < eager
-            log.info("compile auto: %s took %.2f ms eagerly and %.2f ms compiled: running %s",
-                     what, eager * 1e3, compiled * 1e3, "compiled" if keep else "eagerly")  # fmt: skip
-            if not keep:
-                runner.drop_compiled()
-        runner.zero_blocks(sorted(b for s in seqs for b in s.block_table))
+        peak = runner.peak_workspace_bytes  # the warm-up's steps are not the service's
+        try:
+            seconds = runner.compiled.warm_up(run)
+            runner.run([ScheduledSeq(seqs[0], n - 4, 5)])  # a verify-shaped chunk: covered, or logged and counted
+            if self.config.compile == "auto":
+                self._probe(runner, seqs[0], n)
+        except Exception as exc:
+            if self.config.compile == "on":
+                raise ModelLoadError(f"compile: compiling the decode step failed: {exc}") from exc
+            log.warning("compile auto: compiling the decode step failed (%s); running eagerly", exc)
+            runner.drop_compiled()
+            seconds = 0.0
+        finally:
+            runner.peak_workspace_bytes = peak
+            runner.zero_blocks(sorted(b for s in seqs for b in s.block_table))
         return seconds
+
+    def _probe(self, runner: ModelRunner, seq: Sequence, n: int) -> None:
+        """'auto': keep `runner`'s compiled forward only if it measured faster (see `_warm_up`)."""
+        probes = [[ScheduledSeq(seq, n, 1)]]  # a lone decode: the T == 1 graph
+        what = "a batch-1 decode step"
+        if self.config.speculative != "off":  # a verify step's shape, K + 1 rows: a T >= 2 graph
+            k = min(self.config.num_speculative_tokens, n - 1)
+            probes.append([ScheduledSeq(seq, n - k, k + 1)])
+            what += f" and a {k + 1}-row verify step"
+        eager, compiled = runner.probe(probes, steps=AUTO_PROBE_STEPS)
+        keep = compiled < eager
+        log.info("compile auto: %s took %.2f ms eagerly and %.2f ms compiled: running %s",
+                 what, eager * 1e3, compiled * 1e3, "compiled" if keep else "eagerly")  # fmt: skip
+        if not keep:
+            runner.drop_compiled()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -608,7 +631,7 @@ def _resolve_compile(mode: str, device: torch.device, model: CausalLM) -> bool:
         if not ok:
             raise ModelLoadError(f"compile: cannot compile the decode step here: {why}")
         return True
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())  # quantized too
     if device.type != "cpu" or params < COMPILE_AUTO_MIN_PARAMS:
         return False
     if not ok:

@@ -17,14 +17,16 @@ import pytest
 import torch
 
 from inference_svc.engine import Engine, EngineConfig, SamplingParams
+from inference_svc.engine import engine as engine_module
 from inference_svc.engine.config import COMPILE_AUTO_MIN_PARAMS, EngineConfigError
 from inference_svc.engine.detokenizer import IncrementalDetokenizer
-from inference_svc.engine.model_runner import ScheduledSeq
+from inference_svc.engine.model_runner import ModelRunner, ScheduledSeq
 from inference_svc.engine.sequence import Sequence
 from inference_svc.errors import ModelLoadError
 from shared_model.attention import CAUSAL
 from shared_model.bundle import load_bundle
 from shared_model.compiled import CompiledDecoder, compiler_available
+from shared_model.quantize import fake_quantized
 
 NEW_TOKENS = 16
 NEAR_TIE = 1e-4  # logit units: fp32 kernels that only reorder sums differ by ~1e-6 here
@@ -56,8 +58,8 @@ def _prompts(seed: int, vocab: int) -> list[list[int]]:
     return prompts + [shared + [rng.randrange(3, vocab) for _ in range(n)] for n in (3, 20)]
 
 
-def _check_against_reference(reference, prompt: list[int], tokens: list[int]) -> int:
-    """Every token is the reference's argmax (or within NEAR_TIE of it); returns how many were near ties."""
+def _check_against_reference(reference, prompt: list[int], tokens: list[int], near_tie: float = NEAR_TIE) -> int:
+    """Every token is the reference's argmax (or within `near_tie` of it); returns how many were near ties."""
     with torch.inference_mode():
         logits = reference(torch.tensor([prompt + tokens[:-1]]))[0, len(prompt) - 1 :]  # [n, vocab]
     near = 0
@@ -65,17 +67,19 @@ def _check_against_reference(reference, prompt: list[int], tokens: list[int]) ->
         best = int(logits[pos].argmax())
         if tok != best:
             gap = float(logits[pos, best] - logits[pos, tok])
-            assert gap <= NEAR_TIE, f"position {pos}: token {tok} is {gap:.2e} below the reference's best {best}"
+            assert gap <= near_tie, f"position {pos}: token {tok} is {gap:.2e} below the reference's best {best}"
             near += 1
     return near
 
 
-def test_compiled_engine_reports_its_warm_up(compiled_engine) -> None:
-    info = compiled_engine.info()
+def test_compiled_engine_reports_its_warm_up(qwen3_dir, make_engine) -> None:
+    engine = make_engine(qwen3_dir, compile="on")
+    info = engine.info()
     assert info.compiled and info.compile_seconds > 0
-    assert compiled_engine.runner.compiled is not None and compiled_engine.runner.compiled.eager_calls == 0
-    assert compiled_engine.block_manager.num_used == 0  # the warm-up's throwaway sequences hold no blocks
-    assert not compiled_engine.runner.cache.data.any()  # and left nothing in the cache
+    assert engine.runner.compiled is not None and engine.runner.compiled.eager_calls == 0
+    assert engine.block_manager.num_used == 0  # the warm-up's throwaway sequences hold no blocks
+    assert not engine.runner.cache.data.any()  # and left nothing in the cache
+    assert info.peak_workspace_bytes == 0  # nor its steps' workspace in the service's figure
 
 
 def test_compiled_engine_generates_the_eager_reference_tokens(compiled_engine, qwen3_dir) -> None:
@@ -119,11 +123,53 @@ def test_compile_auto_leaves_a_small_model_eager(qwen3_dir, make_engine) -> None
 
 
 def test_compile_on_without_a_compiler_is_refused(qwen3_dir, make_engine, tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no cc, gcc, clang or c++
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no g++, clang++ or c++
+    monkeypatch.delenv("CXX", raising=False)
     assert not os.listdir(tmp_path)
     with pytest.raises(ModelLoadError, match=r"compile: .*no C\+\+ compiler"):
         make_engine(qwen3_dir, compile="on")
+    monkeypatch.setattr(engine_module, "COMPILE_AUTO_MIN_PARAMS", 0)  # large enough for auto: the compiler decides
     assert not make_engine(qwen3_dir, compile="auto").info().compiled
+
+
+def test_auto_keeps_the_compiled_step_only_where_the_probe_measured_it_faster(qwen3_dir, make_engine, monkeypatch):
+    """The probe's verdict decides (its timings injected here); a speculating engine also probes a verify step's
+    K + 1 rows."""
+    monkeypatch.setattr(engine_module, "COMPILE_AUTO_MIN_PARAMS", 0)
+    probed: list[list[list[tuple[int, int]]]] = []
+
+    def probe_returning(eager: float, compiled: float):
+        def probe(self, batches, steps: int) -> tuple[float, float]:
+            probed.append([[(item.start, item.num_tokens) for item in batch] for batch in batches])
+            return eager, compiled
+
+        return probe
+
+    monkeypatch.setattr(ModelRunner, "probe", probe_returning(2.0, 1.0))
+    fast = make_engine(qwen3_dir, compile="auto")
+    assert fast.info().compiled and fast.runner.compiled is not None and fast.info().compile_seconds > 0
+    assert [len(batches) for batches in probed] == [1] and probed[0][0][0][1] == 1  # one lone-decode probe
+    monkeypatch.setattr(ModelRunner, "probe", probe_returning(1.0, 2.0))
+    slow = make_engine(qwen3_dir, compile="auto", speculative="ngram", num_speculative_tokens=3)
+    assert not slow.info().compiled and slow.runner.compiled is None and slow.info().compile_seconds > 0
+    assert [rows for _, rows in (b[0] for b in probed[1])] == [1, 4]  # the decode and a 4-row verify step
+    r = slow.generate([list(range(20, 40))], SamplingParams(max_new_tokens=4))[0]
+    assert len(r.token_ids) == 4  # the eager engine serves
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_compiled_quantized_engine_covers_every_step_shape(qwen3_dir, make_engine, kind: str) -> None:
+    """Quantized projections branch on the row count (packed kernel up to PACKED_MAX_ROWS rows): batched decodes
+    of 2..7 sequences, chunks and 4-row verify steps must all run compiled, with the eager reference's tokens."""
+    engine = make_engine(qwen3_dir, quantization=kind, compile="on", max_num_batched_tokens=64, prefill_chunk_size=24)
+    prompts = _prompts(5, engine.model_config.vocab_size)
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=8))
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, num_speculative_tokens=3))
+    assert engine.runner.compiled is not None and engine.runner.compiled.eager_calls == 0
+    reference = fake_quantized(load_bundle(qwen3_dir, dtype=torch.float32).model, kind).eval()
+    pairs = zip(prompts, results, strict=True)
+    near = sum(_check_against_reference(reference, p, r.token_ids, near_tie=0.15) for p, r in pairs)
+    assert near <= 4, f"{near} near ties in {len(prompts) * 8} tokens"
 
 
 def test_compile_mode_is_validated() -> None:
