@@ -197,3 +197,25 @@ def test_the_auto_probe_times_both_forwards_and_eager_can_take_over(qwen3_dir, m
     want = make_engine(qwen3_dir, compile="off").generate(prompts, SamplingParams(max_new_tokens=8))
     got = engine.generate(prompts, SamplingParams(max_new_tokens=8))
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_a_compiled_draft_model_runs_compiled_and_keeps_the_output(llama_dir, qwen3_dir, make_engine) -> None:
+    """`--speculative DRAFT_DIR` with `--compile on`: both runners are compiled at start-up, the draft's catch-up
+    chunks and one-token steps and the target's verify steps all run compiled, and greedy output is plain
+    decoding's (the eager reference engine, no draft)."""
+    prompts = _prompts(9, 512)[:4]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    plain = [r.token_ids for r in make_engine(llama_dir).generate(prompts, params)]
+    spec = make_engine(llama_dir, speculative=str(qwen3_dir), speculative_verify_cost=0.0, compile="on")
+    assert spec.runner.compiled is not None and spec.draft_runner is not None
+    assert spec.draft_runner.compiled is not None
+    got = spec.generate(prompts, params)
+    assert sum(r.usage.draft_tokens for r in got) > 0
+    near = sum(
+        _check_against_reference(load_bundle(llama_dir, dtype=torch.float32).model.eval(), p, r.token_ids)
+        for p, r in zip(prompts, got, strict=True)
+    )
+    assert near <= 1
+    if near == 0:  # no token excused: the very tokens of plain decoding
+        assert [r.token_ids for r in got] == plain
+    assert spec.runner.compiled.eager_calls == 0 and spec.draft_runner.compiled.eager_calls == 0
