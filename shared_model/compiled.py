@@ -14,10 +14,10 @@ Contract:
   decodes) and one T == 1 (a lone decode; torch specialises size 1). A model that branches on T has one graph per
   branch: a quantized projection takes its packed kernel up to `PACKED_MAX_ROWS` rows, so T in 2..4 and T >= 5
   are two graphs. `warm_up(run)` calls `run` (which must reach every kind of step), returns the seconds it took,
-  and records them in `compile_seconds`. After warm-up the
-  compiled code never compiles again: a call whose shapes or guards no graph covers is refused by dynamo at its
-  guard check (the 'fail_on_recompile' stance), before anything ran, and runs the same decoder eagerly instead;
-  `eager_calls` counts those calls and the first is logged. So serving never stalls on a compile.
+  and records them in `compile_seconds`. After warm-up the compiled code never compiles again: a call whose
+  shapes or guards no graph covers is refused by dynamo at its guard check (the 'fail_on_recompile' stance),
+  before anything ran, and runs the same decoder eagerly instead; `eager_calls` counts those calls and the first
+  is logged. So serving never stalls on a compile.
 - Numerics: the fused kernels may round differently from eager (the same maths in another order), so the compiled
   forward is not bit-equal to the eager one: it is checked against it by greedy-token equality and a logit
   tolerance (tests/inference_svc/engine/test_compiled_engine.py). Inference only: run it under
