@@ -20,8 +20,6 @@ Contract:
 - `model_source(cfg.model, block_size)` and `build_module(cfg.model, ...)` are what `tandem train` builds from the
   `model:` section: a preset or an `init_from` folder (config + tokenizer, checked before any data is read), and
   LitCausalLM or your own `class_path` module.
-- The Trainer's `PrecisionPolicyCallback` runs at `setup`, before `configure_model` creates the layers: the policy is
-  applied again to the new decoder here so its norms still run in fp32.
 """
 
 from __future__ import annotations
@@ -80,15 +78,6 @@ class LitCausalLM(pl.LightningModule):
         else:
             init_random_weights(model, self.seed)
         self.model = model
-        self._reapply_precision_policy()
-
-    def _reapply_precision_policy(self) -> None:
-        from lt_plugins.precision import PrecisionPolicyCallback
-
-        trainer = self._trainer
-        for callback in trainer.callbacks if trainer is not None else []:
-            if isinstance(callback, PrecisionPolicyCallback):
-                callback.wrapped = callback.policy.apply(self)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)

@@ -6,8 +6,11 @@ Contract:
   outermost selected modules so that their forward runs with autocast off, floating inputs cast to fp32 and their
   low-precision parameters seen as fp32 (gradients still reach the stored parameters). Outputs are cast back to the
   input dtype, except for loss modules (`fp32_output_classes`), whose result stays fp32. Idempotent.
-- `PrecisionPolicyCallback(policy)` applies it at `setup`, before any strategy wraps the module; it works with
-  Lightning's autocast precisions and with DeepSpeed's bf16/fp16 modes (where parameters themselves are 16-bit).
+- `PrecisionPolicyCallback(policy)` applies it at `setup` and again when each stage starts (fit, validate, test,
+  predict): after Lightning's `configure_model`, so layers a module builds there (as under ZeRO-3's zero.Init) are
+  covered, and before the first forward. `wrapped` lists the qualified names it wrapped and survives the run. It
+  works with Lightning's autocast precisions and with DeepSpeed's bf16/fp16 modes (where parameters themselves are
+  16-bit): only `forward` is replaced, so the strategy's module hooks are untouched.
 - `check_precision(precision, accelerator)` refuses combinations that cannot run (`16-mixed` on CPU) with a
   `PrecisionError` that says what to use instead. `SUPPORTED_PRECISIONS` lists the accepted names.
 """
@@ -73,14 +76,30 @@ class PrecisionPolicy:
 
 
 class PrecisionPolicyCallback(Callback):
-    """Applies a PrecisionPolicy to the LightningModule at setup (any strategy, any precision)."""
+    """Applies a PrecisionPolicy to the LightningModule (any strategy, any precision), before its first forward."""
 
     def __init__(self, policy: PrecisionPolicy | None = None) -> None:
         self.policy = policy or PrecisionPolicy()
         self.wrapped: list[str] = []
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+    def _apply(self, pl_module: LightningModule) -> None:
         self.wrapped = self.policy.apply(pl_module)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._apply(pl_module)  # modules built in __init__
+
+    # Lightning calls configure_model after `setup` and before these: layers built there are wrapped here.
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._apply(pl_module)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._apply(pl_module)
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._apply(pl_module)
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._apply(pl_module)
 
 
 def _first_float_dtype(values: Any) -> torch.dtype | None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lt_plugins.precision import PrecisionPolicy
+from lt_plugins.precision import PrecisionPolicy, PrecisionPolicyCallback
 from shared_model.model import RMSNorm
 
 
@@ -59,3 +60,48 @@ def test_policy_disables_autocast_inside() -> None:
         assert h.dtype == torch.bfloat16
         assert net.probe(h).dtype == torch.bfloat16
     assert net.probe.seen == [(torch.float32, torch.float32)]
+
+
+class _BuiltLate(pl.LightningModule):
+    """A user module that creates its layers in `configure_model`, after the callbacks' `setup` has run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net: _Net | None = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = _Net()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(*batch)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.net(*batch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_callback_covers_layers_built_in_configure_model() -> None:
+    data = [(torch.randn(8), torch.tensor(1)) for _ in range(4)]
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    module = _BuiltLate()
+    callback = PrecisionPolicyCallback(PrecisionPolicy(names=("net.probe",)))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        precision="bf16-mixed",
+        max_steps=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=1,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, loader, loader)
+    assert callback.wrapped == ["net.norm", "net.probe", "net.loss_fn"]
+    # every forward, the sanity check's included, saw fp32 inside the probe despite bf16 autocast around it
+    assert len(module.net.probe.seen) >= 3
+    assert set(module.net.probe.seen) == {(torch.float32, torch.float32)}
