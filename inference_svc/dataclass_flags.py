@@ -38,7 +38,17 @@ class FlagSpec:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """{field: docstring} from the string literal written under each annotated field of `cls`."""
+    """{field: docstring} from the string literal written under each annotated field of `cls` and of its dataclass
+    bases (a subclass's text wins). A class generated at run time names the class whose source holds its fields'
+    texts in `__field_docs_from__`."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass.__dict__.get("__field_docs_from__", klass)))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}

@@ -109,35 +109,6 @@ class CheckpointingConfig:
         object.__setattr__(self, "_save_overloads", frozenset(resolve_ops(self.save_ops)))
 
 
-@dataclass
-class CheckpointingSection:
-    """The `checkpointing:` section of the training YAML (activation recomputation, not saved checkpoints)."""
-
-    mode: str = "none"
-    """none | full | attention | ops, or auto (with strategy.name=auto: the planner chooses)."""
-    block_classes: list[str] = field(default_factory=list)
-    """Class names of the blocks (empty: the largest repeated stack, e.g. the decoder layers)."""
-    name_regex: str | None = None
-    """Or a regex on qualified module names."""
-    every_n: int = 1
-    """Checkpoint every n-th block."""
-    attention_classes: list[str] = field(default_factory=lambda: ["CoreAttention"])
-    """attention mode: the core-attention module classes recomputed."""
-    save_ops: list[str] = field(default_factory=lambda: list(DEFAULT_SAVE_OPS))
-    """ops mode: ops whose outputs are kept ('aten.mm', ...); the others are recomputed."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in (*MODES, "auto"):
-            raise TrainingConfigError(f"checkpointing.mode must be one of {', '.join(MODES)}, auto; got {self.mode!r}")
-        if self.mode != "auto":
-            self.to_config()  # validates the other keys, naming them
-
-    def to_config(self) -> CheckpointingConfig:
-        fields_ = {k: getattr(self, k) for k in ("mode", "name_regex", "every_n")}
-        lists = {k: tuple(getattr(self, k)) for k in ("block_classes", "attention_classes", "save_ops")}
-        return CheckpointingConfig(**fields_, **lists)
-
-
 def resolve_ops(names: tuple[str, ...] | list[str]) -> list[torch._ops.OpOverload]:
     """'aten.mm' → every overload of aten.mm; 'aten.mm.default' → that overload. Unknown names are errors."""
     out: list[torch._ops.OpOverload] = []

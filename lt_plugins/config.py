@@ -7,30 +7,31 @@ Contract:
 - The result is a `TrainConfig` of plain dataclasses; `to_yaml(cfg)` writes the fully resolved config.
 - Sections are independent dataclasses so later work can add one (e.g. `checkpointing` for activation
   recomputation, `ledger`) by adding a field to `TrainConfig` without touching the others.
-- Config once: `strategy` mirrors `ZeroConfig` (lt_plugins/strategy.py) and `checkpointing` mirrors
-  `CheckpointingConfig` (lt_plugins/checkpointing.py). `mirrors(...)` checks at import that the section declares
-  every field of its dataclass with the same default (tuples spelled as lists), so a field added to one cannot be
-  missing from the other, and the section builds its dataclass from those fields generically (`zero_config()`,
-  `to_config()`). The fields stay written out in the section because the docs generator reads each field's
-  docstring from its class body (scripts/gen_config_docs.py).
+- Config once: the `strategy` and `checkpointing` sections are derived from `ZeroConfig` (lt_plugins/strategy.py)
+  and `CheckpointingConfig` (lt_plugins/checkpointing.py). `section_fields(source)` generates a mutable base with
+  every init field of the frozen dataclass, its default and its docstring (tuples as lists, as OmegaConf spells
+  them); a section subclasses it, adds its own keys (`strategy.name`, `strategy.extra`) and may re-declare a field
+  to widen it (`checkpointing.mode` also takes `auto`). A field added to a dataclass is a YAML key at once, with
+  its docs. `build_from_section` turns a section back into its dataclass, whose `__post_init__` validates it.
 - `model.init_from` (a Hugging Face folder), `model.class_path`/`model.init_args` (your own LightningModule) and
   their conflicts with other keys are checked here, naming both keys.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
-from collections.abc import Callable
-from dataclasses import MISSING, Field, dataclass, field, fields
+import typing
+from dataclasses import MISSING, Field, dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lt_plugins.checkpointing import DEFAULT_SAVE_OPS, MODES, CheckpointingConfig
+from lt_plugins.checkpointing import MODES, CheckpointingConfig
 from lt_plugins.errors import TrainingConfigError
 from lt_plugins.ledger_callback import LedgerSection
 from lt_plugins.precision import SUPPORTED_PRECISIONS
@@ -69,35 +70,41 @@ def _yaml_value(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def mirrors(source: type) -> Callable[[type], type]:
-    """Class decorator: the section declares every init field of the dataclass `source` with the same default
-    (tuples as lists); otherwise importing this module fails with a TypeError naming the field. The section may add
-    fields of its own (`strategy.name`, `strategy.extra`)."""
-
-    def check(section: type) -> type:
-        own = {f.name: f for f in fields(section)}
-        for f in fields(source):
-            if not f.init:
-                continue
-            if f.name not in own:
-                raise TypeError(
-                    f"{section.__name__} lacks the field {f.name!r} of {source.__name__}: declare it in the section "
-                    "with the same default and a docstring"
-                )
-            theirs, ours = _yaml_value(_default_of(f)), _default_of(own[f.name])
-            if theirs != ours:
-                raise TypeError(
-                    f"{section.__name__}.{f.name} defaults to {ours!r} but {source.__name__}.{f.name} to {theirs!r}"
-                )
-        return section
-
-    return check
+def _yaml_hint(hint: Any) -> Any:
+    """A dataclass field type as OmegaConf takes it: tuple[X, ...] becomes list[X]."""
+    if typing.get_origin(hint) is tuple:
+        args = typing.get_args(hint)
+        return list[args[0]] if len(args) == 2 and args[1] is Ellipsis else list[Any]  # type: ignore[valid-type]
+    return hint
 
 
-def build_mirrored(source: type, section: Any) -> Any:
+def section_fields(source: type, name: str) -> type:
+    """A mutable dataclass `name` declaring every init field of the dataclass `source`: the same names, defaults
+    and docstrings (read by the docs generator through `__field_docs_from__`), tuples as lists."""
+    hints = typing.get_type_hints(source)
+    specs: list[tuple[str, Any, Any]] = []
+    for f in fields(source):
+        if not f.init:
+            continue
+        default = _yaml_value(_default_of(f))
+        if isinstance(default, list):
+            spec = field(default_factory=functools.partial(list, default))
+        else:
+            spec = field(default=default)
+        specs.append((f.name, _yaml_hint(hints[f.name]), spec))
+    base = make_dataclass(name, specs, namespace={"__module__": __name__, "__field_docs_from__": source})
+    base.__doc__ = f"The fields of {source.__name__}, as a YAML section declares them."
+    return base
+
+
+def build_from_section(source: type, section: Any) -> Any:
     """The `source` dataclass from the section's fields of the same names (lists become tuples)."""
     values = {f.name: getattr(section, f.name) for f in fields(source) if f.init}
     return source(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
+ZeroFields = section_fields(ZeroConfig, "ZeroFields")
+CheckpointingFields = section_fields(CheckpointingConfig, "CheckpointingFields")
 
 
 INJECTED_ARGS = ("vocab_size", "optim")
@@ -260,30 +267,14 @@ class OptimSection:
             raise TrainingConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
 
 
-@mirrors(ZeroConfig)
 @dataclass
-class StrategySection:
-    """How the processes share the work. `zero` is ZeroStrategy; `ddp` is Lightning's own; `auto` is ZeroStrategy with
-    the stage, offload (and, with checkpointing.mode=auto, the checkpointing mode) chosen by the memory planner."""
+class StrategySection(ZeroFields):
+    """How the processes share the work: ZeroConfig's fields, plus `name` and `extra`. `zero` is ZeroStrategy;
+    `ddp` is Lightning's own; `auto` is ZeroStrategy with the stage, offload (and, with checkpointing.mode=auto, the
+    checkpointing mode) chosen by the memory planner."""
 
     name: str = "zero"
     """zero | ddp | auto (the planner's choice, logged with its reason: lt_plugins/auto_strategy.py)."""
-    stage: int = 2
-    """ZeRO stage 0-3."""
-    offload_optimizer: bool = False
-    """Optimizer state and master weights in CPU memory (stages 1-3)."""
-    offload_params: bool = False
-    """Parameter shards in CPU memory (stage 3)."""
-    pin_memory: bool = False
-    """Page-locked offload buffers."""
-    overlap_comm: bool = False
-    """Overlap gradient reduction with backward."""
-    bucket_size: int = 50_000_000
-    """Elements per communication bucket."""
-    param_persistence_threshold: int = 100_000
-    """Stage 3: smaller parameters are not sharded."""
-    timeout_s: int = 1800
-    """Collective timeout in seconds."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Raw DeepSpeed config keys merged on top (conflicts with the fields above or the Trainer are errors)."""
 
@@ -293,29 +284,16 @@ class StrategySection:
         merge_deepspeed_config(self.zero_config(), self.extra)  # validates the ZeRO fields and extra's conflicts
 
     def zero_config(self) -> ZeroConfig:
-        return build_mirrored(ZeroConfig, self)
+        return build_from_section(ZeroConfig, self)
 
 
-@mirrors(CheckpointingConfig)
 @dataclass
-class CheckpointingSection:
+class CheckpointingSection(CheckpointingFields):
     """The `checkpointing:` section (activation recomputation, not saved checkpoints): CheckpointingConfig's fields,
-    and mode `auto`."""
+    with mode `auto` added."""
 
     mode: str = "none"
     """none | full | attention | ops, or auto (with strategy.name=auto: the planner chooses)."""
-    block_classes: list[str] = field(default_factory=list)
-    """Class names of the blocks (empty: the largest repeated stack, e.g. the decoder layers)."""
-    name_regex: str | None = None
-    """Or a regex on qualified module names."""
-    every_n: int = 1
-    """Checkpoint every n-th block."""
-    attention_classes: list[str] = field(default_factory=lambda: ["CoreAttention"])
-    """attention mode: the core-attention module classes recomputed."""
-    save_ops: list[str] = field(default_factory=lambda: list(DEFAULT_SAVE_OPS))
-    """ops mode: ops whose outputs are kept ('aten.mm', ...); the others are recomputed."""
-    allow_direct_params: bool = True
-    """Allow a checkpointed module that holds parameters itself (not only through children)."""
 
     def __post_init__(self) -> None:
         if self.mode not in (*MODES, "auto"):
@@ -324,7 +302,7 @@ class CheckpointingSection:
             self.to_config()  # validates the other keys, naming them
 
     def to_config(self) -> CheckpointingConfig:
-        return build_mirrored(CheckpointingConfig, self)
+        return build_from_section(CheckpointingConfig, self)
 
 
 @dataclass

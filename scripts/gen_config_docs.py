@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import re
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,13 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _type_name(hint: Any) -> str:
+    """A field's type as written in source: annotations are strings here, generated fields' types are objects."""
+    if isinstance(hint, str):
+        return hint
+    return hint.__name__ if isinstance(hint, type) and not typing.get_args(hint) else str(hint).replace("typing.", "")
+
+
 def dataclass_table(cls: type, prefix: str = "", yaml_style: bool = False) -> list[str]:
     docs = field_docs(cls)
     rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
@@ -59,7 +67,8 @@ def dataclass_table(cls: type, prefix: str = "", yaml_style: bool = False) -> li
         shown = _fmt_default(default)
         if yaml_style and isinstance(default, bool):
             shown = f"`{str(default).lower()}`"
-        rows.append(f"| `{prefix}{f.name}` | `{_cell(str(f.type))}` | {_cell(shown)} | {_cell(docs.get(f.name, ''))} |")
+        kind = _cell(_type_name(f.type))
+        rows.append(f"| `{prefix}{f.name}` | `{kind}` | {_cell(shown)} | {_cell(docs.get(f.name, ''))} |")
     return rows
 
 
