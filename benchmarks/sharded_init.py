@@ -7,7 +7,7 @@ Creates (once) a random Qwen3-style fp32 folder of that size in --folder (safete
 index beside them), then for each mode starts --world CPU processes over gloo (torchrun-style env, free loopback
 port) that run `Trainer.fit` with `LitCausalLM(init_from=folder)`:
 - `zero3`: ZeroStrategy(stage=3): `configure_model` runs under deepspeed.zero.Init (parameters partitioned as they
-  are created), then the folder is copied in module by module through GatheredParameters(modifier_rank=0);
+  are created, unfilled), then each rank reads its own slice of each tensor from the folder into its partition;
 - `whole`: ZeroStrategy(stage=2): the whole model is built on every rank and loaded with a plain copy (what every
   stage did before construction moved into configure_model).
 Each rank resets its peak RSS (/proc/self/clear_refs 5) as configure_model starts and reads it (VmHWM) when it ends;

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import inspect
 import math
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -72,7 +73,8 @@ class LitCausalLM(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        model = CausalLM(self.model_config)  # partitioned module by module when Lightning runs this under zero.Init
+        with unfilled_construction():  # every value is written below: the layers' own fill would be wasted
+            model = CausalLM(self.model_config)  # partitioned module by module when run under zero.Init
         if self.init_from is not None:
             load_folder_weights(model, self.init_from)
         else:
@@ -157,6 +159,64 @@ def release_freed_memory() -> None:
     adaptive mmap threshold, so without this the gather buffers of a ZeRO-3 load stay in each rank's RSS."""
     with suppress(OSError, AttributeError):  # not glibc
         ctypes.CDLL(None).malloc_trim(0)
+
+
+_DEFAULT_INITS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "orthogonal_",
+)
+"""The torch.nn.init functions that modules' reset_parameters call to fill their new weights at random."""
+
+
+@contextmanager
+def unfilled_construction() -> Iterator[None]:
+    """Build a model whose every parameter is written afterwards (a seeded init or a folder's weights) without
+    filling it first. Inside:
+    - `torch.nn.init`'s random fills leave the tensor as it is;
+    - under ZeRO-3's zero.Init, the per-parameter broadcast from rank 0 that makes the (now unfilled) initial
+      values agree is skipped (`Init._zero_init_param` without its `dist.broadcast`: the version pinned in
+      tests/lt_plugins/test_lightning_drift.py).
+    So each module's full weight is allocated but never written before DeepSpeed copies this rank's partition out
+    of it, and its untouched pages never become resident: a rank's construction peak is its partitions plus one
+    module, and no rank receives the whole model over the network. At stages 0-2 it saves a pass over the weights.
+    """
+    saved = {name: getattr(nn.init, name) for name in _DEFAULT_INITS}
+    zero_init = _zero_init_class()
+    upstream = zero_init.__dict__["_zero_init_param"] if zero_init is not None else None
+    try:
+        for name in _DEFAULT_INITS:
+            setattr(nn.init, name, _unchanged)
+        if zero_init is not None:
+            zero_init._zero_init_param = _partition_without_broadcast  # type: ignore[attr-defined]
+        yield
+    finally:
+        if zero_init is not None:
+            zero_init._zero_init_param = upstream  # type: ignore[attr-defined]
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def _unchanged(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
+
+
+def _zero_init_class() -> type | None:
+    """DeepSpeed's zero.Init while one is active in this process (Lightning's ZeRO-3 `configure_model`), else None."""
+    module = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    if module is None or getattr(module, "zero_init_context", 0) == 0:
+        return None
+    return module.Init
+
+
+def _partition_without_broadcast(self: Any, param: nn.Parameter) -> None:
+    self._convert_to_deepspeed_param(param)
+    param.partition()
 
 
 @contextmanager

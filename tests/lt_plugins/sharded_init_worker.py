@@ -3,6 +3,8 @@
 `sharded_init_worker.py FOLDER OUT STAGE`: starts `Trainer.fit` of LitCausalLM(init_from=FOLDER) under
 ZeroStrategy(STAGE) with every parameter partitioned (param_persistence_threshold=0), stops it once configure_model
 has run (training under ZeRO-3 is covered by test_train_cli.py) and writes `<OUT>/rank<r>.json`:
+- `broadcasts`: the collective broadcasts made while configure_model built and loaded the decoder (none: the
+  unfilled construction skips zero.Init's broadcast of each new parameter, and each rank reads its own slices);
 - `construction`: for every parameter, right after `configure_model` built and loaded it: its local numel (0 once
   partitioned), `ds_numel` (the full size) and the size of this rank's partition `ds_tensor`;
 - `max_abs_diff`: per tensor, max |gathered parameter - the folder's tensor| (0.0 for an exact load);
@@ -48,8 +50,20 @@ class Probe(LitCausalLM):
     """LitCausalLM that records the partition state of its parameters right after construction and loading."""
 
     def configure_model(self) -> None:
+        import deepspeed.comm as dist
+
         fresh = self.model is None
-        super().configure_model()
+        upstream, self.broadcasts = dist.broadcast, 0
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.broadcasts += 1
+            return upstream(*args, **kwargs)
+
+        dist.broadcast = counted  # zero.Init's consistency broadcast of each new parameter would pass here
+        try:
+            super().configure_model()
+        finally:
+            dist.broadcast = upstream
         if fresh:
             assert self.model is not None
             self.construction = {
@@ -97,6 +111,7 @@ def main(folder: str, out: str, stage: int) -> None:
     with contextlib.suppress(Built):
         trainer.fit(module, datamodule=CorpusDataModule(data, Blocks(rows, rows[:4], None)))  # type: ignore[arg-type]
     result = {"construction": module.construction, "max_abs_diff": module.diffs, "random_diff": module.random_diff}
+    result["broadcasts"] = module.broadcasts
     Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

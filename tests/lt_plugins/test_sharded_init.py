@@ -54,6 +54,7 @@ def test_stage3_partitions_at_construction_and_loads_the_folder(tmp_path: Path) 
     assert (folder / "model.safetensors.index.json").is_file()  # sharded: the loader follows the index
     ranks = _launch(folder, tmp_path, stage=3)
     for r in ranks:
+        assert r["broadcasts"] == 0  # no parameter's (unfilled) initial value was sent from rank 0
         assert set(r["construction"]) == set(reference)
         for name, c in r["construction"].items():
             full = reference[name].numel()
