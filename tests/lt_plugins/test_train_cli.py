@@ -1,9 +1,13 @@
 """`tandem train` end to end: Lightning launches 2 processes under ZeRO-3, the run dir holds the resolved config,
-sharded checkpoints and logs, the last line names the bundle, and `tandem export` re-exports in another dtype."""
+sharded checkpoints and logs, the last line names the bundle, `tandem export` re-exports in another dtype, and
+rerunning the finished 2-process command after its bundle was deleted resumes, trains nothing and exports it again
+(the same weights)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +16,8 @@ import pytest
 import torch
 
 from lt_plugins.cli import export_main
+from shared_model.bundle import MANIFEST_FILE
+from tests.conftest import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -53,3 +59,13 @@ def test_train_stage3_two_processes_then_export(tmp_path: Path, port: int) -> No
     assert export_main([str(run_dir), str(out), "--dtype", "bfloat16"]) == 0
     assert load_bundle(out, dtype=None).dtype == torch.bfloat16
     assert export_main([str(run_dir), str(out)]) == 2  # exists: refused without --overwrite
+
+    weights_sha = json.loads((bundle / MANIFEST_FILE).read_text())["files"]["model.safetensors"]["sha256"]
+    shutil.rmtree(bundle)
+    rerun_env = {**env, "MASTER_PORT": str(free_port())}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=rerun_env, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().splitlines()[-1] == f"bundle: {bundle}"
+    assert f"bundle {bundle} is missing: exporting step-000004" in proc.stderr, proc.stderr[-3000:]
+    assert sorted(c.name for c in (run_dir / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    assert json.loads((bundle / MANIFEST_FILE).read_text())["files"]["model.safetensors"]["sha256"] == weights_sha
