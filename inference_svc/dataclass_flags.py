@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -42,9 +43,11 @@ def field_docs(cls: type) -> dict[str, str]:
     bases (a subclass's text wins). A class generated at run time names the class whose source holds its fields'
     texts in `__field_docs_from__`."""
     docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
+    for klass in reversed(cls.__mro__[1:]):
         if dataclasses.is_dataclass(klass):
-            docs.update(_own_field_docs(klass.__dict__.get("__field_docs_from__", klass)))
+            with contextlib.suppress(OSError, TypeError):  # a base without source (built at run time) adds none
+                docs.update(_own_field_docs(klass.__dict__.get("__field_docs_from__", klass)))
+    docs.update(_own_field_docs(cls.__dict__.get("__field_docs_from__", cls)))
     return docs
 
 

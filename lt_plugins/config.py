@@ -19,6 +19,7 @@ Contract:
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import inspect
@@ -87,8 +88,8 @@ def section_fields(source: type, name: str) -> type:
         if not f.init:
             continue
         default = _yaml_value(_default_of(f))
-        if isinstance(default, list):
-            spec = field(default_factory=functools.partial(list, default))
+        if isinstance(default, (list, dict, set)):  # a fresh copy per instance, as dataclasses require
+            spec = field(default_factory=functools.partial(copy.deepcopy, default))
         else:
             spec = field(default=default)
         specs.append((f.name, _yaml_hint(hints[f.name]), spec))

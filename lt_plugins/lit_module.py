@@ -184,11 +184,13 @@ def unfilled_construction() -> Iterator[None]:
       tests/lt_plugins/test_lightning_drift.py).
     So each module's full weight is allocated but never written before DeepSpeed copies this rank's partition out
     of it, and its untouched pages never become resident: a rank's construction peak is its partitions plus one
-    module, and no rank receives the whole model over the network. At stages 0-2 it saves a pass over the weights.
+    module, and (with `init_from`, where each rank reads its own slices) no parameter is sent over the network. At
+    stages 0-2 it saves a pass over the weights. The swap is process-wide, not per thread: nothing else may build
+    modules in this process meanwhile (Lightning's `configure_model` runs on the main thread).
     """
     saved = {name: getattr(nn.init, name) for name in _DEFAULT_INITS}
     zero_init = _zero_init_class()
-    upstream = zero_init.__dict__["_zero_init_param"] if zero_init is not None else None
+    own = zero_init.__dict__.get("_zero_init_param") if zero_init is not None else None  # None: inherited
     try:
         for name in _DEFAULT_INITS:
             setattr(nn.init, name, _unchanged)
@@ -197,7 +199,10 @@ def unfilled_construction() -> Iterator[None]:
         yield
     finally:
         if zero_init is not None:
-            zero_init._zero_init_param = upstream  # type: ignore[attr-defined]
+            if own is None:
+                del zero_init._zero_init_param  # type: ignore[attr-defined]
+            else:
+                zero_init._zero_init_param = own  # type: ignore[attr-defined]
         for name, fn in saved.items():
             setattr(nn.init, name, fn)
 

@@ -250,9 +250,10 @@ class FolderTensors:
     def copy_range(self, name: str, dest: torch.Tensor, start: int, chunk_bytes: int = 8 * 1024**2) -> None:
         """Copy the flat elements [start, start + dest.numel()) of tensor `name` (row-major) into the 1-D `dest`
         (any dtype) with positional reads of the file in pieces of about `chunk_bytes`: no memory map, no copy of
-        the whole tensor, so a ZeRO-3 rank reads only its own partition. The bytes land in `dest` itself when the
-        dtypes match (a contiguous `dest`), else in one staging buffer of one piece, cast from there: the only
-        transient memory is that piece. NaN/Inf is a BundleError."""
+        the whole tensor, so a ZeRO-3 rank reads only its own partition. The bytes land in `dest` itself when it is
+        a contiguous CPU tensor of the file's dtype, else in one CPU staging buffer of one piece, copied (and cast,
+        or moved to `dest`'s device) from there: the only transient memory is that piece. NaN/Inf is a
+        BundleError."""
         file = self.where[name]
         dtype, shape, base = self._entry(file, name)
         count = dest.numel()
@@ -261,7 +262,7 @@ class FolderTensors:
             raise BundleError(f"{file}: tensor {name} of shape {tuple(shape)} has no elements {where}")
         size = torch.empty((), dtype=dtype).element_size()
         step = max(1, chunk_bytes // size)
-        direct = dest.dtype == dtype and dest.is_contiguous()
+        direct = dest.dtype == dtype and dest.is_contiguous() and dest.device.type == "cpu"
         staging = None if direct else torch.empty(min(step, count), dtype=dtype)  # [piece]
         with open(file, "rb") as fh:
             for lo in range(0, count, step):
@@ -273,7 +274,7 @@ class FolderTensors:
                 _check_finite(file, name, target)
                 if not direct:
                     dest[lo : lo + n].copy_(target)
-                    if target.is_floating_point():
+                    if target.is_floating_point() and dtype != dest.dtype:
                         _check_finite(file, name, dest[lo : lo + n], cast_to=dest.dtype)
 
     def _entry(self, file: Path, name: str) -> tuple[torch.dtype, list[int], int]:

@@ -275,16 +275,27 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        """Normal(0, std) for projections and embeddings, zero biases, unit norms (GPT-2/Llama recipe)."""
+        """Normal(0, std) for projections and embeddings, zero biases, unit norms (GPT-2/Llama recipe). A generator
+        on another device than the weights (a CPU one for CUDA weights) draws where it lives, so a seed gives the
+        same values on every device."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                module.weight.normal_(0.0, std, generator=generator)
+                _normal_(module.weight, std, generator)
                 if module.bias is not None:
                     module.bias.zero_()
             elif isinstance(module, nn.Embedding):
-                module.weight.normal_(0.0, std, generator=generator)
+                _normal_(module.weight, std, generator)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+
+
+def _normal_(weight: torch.Tensor, std: float, generator: torch.Generator | None) -> None:
+    """`weight.normal_(0, std)` drawn from `generator` on the generator's own device."""
+    if generator is None or generator.device == weight.device:
+        weight.normal_(0.0, std, generator=generator)
+        return
+    drawn = torch.empty(weight.shape, dtype=weight.dtype, device=generator.device)
+    weight.copy_(drawn.normal_(0.0, std, generator=generator))
 
 
 def build_model(

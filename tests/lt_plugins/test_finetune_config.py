@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from omegaconf import OmegaConf
 
@@ -37,6 +37,8 @@ def test_a_field_added_to_the_dataclass_is_a_yaml_key_with_its_default_and_docs(
         """The b."""
         c: str | None = None
         """The c."""
+        d: dict[str, int] = field(default_factory=lambda: {"k": 1})
+        """The d."""
 
     base = section_fields(Source, "SourceFields")
 
@@ -45,11 +47,12 @@ def test_a_field_added_to_the_dataclass_is_a_yaml_key_with_its_default_and_docs(
         own: str = "mine"
         """Only here."""
 
-    assert [f.name for f in fields(Section)] == ["a", "b", "c", "own"]
-    assert field_docs(Section) == {"a": "The a.", "b": "The b.", "c": "The c.", "own": "Only here."}
+    assert [f.name for f in fields(Section)] == ["a", "b", "c", "d", "own"]
+    assert field_docs(Section) == {"a": "The a.", "b": "The b.", "c": "The c.", "d": "The d.", "own": "Only here."}
     first, second = Section(), Section()
     first.b.append("y")
-    assert second.b == ["x"]  # a fresh list per instance, not the tuple's shared default
+    first.d["k"] = 2
+    assert second.b == ["x"] and second.d == {"k": 1}  # fresh containers per instance, not a shared default
     merged = OmegaConf.merge(OmegaConf.structured(Section), OmegaConf.from_dotlist(["b=[p,q]", "c=z"]))
     section = OmegaConf.to_object(merged)
-    assert build_from_section(Source, section) == Source(a=1, b=("p", "q"), c="z")
+    assert build_from_section(Source, section) == Source(a=1, b=("p", "q"), c="z", d={"k": 1})

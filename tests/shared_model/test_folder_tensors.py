@@ -23,6 +23,8 @@ def test_copy_range_reads_exactly_the_flat_slice(tmp_path, dtype):
         strided = torch.zeros(2 * 100, dtype=dtype)[::2]  # [100], same dtype, not contiguous: through the staging
         tensors.copy_range("a", strided, 5, chunk_bytes=64)
         assert torch.equal(strided, a.flatten()[5:105])
+        elsewhere = torch.empty(100, dtype=dtype, device="meta")  # not CPU memory (a GPU partition): staged, copied
+        tensors.copy_range("a", elsewhere, 5, chunk_bytes=64)
         dest = torch.empty(3, dtype=torch.bfloat16)
         tensors.copy_range("b", dest, 7)
         assert dest.tolist() == [7.0, 8.0, 9.0]
