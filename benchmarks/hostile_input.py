@@ -114,7 +114,8 @@ def _gaps_ms(times: list[float], start: float = 0.0, end: float = float("inf")) 
 
 
 def _p99(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100)[98] if len(values) >= 2 else float("nan")
+    # inclusive: within the samples (the default, exclusive, extrapolates past the largest of a short flood's gaps)
+    return statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) >= 2 else float("nan")
 
 
 def _flood_call(target: str, prompt: str, kind: str) -> str:

@@ -296,6 +296,21 @@ class AsyncEngine:
         self._refuse_unread_if_too_long(chars, field)
         return await self._tokenizer_gate.run(chars, work, field)
 
+    def refuse_unparsed_if_too_long(self, utf8_bytes: int, field: str) -> InvalidRequestError | None:
+        """The error for a text field of `utf8_bytes` bytes that cannot fit the context whatever it holds: UTF-8
+        spends at most 4 bytes on a character, so such a field has more than `max_prompt_chars` characters. For a
+        request refused from its wire bytes, before it is parsed (the servicer's `prescreen_generate`)."""
+        least_chars = -(-utf8_bytes // 4)
+        if least_chars <= self.max_prompt_chars:
+            return None
+        self._tokenizer_gate.trim_soon()
+        return InvalidRequestError(
+            field,
+            f"{utf8_bytes} bytes of UTF-8 (at least {least_chars} characters) cannot fit this engine's context of "
+            f"{self.engine.max_model_len} tokens (at most {self.max_prompt_chars} characters with this tokenizer); "
+            "refused before parsing",
+        )
+
     def _refuse_unread_if_too_long(self, chars: int, field: str) -> None:
         """InvalidRequestError naming `field` when `chars` characters cannot fit the context, whatever they encode
         to (nothing is tokenized)."""

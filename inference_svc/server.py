@@ -32,7 +32,11 @@ Contract:
   `HOST:PORT` (IPv6 written `[::1]:PORT`). /metrics listens on `metrics_host`, not on `host`.
 - Message size: Inference requests of more than `max_request_bytes` get INVALID_ARGUMENT naming `request`, from
   the byte count alone (they are never parsed); the transport refuses (RESOURCE_EXHAUSTED, without reading them)
-  messages above 4× that.
+  messages above 4× that. A Generate whose text prompt has more than 4 bytes per character of the engine's
+  character limit (`AsyncEngine.max_prompt_chars`) cannot fit, whatever it holds: it is refused from the prompt
+  field's length on the wire (`last_field_length` reads tags and lengths only), before the message is parsed and
+  the prompt becomes a `str`, with INVALID_ARGUMENT naming `prompt`. Shorter ones are parsed and checked by
+  character count, before tokenizing.
 - Large responses hold the GIL in short pieces: a Tokenize response is built and serialized on the tokenizer's
   thread in chunks of `RESPONSE_CHUNK_TOKENS` tokens (concatenated protobuf encodings of one message merge into
   it), so a 300k-token answer does not stall the engine thread's steps for tens of milliseconds at a time.
@@ -135,6 +139,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         expired = remaining is not None and remaining <= 0
         self._owner.metrics.observe_error("DEADLINE_EXCEEDED" if expired else "CANCELLED")
 
+    def prescreen_generate(self, raw: bytes) -> InvalidRequestError | None:
+        """Before a GenerateRequest is parsed: the error when its text prompt's byte length alone proves it cannot
+        fit the loaded engine's context (parsing would copy and decode it first, holding the GIL); else None."""
+        engine = self._owner.engine
+        if engine is None or len(raw) <= 4 * engine.max_prompt_chars:  # too short to decide anything: parse it
+            return None
+        length = last_field_length(raw, _PROMPT_FIELD, _INPUT_FIELDS)
+        return None if length is None else engine.refuse_unparsed_if_too_long(length, "prompt")
+
     async def reject_unread(self, request: _Unread, context: grpc.aio.ServicerContext) -> None:
         """INVALID_ARGUMENT for a request the deserializer did not hand over; counted; bytes that did not parse
         also get one rate-limited log line."""
@@ -229,16 +242,73 @@ def _serialize(message: Message | bytes) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
+_PROMPT_FIELD = pb.GenerateRequest.DESCRIPTOR.fields_by_name["prompt"].number
+_INPUT_FIELDS = frozenset(f.number for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields)
+SCAN_FIELDS = 64
+"""`last_field_length` reads at most this many top-level fields; a message with more is parsed in full."""
+
+
+def last_field_length(raw: bytes, number: int, oneof: frozenset[int], max_fields: int = SCAN_FIELDS) -> int | None:
+    """The byte length of field `number` (length-delimited) as a parse of the protobuf wire bytes `raw` would keep
+    it: the last of the fields of its `oneof` set, which must be `number`. Only tags and lengths are read, never
+    the payloads. None when that is not the outcome or cannot be told cheaply: another member of the oneof comes
+    last, none is present, the bytes are not well-formed wire data, or there are more than `max_fields` fields."""
+    pos, end, last, length = 0, len(raw), None, None
+    try:
+        for _ in range(max_fields):
+            if pos == end:
+                return length if last == number else None
+            key, pos = _varint(raw, pos)
+            field, wire = key >> 3, key & 7
+            if field in oneof:
+                last, length = field, None
+            if wire == 0:
+                _, pos = _varint(raw, pos)
+            elif wire == 2:
+                size, pos = _varint(raw, pos)
+                if field in oneof:
+                    length = size
+                pos += size
+            elif wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+            else:  # groups (3, 4) and invalid types: leave it to the parser
+                return None
+            if pos > end:
+                return None
+    except IndexError:
+        return None
+    return None
+
+
+def _varint(raw: bytes, pos: int) -> tuple[int, int]:
+    """(value, next position) of the base-128 varint at `pos`; IndexError when it runs off the end."""
+    value = shift = 0
+    while True:
+        byte = raw[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint too long")
+
+
 def _safe_deserializer(
-    message_class: type[Message], max_bytes: int | None = None
+    message_class: type[Message],
+    max_bytes: int | None = None,
+    prescreen: Callable[[bytes], InvalidRequestError | None] | None = None,
 ) -> Callable[[bytes], Message | _Unread]:
-    """`message_class.FromString` that never raises: bad bytes, or more than `max_bytes` of them (refused from
-    their count, unparsed), become an `_Unread` the handler answers."""
+    """`message_class.FromString` that never raises: bad bytes, more than `max_bytes` of them (refused from their
+    count, unparsed), or bytes `prescreen` refuses (unparsed) become an `_Unread` the handler answers."""
     type_name = message_class.DESCRIPTOR.name
 
     def deserialize(raw: bytes) -> Message | _Unread:
         if max_bytes is not None and len(raw) > max_bytes:
             return _Unread(InvalidRequestError("request", f"the request is {len(raw)} bytes; the limit is {max_bytes}"))
+        refusal = prescreen(raw) if prescreen is not None else None
+        if refusal is not None:
+            return _Unread(refusal)
         try:
             return message_class.FromString(raw)
         except (DecodeError, UnicodeError) as exc:
@@ -291,7 +361,9 @@ def add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) 
         factory = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[m.name] = factory(
             _guarded(servicer, getattr(servicer, m.name), m.server_streaming),
-            request_deserializer=_safe_deserializer(request_class, max_bytes),
+            request_deserializer=_safe_deserializer(
+                request_class, max_bytes, servicer.prescreen_generate if request_class is pb.GenerateRequest else None
+            ),
             response_serializer=_serialize,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -13,7 +13,7 @@ import pytest
 from inference_svc.errors import CapacityError, InvalidRequestError
 from inference_svc.tokenize_gate import TokenizeGate
 from shared_model.tokenizer import Tokenizer
-from tests.inference_svc.server.conftest import metric_value
+from tests.inference_svc.server.conftest import make_server, metric_value
 
 
 def _code(fn, *args, **kwargs) -> tuple[grpc.StatusCode, str]:
@@ -33,6 +33,54 @@ def test_prompt_longer_than_the_context_could_hold_is_refused_unread(client, ser
     assert engine._tokenizer_gate.encoded_chars == before  # not one character was tokenized
     ok = client.generate("a" * 40, max_new_tokens=2, ignore_eos=True)  # the service is unharmed
     assert len(ok.token_ids) == 2
+
+
+def test_prompt_whose_bytes_prove_it_cannot_fit_is_refused_before_parsing(bundle_dir) -> None:
+    srv = make_server(bundle_dir, max_request_bytes=256 * 1024)  # room for prompts of 4x the character limit
+    try:
+        engine = srv.server.engine
+        assert engine is not None
+        limit = engine.max_prompt_chars
+        with srv.client(timeout=60) as client:
+            for prompt in ("a" * (4 * limit + 1), "\u00e9" * (2 * limit + 1)):  # 1- and 2-byte characters
+                code, details = _code(client.generate, prompt, max_new_tokens=2)
+                assert code == grpc.StatusCode.INVALID_ARGUMENT
+                assert "prompt" in details and "refused before parsing" in details and str(limit) in details
+            assert engine._tokenizer_gate.encoded_chars == 0
+            # bytes that do not prove it (4-byte characters could still fit) go through the parser and its check
+            code, details = _code(client.generate, "a" * (4 * limit), max_new_tokens=2)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "refused before tokenizing" in details
+            assert len(client.generate("a" * 40, max_new_tokens=2, ignore_eos=True).token_ids) == 2
+    finally:
+        srv.close()
+
+
+def test_last_field_length_reads_the_wire_as_the_parser_keeps_it() -> None:
+    from inference_svc.proto_gen import inference_pb2 as pb
+    from inference_svc.server import _INPUT_FIELDS, _PROMPT_FIELD, last_field_length
+
+    def length(message: pb.GenerateRequest | bytes, max_fields: int = 64) -> int | None:
+        raw = message if isinstance(message, bytes) else message.SerializeToString()
+        return last_field_length(raw, _PROMPT_FIELD, _INPUT_FIELDS, max_fields)
+
+    sampling = pb.SamplingParams(temperature=0.5, max_new_tokens=7, stop=["x" * 300])
+    text = pb.GenerateRequest(request_id="r1", prompt="h\u00e9llo" * 100, sampling=sampling)
+    assert length(text) == len(text.prompt.encode())
+    tokens = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=sampling)
+    assert length(tokens) is None  # no text prompt
+    assert length(pb.GenerateRequest(request_id="only")) is None
+    # a field repeated on the wire: the parser keeps the last one, and so does the scan
+    long_text = pb.GenerateRequest(prompt="a" * 1000).SerializeToString()
+    twice = long_text + pb.GenerateRequest(prompt="b").SerializeToString()
+    assert pb.GenerateRequest.FromString(twice).prompt == "b" and length(twice) == 1
+    then_ids = long_text + tokens.SerializeToString()
+    assert pb.GenerateRequest.FromString(then_ids).WhichOneof("input") == "prompt_token_ids"
+    assert length(then_ids) is None
+    raw = text.SerializeToString()
+    assert length(raw[:-5]) is None  # truncated: the parser decides
+    assert length(b"\xff" * 20) is None  # not wire data
+    many = b"".join(pb.GenerateRequest(request_id="x").SerializeToString() for _ in range(70)) + raw
+    assert length(many) is None and length(many, max_fields=200) == len(text.prompt.encode())
 
 
 def test_gate_refuses_beyond_its_budget_before_any_work(small_tokenizer: Tokenizer) -> None:
