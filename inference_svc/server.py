@@ -252,7 +252,8 @@ def last_field_length(raw: bytes, number: int, oneof: frozenset[int], max_fields
     """The byte length of field `number` (length-delimited) as a parse of the protobuf wire bytes `raw` would keep
     it: the last of the fields of its `oneof` set, which must be `number`. Only tags and lengths are read, never
     the payloads. None when that is not the outcome or cannot be told cheaply: another member of the oneof comes
-    last, none is present, the bytes are not well-formed wire data, or there are more than `max_fields` fields."""
+    last, none is present, the bytes are not well-formed wire data (a member with another wire type included),
+    or there are more than `max_fields` fields."""
     pos, end, last, length = 0, len(raw), None, None
     try:
         for _ in range(max_fields):
@@ -260,14 +261,14 @@ def last_field_length(raw: bytes, number: int, oneof: frozenset[int], max_fields
                 return length if last == number else None
             key, pos = _varint(raw, pos)
             field, wire = key >> 3, key & 7
-            if field in oneof:
-                last, length = field, None
+            if field == 0 or (field in oneof and wire != 2):  # invalid, or a oneof member the parser skips
+                return None
             if wire == 0:
                 _, pos = _varint(raw, pos)
             elif wire == 2:
                 size, pos = _varint(raw, pos)
                 if field in oneof:
-                    length = size
+                    last, length = field, size
                 pos += size
             elif wire in (1, 5):
                 pos += 8 if wire == 1 else 4

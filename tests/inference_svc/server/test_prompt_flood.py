@@ -79,6 +79,8 @@ def test_last_field_length_reads_the_wire_as_the_parser_keeps_it() -> None:
     raw = text.SerializeToString()
     assert length(raw[:-5]) is None  # truncated: the parser decides
     assert length(b"\xff" * 20) is None  # not wire data
+    assert length(b"\x10\x05" + raw) is None  # the prompt's number with a varint: the parser decides
+    assert length(b"\x00\x01" + raw) is None  # field number 0 is invalid
     many = b"".join(pb.GenerateRequest(request_id="x").SerializeToString() for _ in range(70)) + raw
     assert length(many) is None and length(many, max_fields=200) == len(text.prompt.encode())
 
