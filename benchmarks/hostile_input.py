@@ -5,9 +5,10 @@ checkout, e.g. a `git worktree` of an earlier commit, to measure "before"), on a
 - flood: a bystander streams tokens; meanwhile `--flood` concurrent Generate calls each send a text prompt of
   `--prompt-mb` MB (inside the default --max-request-bytes) and `--tokenize` Tokenize calls the same text. Reported:
   the bystander's p99 and largest inter-token gap during the flood against its own unloaded p99 (same run), the
-  status codes the flood got, and the server's RSS before and after (goals: p99 < 3x unloaded, largest gap
-  < 250 ms, RSS back within 100 MiB); also the flood's p99 against the p99 of the bystander's own 400 gaps
-  just before the flood (`p99_ratio_same_stream`: same stream, same conditions). Two models: one whose context
+  status codes the flood got, and the server's RSS before and after, its process and its children (the
+  tokenizer process) together (goals: p99 < 3x unloaded, largest gap < 250 ms, RSS back within 100 MiB); also
+  the flood's p99 against the p99 of the bystander's own 400 gaps just before the flood
+  (`p99_ratio_same_stream`: same stream, same conditions). Two models: one whose context
   cannot hold 1 MB of text (refused unread) and one whose context could (the prompts go through the metered
   tokenizer).
 - stops: a bystander's time per output token while `--neighbours` other streams decode with 16 stop strings of
@@ -72,6 +73,18 @@ def _rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def _descendants(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return [k for kid in kids for k in (kid, *_descendants(kid))]
+
+
+def _tree_rss_mib(pid: int) -> float:
+    """The RSS of `pid` and every process under it (the server and its tokenizer process)."""
+    return sum(_rss_mib(p) for p in (pid, *_descendants(pid)))
+
+
 def make_bundle(folder: Path, tokenizer: Tokenizer, max_positions: int) -> Path:
     config = ModelConfig(
         model_type="qwen3", vocab_size=tokenizer.vocab_size, hidden_size=64, num_layers=2, num_heads=4,
@@ -92,6 +105,10 @@ class Server:
             c.wait_until_serving(300)
 
     def rss(self) -> float:
+        """The server's memory: its own process and its children (the tokenizer process)."""
+        return _tree_rss_mib(self.proc.pid)
+
+    def own_rss(self) -> float:
         return _rss_mib(self.proc.pid)
 
     def close(self) -> None:
@@ -147,7 +164,7 @@ def flood_case(
     alone: list[float] = []
     _stream_times(server.target, threading.Event(), alone, max_new_tokens=300, ignore_eos=True)
     unloaded_p99 = _p99(_gaps_ms(alone[1:]))
-    rss_before = server.rss()
+    rss_before, own_before = server.rss(), server.own_rss()
     done, times = threading.Event(), []
     bystander = threading.Thread(
         target=_stream_times, args=(server.target, done, times), kwargs={"max_new_tokens": 4000, "ignore_eos": True}
@@ -176,6 +193,7 @@ def flood_case(
         "rss_before_mib": rss_before,
         "rss_after_mib": server.rss(),
         "rss_growth_mib": server.rss() - rss_before,
+        "server_process_rss_growth_mib": server.own_rss() - own_before,
     }
 
 

@@ -7,8 +7,9 @@ Contract:
 - State has one owner each: the admission counters and the per-request streams belong to the event loop; the
   per-request deadlines, abort causes and inter-token clocks belong to the engine thread.
 - Text is refused before it is tokenized when it has more characters than the context could ever hold
-  (`max_prompt_chars`), and tokenized through a `TokenizeGate`: one worker thread, metered in characters, so a
-  flood of large prompts gets RESOURCE_EXHAUSTED instead of unbounded threads, memory and GIL time.
+  (`max_prompt_chars`), and tokenized through a `TokenizeGate`: one text at a time in a tokenizer process (started
+  with the engine thread), metered in characters, so a flood of large prompts gets RESOURCE_EXHAUSTED instead of
+  unbounded threads, memory and GIL time.
 - Admission control (`AdmissionLimits`): a request is admitted only if the requests still waiting for their first
   token, and their prompt tokens, stay within the limits after adding it; otherwise `CapacityError` is raised and
   nothing about the request exists anywhere (nothing half-admitted). The reservation is released when the request
@@ -182,6 +183,7 @@ class AsyncEngine:
         self._idle.set()
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
+        self._tokenizer_gate.start()  # its tokenizer process, in the background
 
     async def stop(self) -> None:
         """End the engine thread (after `drain`, or abruptly)."""
@@ -283,18 +285,20 @@ class AsyncEngine:
             if not self._streams:
                 self._idle.set()
 
-    async def tokenize(self, text: str, add_bos: bool = False, build: Callable[[list[int]], Any] | None = None) -> Any:
-        """Token ids of `text`, or `build(ids)` computed on the tokenizer's thread (the Tokenize RPC's response),
-        through the metered `TokenizeGate`."""
-        return await self._tokenizer_gate.encode(
-            text, add_bos, build=build, field="prompt" if build is None else "text"
-        )
+    async def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of `text` through the metered `TokenizeGate` (whatever its length)."""
+        return await self._tokenizer_gate.encode(text, add_bos, field="prompt")
 
-    async def tokenize_with(self, chars: int, work: Callable[[], Any], field: str = "messages") -> Any:
-        """`work()` (tokenizer work on about `chars` characters, e.g. a chat's rendering and encoding) through the
-        metered `TokenizeGate`, refused unread like a text prompt when `chars` cannot fit the context."""
+    async def tokenizer_work(self, chars: int, job: Callable[..., Any], *args: Any, field: str = "text") -> Any:
+        """`job(tokenizer, *args)` (an `inference_svc.tokenizer_jobs` function, e.g. the Tokenize RPC's response)
+        metered as `chars` characters by the `TokenizeGate`: in its tokenizer process when long."""
+        return await self._tokenizer_gate.run(chars, job, *args, field=field)
+
+    async def tokenize_with(self, chars: int, job: Callable[..., Any], *args: Any, field: str = "messages") -> Any:
+        """`tokenizer_work` for a prompt (e.g. a chat's rendering and encoding): refused unread like a text prompt
+        when `chars` cannot fit the context."""
         self._refuse_unread_if_too_long(chars, field)
-        return await self._tokenizer_gate.run(chars, work, field)
+        return await self._tokenizer_gate.run(chars, job, *args, field=field)
 
     def refuse_unparsed_if_too_long(self, utf8_bytes: int, field: str) -> InvalidRequestError | None:
         """The error for a text field of `utf8_bytes` bytes that cannot fit the context whatever it holds: UTF-8

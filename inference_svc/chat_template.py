@@ -57,6 +57,7 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import weakref
@@ -206,6 +207,11 @@ class ChatTemplate:
 
     def __repr__(self) -> str:
         return f"ChatTemplate(origin={self.origin!r})"
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled as its source, variables and origin (a compiled template does not pickle): a tokenizer process
+        compiles each template it is sent once."""
+        return _compiled, (self.source, tuple(sorted(self.variables.items())), self.origin)
 
     @classmethod
     def from_folder(cls, folder: str | Path, override: str | Path | None = None) -> ChatTemplate | None:
@@ -359,6 +365,13 @@ class ChatTemplate:
                 "so that text cannot be kept literal; remove it from the message",
             )
         return pieces
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(source: str, variables: tuple[tuple[str, str], ...], origin: str) -> ChatTemplate:
+    """A `ChatTemplate` rebuilt from its pickled parts, compiled once per distinct template (immutable after
+    construction, so one instance serves every caller)."""
+    return ChatTemplate(source, variables=dict(variables), origin=origin)
 
 
 # ---------------------------------------------------------------------------------------------- messages

@@ -7,9 +7,22 @@ the offending field.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class InferenceError(Exception):
-    """Base class of every deliberate inference_svc error."""
+    """Base class of every deliberate inference_svc error. Each pickles as its class, message and attributes
+    (`field`, ...), whatever its constructor takes: a tokenizer process sends them back to the server."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _restore, (type(self), self.args, dict(self.__dict__))
+
+
+def _restore(cls: type[InferenceError], args: tuple[Any, ...], attributes: dict[str, Any]) -> InferenceError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(attributes)
+    return error
 
 
 class InvalidRequestError(InferenceError, ValueError):

@@ -37,9 +37,9 @@ Contract:
   field's length on the wire (`last_field_length` reads tags and lengths only), before the message is parsed and
   the prompt becomes a `str`, with INVALID_ARGUMENT naming `prompt`. Shorter ones are parsed and checked by
   character count, before tokenizing.
-- Large responses hold the GIL in short pieces: a Tokenize response is built and serialized on the tokenizer's
-  thread in chunks of `RESPONSE_CHUNK_TOKENS` tokens (concatenated protobuf encodings of one message merge into
-  it), so a 300k-token answer does not stall the engine thread's steps for tens of milliseconds at a time.
+- A long text's Tokenize response is built and serialized where it is tokenized, in the gate's tokenizer process
+  (`tokenizer_jobs.tokenize_response`), and passed on as bytes: a 300k-token answer costs the server's process
+  no GIL time beyond the copy.
 - Shutdown (`TandemServer.shutdown`, wired to SIGTERM/SIGINT by the CLI): health NOT_SERVING, new requests
   UNAVAILABLE, in-flight ones get `shutdown_grace` seconds, the rest end with UNAVAILABLE, then the port closes.
 """
@@ -65,6 +65,7 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from inference_svc import tokenizer_jobs
 from inference_svc.async_engine import AsyncEngine, FaultHook
 from inference_svc.engine.config import EngineConfig
 from inference_svc.engine.types import Completion, EngineInfo, RequestOutput
@@ -194,17 +195,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
-            engine = self._engine()
-            strings = engine.engine.tokenizer.token_strings()
-
-            def response(ids: list[int]) -> bytes:  # on the tokenizer's thread; the serializer passes bytes on
-                step = RESPONSE_CHUNK_TOKENS
-                chunks = (ids[i : i + step] for i in range(0, len(ids), step))
-                return b"".join(
-                    pb.TokenizeResponse(token_ids=c, tokens=[strings[i] for i in c]).SerializeToString() for c in chunks
-                )
-
-            return await engine.tokenize(request.text, add_bos=request.add_bos, build=response)
+            text = request.text
+            # built where the tokenizer runs (its process, for a long text); the serializer passes the bytes on
+            return await self._engine().tokenizer_work(
+                len(text), tokenizer_jobs.tokenize_response, text, request.add_bos, field="text"
+            )
         except Exception as exc:
             await self._fail(context, exc)
             raise
@@ -223,10 +218,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
 
 # ---------------------------------------------------------------------------------------- registration
-RESPONSE_CHUNK_TOKENS = 8192
-"""Tokens per piece of a Tokenize response: each piece is built and serialized in about a millisecond."""
-
-
 class _Unread:
     """What the request deserializer returns instead of a message: bytes that are not a valid message of the RPC's
     type (`MalformedRequestError`), or more of them than the server reads (`InvalidRequestError`)."""

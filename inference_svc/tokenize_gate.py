@@ -1,26 +1,30 @@
-"""The bounded front of tokenization: text is tokenized on one dedicated thread, metered in characters.
+"""The bounded front of tokenization: long texts are tokenized one at a time, in a child process, metered in characters.
 
 Contract:
-- `TokenizeGate.encode(text, add_bos, build)` returns the token ids of `text`, or `build(ids)` when a
-  `build` is given (e.g. the Tokenize RPC's response with every token's string), computed on the same thread.
-  `run(chars, work)` meters any other tokenizer work the same way (a chat rendered and encoded).
-  Short texts (at most `inline_chars`) run inline on the caller's thread: that costs less than a thread hop.
-  Longer ones run on the gate's own single worker thread, with the GIL released by the tokenizer while it works
-  (`Tokenizer.encode`), so the event loop and the engine thread keep running while a large text is tokenized.
+- `TokenizeGate.run(chars, job, *args)` returns `job(tokenizer, *args)`, a job of `inference_svc.tokenizer_jobs`
+  (encode a prompt, build a Tokenize response, render and encode a chat, decode ids) metered as `chars`
+  characters of tokenizer work; `encode(text, add_bos)` is `run` of the encode job.
+- Short work (at most `inline_chars`) runs inline on the caller's thread: that costs less than any hop.
+- Longer work goes to the gate's single worker thread, which hands it to a `TokenizerProcess`: a child process at
+  lower CPU priority with its own copy of the tokenizer. So a large text costs the server's process no GIL time
+  and no heap beyond the text and the result, and on a busy machine the decode loop gets the cores first.
+  `process=False` (or a child that cannot start, logged once) runs it on the worker thread instead, where
+  `Tokenizer.encode` still releases the GIL while it works. `start()` starts the child ahead of the first long
+  text, in the background.
 - Work is metered in characters: the characters of every long text accepted and not yet finished are summed, and
   a text that would take that sum past `max_pending_chars` is refused at once with `CapacityError` (the gRPC
   layer answers RESOURCE_EXHAUSTED) before any work is done on it; a text longer than the whole budget could
   never pass and gets `InvalidRequestError` naming `field` instead. So a flood of large texts costs at most
-  `max_pending_chars` of queued work and one encoding's memory at a time, not one thread and one copy each.
-  A caller that is cancelled does not stop an encoding already running: its characters stay counted until it ends.
+  `max_pending_chars` of queued work and one encoding at a time, not one thread and one copy each.
+  A caller that is cancelled does not stop work already running: its characters stay counted until it ends.
 - After long texts finish or are refused (`trim_soon`, also called by the async engine when it refuses a text
   unread), the gate asks the C allocator to hand freed memory back to the system (glibc's `malloc_trim`, a second
   later, on the worker thread, once none is in flight; nothing elsewhere): a burst of large requests leaves many
-  freed pages behind that the allocator would otherwise keep.
+  freed pages behind that the allocator would otherwise keep. The child trims its own heap after every job.
 - Meters, owned by the event loop (the only caller), read by tests and reported to `on_meter` (the Prometheus
   metrics) on every change: `pending_chars` (long texts accepted and not finished), `encoded_chars` (all
   characters ever handed to the tokenizer), and `refused`.
-- `close()` stops the worker thread; pending encodings finish first.
+- `close()` stops the worker thread, then the child; pending work finishes first.
 """
 
 from __future__ import annotations
@@ -30,12 +34,17 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from inference_svc import tokenizer_jobs
 from inference_svc.errors import CapacityError, InvalidRequestError
+from inference_svc.tokenizer_process import TokenizerProcess, TokenizerProcessError
 from shared_model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 INLINE_CHARS = 2048
 """Texts up to this many characters are encoded on the caller's thread (well under a millisecond)."""
@@ -52,6 +61,7 @@ class TokenizeGate:
         max_pending_chars: int,
         inline_chars: int = INLINE_CHARS,
         on_meter: Callable[[int, int], None] | None = None,
+        process: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self._on_meter = on_meter  # (pending_chars, encoded_chars) after each change, e.g. to the metrics
@@ -61,26 +71,27 @@ class TokenizeGate:
         self.encoded_chars = 0
         self.refused = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tokenize")
+        self.process: TokenizerProcess | None = TokenizerProcess(tokenizer) if process else None
+        """Where long work runs (None: on the worker thread); used and, on a failed start, dropped by the worker."""
         self._closed = False
         self._trim_timer: asyncio.TimerHandle | None = None
 
-    async def encode(
-        self,
-        text: str,
-        add_bos: bool = False,
-        build: Callable[[list[int]], Any] | None = None,
-        field: str = "prompt",
-    ) -> Any:
-        """Ids of `text` (or `build(ids)`); `field` names the request field in an error (see the module docstring)."""
-        return await self.run(len(text), functools.partial(_encode, self.tokenizer, text, add_bos, build), field)
+    def start(self) -> None:
+        """Start the tokenizer process in the background, so that the first long text does not wait for it."""
+        if self.process is not None:
+            self._pool.submit(self._start_process)
 
-    async def run(self, n: int, work: Callable[[], Any], field: str = "prompt") -> Any:
-        """`work()` metered as tokenizing `n` characters (e.g. rendering and encoding a chat): inline when short,
-        else on the gate's worker within the budget, refused like `encode` beyond it."""
+    async def encode(self, text: str, add_bos: bool = False, field: str = "prompt") -> list[int]:
+        """Ids of `text`; `field` names the request field in an error (see the module docstring)."""
+        return await self.run(len(text), tokenizer_jobs.encode, text, add_bos, field=field)
+
+    async def run(self, n: int, job: Callable[..., Any], *args: Any, field: str = "prompt") -> Any:
+        """`job(tokenizer, *args)` metered as tokenizing `n` characters: inline when short, else in the tokenizer
+        process (or on the worker) within the budget, refused beyond it (see the module docstring)."""
         if n <= self.inline_chars:
             self.encoded_chars += n
             self._meter()
-            return work()
+            return job(self.tokenizer, *args)
         if n > self.max_pending_chars:  # could never pass: not a reason to retry
             self.trim_soon()
             raise InvalidRequestError(
@@ -97,9 +108,25 @@ class TokenizeGate:
         self.pending_chars += n
         self.encoded_chars += n
         self._meter()
-        future = self._pool.submit(work)
+        future = self._pool.submit(self._work, job, args)
         future.add_done_callback(lambda _: _call_soon(loop, self._release, n))
         return await asyncio.wrap_future(future)
+
+    # -- the worker thread
+    def _start_process(self) -> None:
+        if self.process is None:
+            return
+        try:
+            self.process.start()
+        except TokenizerProcessError as exc:
+            log.error("%s: tokenizing long texts on the server's own thread instead", exc)
+            self.process = None
+
+    def _work(self, job: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        self._start_process()
+        if self.process is not None:
+            return self.process.call(job, *args)
+        return job(self.tokenizer, *args)
 
     def _meter(self) -> None:
         if self._on_meter is not None:
@@ -128,11 +155,8 @@ class TokenizeGate:
         if self._trim_timer is not None:
             self._trim_timer.cancel()
         self._pool.shutdown(wait=True)
-
-
-def _encode(tokenizer: Tokenizer, text: str, add_bos: bool, build: Callable[[list[int]], Any] | None) -> Any:
-    ids = tokenizer.encode(text, add_bos)
-    return ids if build is None else build(ids)
+        if self.process is not None:
+            self.process.close()
 
 
 @functools.cache

@@ -43,6 +43,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from inference_svc import tokenizer_jobs
 from inference_svc.async_engine import AsyncEngine
 from inference_svc.chat_template import ChatTemplate
 from inference_svc.engine.types import Completion, FinishReason, RequestOutput, TokenLogprob, Usage
@@ -269,7 +270,7 @@ class _Api:
         else:
             text = req.prompt or ""
             ids = await engine.tokenize_with(
-                len(text), lambda: engine.engine.tokenizer.encode(text, req.add_special_tokens), "prompt"
+                len(text), tokenizer_jobs.encode, text, req.add_special_tokens, field="prompt"
             )
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len})
 
@@ -283,7 +284,7 @@ class _Api:
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError("tokens", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        text = await engine.tokenize_with(len(req.tokens), lambda: engine.engine.tokenizer.decode(req.tokens), "tokens")
+        text = await engine.tokenize_with(len(req.tokens), tokenizer_jobs.decode, req.tokens, field="tokens")
         return JSONResponse({"prompt": text})
 
     # ------------------------------------------------------------------ chat
@@ -318,11 +319,7 @@ class _Api:
             )
         plain = [{**m.model_dump(exclude_none=True), "content": m.content or ""} for m in messages]
         chars = sum(len(json.dumps(m)) for m in plain)
-        tok = engine.engine.tokenizer
-        _, ids = await engine.tokenize_with(
-            chars, lambda: template.encode(plain, tok, add_generation_prompt=add_generation_prompt)
-        )
-        return ids
+        return await engine.tokenize_with(chars, tokenizer_jobs.chat_encode, template, plain, add_generation_prompt)
 
     # ------------------------------------------------------------------ running requests
     async def _collect(self, request: Request, streams: list[AsyncIterator[RequestOutput]], n: int) -> list[Completion]:

@@ -8,11 +8,12 @@ import contextlib
 import io
 import urllib.request
 
-from inference_svc import server as server_module
+from inference_svc import tokenizer_jobs
 from inference_svc.client import AsyncTandemClient
 from inference_svc.client_results import GenerateResult, StreamChunk
 from inference_svc.engine.types import FinishReason
 from inference_svc.generate_cli import generate_main, stream_completion
+from inference_svc.proto_gen import inference_pb2 as pb
 from shared_model.tokenizer import Tokenizer
 from tests.inference_svc.server.conftest import MAX_CONTEXT, MAX_NEW_TOKENS_LIMIT, make_server, metric_value
 
@@ -67,15 +68,16 @@ def test_seeded_sampling_is_reproducible(client) -> None:
     assert list(a.token_ids) == list(b.token_ids)
 
 
-def test_tokenize_response_in_pieces_is_one_message(client, small_tokenizer: Tokenizer, monkeypatch) -> None:
+def test_tokenize_response_in_pieces_is_one_message(small_tokenizer: Tokenizer) -> None:
     """A Tokenize response is serialized in pieces (bounded GIL holds); the pieces parse as one whole message."""
-    monkeypatch.setattr(server_module, "RESPONSE_CHUNK_TOKENS", 3)
     text = "hello world, tokenized in pieces of three tokens each"
-    ids = small_tokenizer.encode(text)
+    ids = small_tokenizer.encode(text, add_bos=True)
     assert len(ids) > 7 and len(ids) % 3  # several pieces and a short last one
-    r = client.tokenize(text)
+    raw = tokenizer_jobs.tokenize_response(small_tokenizer, text, True, chunk_tokens=3)
+    r = pb.TokenizeResponse.FromString(raw)
     assert list(r.token_ids) == ids
     assert list(r.tokens) == [small_tokenizer.id_to_token(i) for i in ids]
+    assert len(raw) > len(r.SerializeToString())  # each piece repeats the packed field's tag and length
 
 
 def test_tokenize(client, small_tokenizer: Tokenizer) -> None:

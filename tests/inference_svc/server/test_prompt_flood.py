@@ -127,7 +127,7 @@ class _HeldTokenizer:
 def test_cancelled_caller_keeps_its_work_metered_until_it_ends(small_tokenizer: Tokenizer) -> None:
     text = "x = [i * i for i in range(10)]\n" * 400
     held = _HeldTokenizer(small_tokenizer)
-    gate = TokenizeGate(held, max_pending_chars=len(text) + 10)  # type: ignore[arg-type]
+    gate = TokenizeGate(held, max_pending_chars=len(text) + 10, process=False)  # type: ignore[arg-type]
 
     async def cancel_one() -> None:
         task = asyncio.create_task(gate.encode(text))
@@ -175,6 +175,8 @@ def test_tokenize_rpc_builds_its_response_through_the_gate(client, server) -> No
     tok = engine.engine.tokenizer
     assert list(r.tokens) == [tok.id_to_token(i) for i in r.token_ids] and all(r.tokens)
     assert engine._tokenizer_gate.encoded_chars == before + len(text)
+    process = engine._tokenizer_gate.process
+    assert process is not None and process.pid is not None  # long work went to the tokenizer process
 
 
 def test_tokenizer_work_is_metered_in_prometheus(client, server) -> None:

@@ -1,0 +1,56 @@
+"""The tokenizer work a `TokenizeGate` runs: module-level functions `job(tokenizer, *args) -> result`.
+
+Contract:
+- Each job takes the tokenizer first and returns a picklable result. Jobs are named by module and function, so a
+  tokenizer process (`inference_svc.tokenizer_process`) can import and run them with its own copy of the tokenizer;
+  their arguments and results travel pickled.
+- The same job gives the same result whether it runs on the caller's thread, the gate's worker thread or the
+  tokenizer process: it depends on nothing but the tokenizer and its arguments.
+- This module imports neither torch nor gRPC (a tokenizer process starts in a fraction of a second): only the
+  tokenizer, the generated protobuf messages and the chat template.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from inference_svc.chat_template import ChatTemplate
+from inference_svc.proto_gen import inference_pb2 as pb
+from shared_model.tokenizer import Tokenizer
+
+RESPONSE_CHUNK_TOKENS = 8192
+"""Tokens per piece of a Tokenize response: each piece is built and serialized in about a millisecond, so a
+thread that builds a long one lets the others run between pieces."""
+
+
+def encode(tokenizer: Tokenizer, text: str, add_bos: bool = False) -> list[int]:
+    """The token ids of `text` (special-token text becomes control tokens, as in transformers)."""
+    return tokenizer.encode(text, add_bos)
+
+
+def decode(tokenizer: Tokenizer, ids: list[int]) -> str:
+    """The text of `ids`."""
+    return tokenizer.decode(ids)
+
+
+def tokenize_response(
+    tokenizer: Tokenizer, text: str, add_bos: bool = False, chunk_tokens: int = RESPONSE_CHUNK_TOKENS
+) -> bytes:
+    """The serialized `TokenizeResponse` for `text`: its ids and every id's vocabulary string, built in pieces
+    of `chunk_tokens` that concatenate to one message (repeated fields append on the wire)."""
+    ids = tokenizer.encode(text, add_bos)
+    strings = tokenizer.token_strings()
+    step = chunk_tokens
+    return b"".join(
+        pb.TokenizeResponse(
+            token_ids=ids[i : i + step], tokens=[strings[t] for t in ids[i : i + step]]
+        ).SerializeToString()
+        for i in range(0, len(ids), step)
+    )
+
+
+def chat_encode(
+    tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict[str, Any]], add_generation_prompt: bool
+) -> list[int]:
+    """The ids of `messages` rendered by `template`; content text never becomes a control token."""
+    return template.encode(messages, tokenizer, add_generation_prompt=add_generation_prompt)[1]
