@@ -50,6 +50,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from inference_svc import tokenizer_jobs
 from inference_svc.engine.engine import check_encoded, check_text_prompt
 from inference_svc.engine.types import MAX_N, EngineInfo, FinishReason, RequestOutput, SamplingParams
 from inference_svc.errors import (
@@ -333,7 +334,10 @@ class AsyncEngine:
             return list(prompt)
         check_text_prompt(prompt)
         self._refuse_unread_if_too_long(len(prompt), "prompt")
-        return check_encoded(await self.tokenize(prompt))
+        ids = await self._tokenizer_gate.run(len(prompt), tokenizer_jobs.encode_prompt, prompt, field="prompt")
+        check_encoded(ids)
+        self.engine.check_prompt_length(len(ids))  # refused while still one compact array
+        return ids.tolist()
 
     def _admit(self, rids: list[str], num_tokens: int, items: asyncio.Queue) -> dict[str, _Stream]:
         """Reserve queue room for `len(rids)` requests of `num_tokens` prompt tokens each, all or none."""

@@ -12,6 +12,7 @@ Contract:
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 from inference_svc.chat_template import ChatTemplate
@@ -26,6 +27,12 @@ thread that builds a long one lets the others run between pieces."""
 def encode(tokenizer: Tokenizer, text: str, add_bos: bool = False) -> list[int]:
     """The token ids of `text` (special-token text becomes control tokens, as in transformers)."""
     return tokenizer.encode(text, add_bos)
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str) -> array:
+    """The ids of a text prompt as a compact `array('i')`: it crosses from a tokenizer process as one block of
+    bytes, and a prompt too long for the context is refused before its ids become a list of Python ints."""
+    return array("i", tokenizer.encode(text))
 
 
 def decode(tokenizer: Tokenizer, ids: list[int]) -> str:

@@ -81,6 +81,11 @@ class Tokenizer:
         self.eos_id = self._id_of(eos_token)
         self.pad_id = self._id_of(pad_token)
 
+    def __getstate__(self) -> dict:
+        """Pickled without the caches built on first use: they are rebuilt where it is unpickled (the literal copy
+        would lose its `encode_special_tokens` flag, which the library does not pickle)."""
+        return {**self.__dict__, "_literal_tk": None, "_token_strings": None, "_max_chars_per_token": None}
+
     def _id_of(self, token: str | None) -> int | None:
         if token is None:
             return None

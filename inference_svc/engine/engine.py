@@ -339,12 +339,6 @@ class Engine:
                 "max_new_tokens",
                 f"{sampling.max_new_tokens} is above this engine's limit of {self.config.max_new_tokens_limit}",
             )
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"the prompt has {len(token_ids)} tokens; this engine's context holds {self.max_model_len} "
-                f"(prompt + at least one generated token), limited by {self._context_limit()}",
-            )
         vocab = self.model_config.vocab_size
         bad_stop = [t for t in sampling.stop_token_ids if t >= vocab]
         if bad_stop:
@@ -368,6 +362,17 @@ class Engine:
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
+    def check_prompt_length(self, num_tokens: int) -> None:
+        """InvalidRequestError when a prompt of `num_tokens` tokens cannot fit the context (prompt + at least one
+        generated token). Reads only what is fixed at load, so any thread may call it (the async engine does,
+        before a long prompt's ids become a list)."""
+        if num_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt has {num_tokens} tokens; this engine's context holds {self.max_model_len} "
+                f"(prompt + at least one generated token), limited by {self._context_limit()}",
+            )
+
     def _context_limit(self) -> str:
         """What sets `max_model_len`, in the words of the setting a user would change."""
         if self.max_model_len == self.model_config.max_position_embeddings:
@@ -379,10 +384,13 @@ class Engine:
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             check_text_prompt(prompt)
-            return check_encoded(self.tokenizer.encode(prompt))
+            ids = check_encoded(self.tokenizer.encode(prompt))
+            self.check_prompt_length(len(ids))
+            return ids
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt_token_ids", "the prompt has no tokens")
+        self.check_prompt_length(len(ids))  # before the scan below, which is as long as the prompt
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:

@@ -52,3 +52,17 @@ def test_errors(tmp_path):
         Tokenizer.load(tmp_path)
     with pytest.raises(TokenizerError, match="vocab_size must be at least 259"):
         Tokenizer.train(["abc"], vocab_size=100)
+
+
+def test_pickled_tokenizer_keeps_plain_and_literal_encoding(small_tokenizer):
+    """A tokenizer process gets its tokenizer pickled: caches built before (the literal copy) must not carry over
+    without their flag. Fails if the literal copy is pickled as is (`<|eos|>` turns into a control token)."""
+    import pickle
+
+    text = f"a {EOS_TOKEN} b"
+    literal = small_tokenizer.encode(text, literal=True)  # builds the literal copy before pickling
+    copy = pickle.loads(pickle.dumps(small_tokenizer))
+    assert copy.encode(text, literal=True) == literal and small_tokenizer.eos_id not in literal
+    assert copy.encode(text) == small_tokenizer.encode(text) and small_tokenizer.eos_id in copy.encode(text)
+    assert copy.token_strings() == small_tokenizer.token_strings()
+    assert copy.max_chars_per_token == small_tokenizer.max_chars_per_token

@@ -179,6 +179,25 @@ def test_tokenize_rpc_builds_its_response_through_the_gate(client, server) -> No
     assert process is not None and process.pid is not None  # long work went to the tokenizer process
 
 
+def test_long_prompt_from_the_tokenizer_process_is_refused_by_its_token_count(client, server) -> None:
+    """A prompt tokenized in the child comes back as one compact array, and one too long for the context is
+    refused by its token count, with the engine's own context message."""
+    engine = server.server.engine
+    gate = engine._tokenizer_gate
+    text = "x = [1, 2]\n" * 150  # 1,650 characters, far more tokens than the 128-token context
+    n = len(engine.engine.tokenizer.encode(text))
+    assert n >= engine.engine.max_model_len and len(text) <= engine.max_prompt_chars
+    before, inline = gate.encoded_chars, gate.inline_chars
+    gate.inline_chars = 100  # so this text goes to the tokenizer process
+    try:
+        code, details = _code(client.generate, text, max_new_tokens=2)
+    finally:
+        gate.inline_chars = inline
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"the prompt has {n} tokens; this engine's context holds {engine.engine.max_model_len}" in details
+    assert gate.encoded_chars == before + len(text)
+
+
 def test_tokenizer_work_is_metered_in_prometheus(client, server) -> None:
     metrics = server.server.metrics
 
