@@ -57,6 +57,7 @@ from inference_svc.errors import (
     CapacityError,
     DeadlineExceededError,
     EngineStoppedError,
+    InferenceError,
     InvalidRequestError,
     RequestFailedError,
 )
@@ -301,20 +302,27 @@ class AsyncEngine:
         self._refuse_unread_if_too_long(chars, field)
         return await self._tokenizer_gate.run(chars, job, *args, field=field)
 
-    def refuse_unparsed_if_too_long(self, utf8_bytes: int, field: str) -> InvalidRequestError | None:
-        """The error for a text field of `utf8_bytes` bytes that cannot fit the context whatever it holds: UTF-8
-        spends at most 4 bytes on a character, so such a field has more than `max_prompt_chars` characters. For a
-        request refused from its wire bytes, before it is parsed (the servicer's `prescreen_generate`)."""
+    @property
+    def prescreen_bytes(self) -> int:
+        """A text field of at most this many bytes is never refused by `refuse_unparsed`, so a request no longer
+        than this need not be scanned before it is parsed."""
+        return 4 * min(self.max_prompt_chars, self._tokenizer_gate.inline_chars)
+
+    def refuse_unparsed(self, utf8_bytes: int, field: str, context: bool = True) -> InferenceError | None:
+        """The error for a text field of `utf8_bytes` bytes that is refused whatever it holds, for a request refused
+        from its wire bytes before it is parsed (the servicer's prescreens). UTF-8 spends at most 4 bytes on a
+        character, so the field has at least a quarter as many characters: when that many cannot fit the context
+        (`context`: a prompt) or cannot pass the `TokenizeGate` now, so would the text. Else None."""
         least_chars = -(-utf8_bytes // 4)
-        if least_chars <= self.max_prompt_chars:
-            return None
-        self._tokenizer_gate.trim_soon()
-        return InvalidRequestError(
-            field,
-            f"{utf8_bytes} bytes of UTF-8 (at least {least_chars} characters) cannot fit this engine's context of "
-            f"{self.engine.max_model_len} tokens (at most {self.max_prompt_chars} characters with this tokenizer); "
-            "refused before parsing",
-        )
+        if context and least_chars > self.max_prompt_chars:
+            self._tokenizer_gate.trim_soon()
+            return InvalidRequestError(
+                field,
+                f"{utf8_bytes} bytes of UTF-8 (at least {least_chars} characters) cannot fit this engine's context "
+                f"of {self.engine.max_model_len} tokens (at most {self.max_prompt_chars} characters with this "
+                "tokenizer); refused before parsing",
+            )
+        return self._tokenizer_gate.refusal(least_chars, field, at_least=True)
 
     def _refuse_unread_if_too_long(self, chars: int, field: str) -> None:
         """InvalidRequestError naming `field` when `chars` characters cannot fit the context, whatever they encode

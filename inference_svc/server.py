@@ -36,7 +36,9 @@ Contract:
   character limit (`AsyncEngine.max_prompt_chars`) cannot fit, whatever it holds: it is refused from the prompt
   field's length on the wire (`last_field_length` reads tags and lengths only), before the message is parsed and
   the prompt becomes a `str`, with INVALID_ARGUMENT naming `prompt`. Shorter ones are parsed and checked by
-  character count, before tokenizing.
+  character count, before tokenizing. In the same way a Generate prompt or a Tokenize text too long for the
+  tokenizer's budget right now (`TokenizeGate.refusal`, from the least characters its bytes can hold) gets
+  RESOURCE_EXHAUSTED unparsed, as it would once parsed.
 - A long text's Tokenize response is built and serialized where it is tokenized, in the gate's tokenizer process
   (`tokenizer_jobs.tokenize_response`), and passed on as bytes: a 300k-token answer costs the server's process
   no GIL time beyond the copy.
@@ -71,6 +73,7 @@ from inference_svc.engine.config import EngineConfig
 from inference_svc.engine.types import Completion, EngineInfo, RequestOutput
 from inference_svc.errors import (
     EngineStoppedError,
+    InferenceError,
     InvalidRequestError,
     MalformedRequestError,
     ServerStartError,
@@ -140,18 +143,29 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         expired = remaining is not None and remaining <= 0
         self._owner.metrics.observe_error("DEADLINE_EXCEEDED" if expired else "CANCELLED")
 
-    def prescreen_generate(self, raw: bytes) -> InvalidRequestError | None:
+    def prescreen_generate(self, raw: bytes) -> InferenceError | None:
         """Before a GenerateRequest is parsed: the error when its text prompt's byte length alone proves it cannot
-        fit the loaded engine's context (parsing would copy and decode it first, holding the GIL); else None."""
+        fit the loaded engine's context, or cannot pass the tokenizer's budget now (parsing would copy and decode
+        it first, holding the GIL); else None."""
+        return self._prescreen(raw, _PROMPT_FIELD, _INPUT_FIELDS, "prompt", context=True)
+
+    def prescreen_tokenize(self, raw: bytes) -> InferenceError | None:
+        """Before a TokenizeRequest is parsed: the error when its text's byte length alone proves it cannot pass
+        the tokenizer's budget now; else None."""
+        return self._prescreen(raw, _TEXT_FIELD, frozenset({_TEXT_FIELD}), "text", context=False)
+
+    def _prescreen(
+        self, raw: bytes, number: int, oneof: frozenset[int], field: str, context: bool
+    ) -> InferenceError | None:
         engine = self._owner.engine
-        if engine is None or len(raw) <= 4 * engine.max_prompt_chars:  # too short to decide anything: parse it
+        if engine is None or len(raw) <= engine.prescreen_bytes:  # too short to refuse whatever it holds: parse it
             return None
-        length = last_field_length(raw, _PROMPT_FIELD, _INPUT_FIELDS)
-        return None if length is None else engine.refuse_unparsed_if_too_long(length, "prompt")
+        length = last_field_length(raw, number, oneof)
+        return None if length is None else engine.refuse_unparsed(length, field, context=context)
 
     async def reject_unread(self, request: _Unread, context: grpc.aio.ServicerContext) -> None:
-        """INVALID_ARGUMENT for a request the deserializer did not hand over; counted; bytes that did not parse
-        also get one rate-limited log line."""
+        """The error for a request the deserializer did not hand over (INVALID_ARGUMENT, or RESOURCE_EXHAUSTED for a
+        tokenizer that is full); counted; bytes that did not parse also get one rate-limited log line."""
         if isinstance(request.error, MalformedRequestError):
             self._owner.malformed_log.note(context.peer(), request.error)
         await self._fail(context, request.error)
@@ -220,11 +234,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 # ---------------------------------------------------------------------------------------- registration
 class _Unread:
     """What the request deserializer returns instead of a message: bytes that are not a valid message of the RPC's
-    type (`MalformedRequestError`), or more of them than the server reads (`InvalidRequestError`)."""
+    type (`MalformedRequestError`), more of them than the server reads (`InvalidRequestError`), or a text the
+    prescreen refuses from its length (`InvalidRequestError`, or `CapacityError` while the tokenizer is full)."""
 
     __slots__ = ("error",)
 
-    def __init__(self, error: MalformedRequestError | InvalidRequestError) -> None:
+    def __init__(self, error: InferenceError) -> None:
         self.error = error
 
 
@@ -234,6 +249,7 @@ def _serialize(message: Message | bytes) -> bytes:
 
 
 _PROMPT_FIELD = pb.GenerateRequest.DESCRIPTOR.fields_by_name["prompt"].number
+_TEXT_FIELD = pb.TokenizeRequest.DESCRIPTOR.fields_by_name["text"].number
 _INPUT_FIELDS = frozenset(f.number for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields)
 SCAN_FIELDS = 64
 """`last_field_length` reads at most this many top-level fields; a message with more is parsed in full."""
@@ -289,7 +305,7 @@ def _varint(raw: bytes, pos: int) -> tuple[int, int]:
 def _safe_deserializer(
     message_class: type[Message],
     max_bytes: int | None = None,
-    prescreen: Callable[[bytes], InvalidRequestError | None] | None = None,
+    prescreen: Callable[[bytes], InferenceError | None] | None = None,
 ) -> Callable[[bytes], Message | _Unread]:
     """`message_class.FromString` that never raises: bad bytes, more than `max_bytes` of them (refused from their
     count, unparsed), or bytes `prescreen` refuses (unparsed) become an `_Unread` the handler answers."""
@@ -347,15 +363,14 @@ def add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) 
     max_bytes = servicer.max_request_bytes
     service = pb.DESCRIPTOR.services_by_name["Inference"]
     handlers: dict[str, grpc.RpcMethodHandler] = {}
+    prescreens = {pb.GenerateRequest: servicer.prescreen_generate, pb.TokenizeRequest: servicer.prescreen_tokenize}
     for m in service.methods:
         request_class = getattr(pb, m.input_type.name)
         assert not m.client_streaming, "no Inference RPC streams requests"
         factory = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[m.name] = factory(
             _guarded(servicer, getattr(servicer, m.name), m.server_streaming),
-            request_deserializer=_safe_deserializer(
-                request_class, max_bytes, servicer.prescreen_generate if request_class is pb.GenerateRequest else None
-            ),
+            request_deserializer=_safe_deserializer(request_class, max_bytes, prescreens.get(request_class)),
             response_serializer=_serialize,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -16,6 +16,8 @@ Contract:
   layer answers RESOURCE_EXHAUSTED) before any work is done on it; a text longer than the whole budget could
   never pass and gets `InvalidRequestError` naming `field` instead. So a flood of large texts costs at most
   `max_pending_chars` of queued work and one encoding at a time, not one thread and one copy each.
+  `refusal(n, at_least=True)` tells the same from a lower bound on a text's length, for a request refused from
+  its wire bytes before it is parsed.
   A caller that is cancelled does not stop work already running: its characters stay counted until it ends.
 - After long texts finish or are refused (`trim_soon`, also called by the async engine when it refuses a text
   unread), the gate asks the C allocator to hand freed memory back to the system (glibc's `malloc_trim`, a second
@@ -40,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from inference_svc import tokenizer_jobs
-from inference_svc.errors import CapacityError, InvalidRequestError
+from inference_svc.errors import CapacityError, InferenceError, InvalidRequestError
 from inference_svc.tokenizer_process import TokenizerProcess, TokenizerProcessError
 from shared_model.tokenizer import Tokenizer
 
@@ -92,18 +94,9 @@ class TokenizeGate:
             self.encoded_chars += n
             self._meter()
             return job(self.tokenizer, *args)
-        if n > self.max_pending_chars:  # could never pass: not a reason to retry
-            self.trim_soon()
-            raise InvalidRequestError(
-                field, f"{n} characters are more than the server tokenizes at once ({self.max_pending_chars})"
-            )
-        if self.pending_chars + n > self.max_pending_chars:
-            self.refused += 1
-            self.trim_soon()
-            raise CapacityError(
-                f"the tokenizer is busy ({self.pending_chars} characters queued, limit {self.max_pending_chars}; "
-                f"this text has {n}); retry later"
-            )
+        refusal = self.refusal(n, field)
+        if refusal is not None:
+            raise refusal
         loop = asyncio.get_running_loop()
         self.pending_chars += n
         self.encoded_chars += n
@@ -111,6 +104,26 @@ class TokenizeGate:
         future = self._pool.submit(self._work, job, args)
         future.add_done_callback(lambda _: _call_soon(loop, self._release, n))
         return await asyncio.wrap_future(future)
+
+    def refusal(self, n: int, field: str = "prompt", at_least: bool = False) -> InferenceError | None:
+        """The error `run` gives a text of `n` characters now (`at_least`: of `n` or more, a bound read from a
+        request's bytes before it is parsed), counted as a refusal; None when it would be accepted."""
+        if n <= self.inline_chars:
+            return None
+        chars = f"at least {n} characters" if at_least else f"{n} characters"
+        if n > self.max_pending_chars:  # could never pass: not a reason to retry
+            self.trim_soon()
+            return InvalidRequestError(
+                field, f"{chars} are more than the server tokenizes at once ({self.max_pending_chars})"
+            )
+        if self.pending_chars + n > self.max_pending_chars:
+            self.refused += 1
+            self.trim_soon()
+            return CapacityError(
+                f"the tokenizer is busy ({self.pending_chars} characters queued, limit {self.max_pending_chars}; "
+                f"this text has {chars}); retry later"
+            )
+        return None
 
     # -- the worker thread
     def _start_process(self) -> None:

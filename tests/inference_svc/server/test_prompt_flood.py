@@ -55,6 +55,23 @@ def test_prompt_whose_bytes_prove_it_cannot_fit_is_refused_before_parsing(bundle
         srv.close()
 
 
+def test_text_beyond_the_tokenizer_budget_is_refused_before_parsing(bundle_dir) -> None:
+    from inference_svc.settings import AdmissionLimits
+
+    srv = make_server(bundle_dir, max_request_bytes=64 * 1024, admission=AdmissionLimits(max_tokenizing_chars=4000))
+    try:
+        gate = srv.server.engine._tokenizer_gate
+        with srv.client(timeout=60) as client:
+            code, details = _code(client.tokenize, "a" * 20000)  # 20,000 bytes: at least 5,000 characters
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert details == "text: at least 5000 characters are more than the server tokenizes at once (4000)"
+            assert gate.encoded_chars == 0
+            emoji = "\U0001f600" * 1000  # 4,000 bytes but 1,000 characters: parsed, tokenized inline
+            assert len(client.tokenize(emoji).token_ids) > 0 and gate.encoded_chars == 1000
+    finally:
+        srv.close()
+
+
 def test_last_field_length_reads_the_wire_as_the_parser_keeps_it() -> None:
     from inference_svc.proto_gen import inference_pb2 as pb
     from inference_svc.server import _INPUT_FIELDS, _PROMPT_FIELD, last_field_length
@@ -96,6 +113,11 @@ def test_gate_refuses_beyond_its_budget_before_any_work(small_tokenizer: Tokeniz
         with pytest.raises(CapacityError, match="tokenizer is busy"):
             await gate.encode(text)
         assert gate.refused == 1 and gate.encoded_chars == len(text)  # the refused text was never tokenized
+        # the same answer from a lower bound on the length (a request's wire bytes), before anything is parsed
+        bound = gate.refusal(2100, at_least=True)
+        assert isinstance(bound, CapacityError) and "this text has at least 2100 characters" in str(bound)
+        assert gate.refusal(2048, at_least=True) is None  # short texts run inline, unmetered
+        assert gate.refused == 2
         assert await first == small_tokenizer.encode(text)
         await asyncio.sleep(0)  # the release is posted from the worker thread
         for _ in range(100):
