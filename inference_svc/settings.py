@@ -76,9 +76,10 @@ class AdmissionLimits:
     max_queued_tokens: int = 262144
     """Most prompt tokens summed over those waiting requests; a request that would exceed it is refused."""
     max_tokenizing_chars: int = 2 * 1024 * 1024
-    """Most characters of long texts being tokenized at once (prompts and Tokenize calls summed, one worker thread:
-    about 1.4 s of one core per million characters); beyond it a request gets RESOURCE_EXHAUSTED before any work
-    is done, and a single text longer than this gets INVALID_ARGUMENT."""
+    """Most characters of long texts being tokenized at once (prompts and Tokenize calls summed, one at a time in
+    a tokenizer process at lower CPU priority: about 1 s of one core per million characters); beyond it a request
+    gets RESOURCE_EXHAUSTED before any work is done (before it is parsed when its bytes prove it), and a single
+    text longer than this gets INVALID_ARGUMENT."""
 
     def __post_init__(self) -> None:
         _check_int("max_queued_requests", self.max_queued_requests, 1)
