@@ -312,7 +312,11 @@ class AsyncEngine:
         """The error for a text field of `utf8_bytes` bytes that is refused whatever it holds, for a request refused
         from its wire bytes before it is parsed (the servicer's prescreens). UTF-8 spends at most 4 bytes on a
         character, so the field has at least a quarter as many characters: when that many cannot fit the context
-        (`context`: a prompt) or cannot pass the `TokenizeGate` now, so would the text. Else None."""
+        (`context`: a prompt) or cannot pass the `TokenizeGate` now, so would the text. Else None, and also while
+        the engine takes no new work (the parsed request is refused as UNAVAILABLE). The other checks of a parsed
+        request (its other fields) come after this one: a request wrong in two ways may hear of this one first."""
+        if not self.lifecycle.accepting:  # parsed, it gets UNAVAILABLE first: so does it here
+            return None
         least_chars = -(-utf8_bytes // 4)
         if context and least_chars > self.max_prompt_chars:
             self._tokenizer_gate.trim_soon()

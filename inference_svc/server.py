@@ -38,7 +38,8 @@ Contract:
   the prompt becomes a `str`, with INVALID_ARGUMENT naming `prompt`. Shorter ones are parsed and checked by
   character count, before tokenizing. In the same way a Generate prompt or a Tokenize text too long for the
   tokenizer's budget right now (`TokenizeGate.refusal`, from the least characters its bytes can hold) gets
-  RESOURCE_EXHAUSTED unparsed, as it would once parsed.
+  RESOURCE_EXHAUSTED unparsed, as its text would once parsed (while the server drains, it is parsed and gets
+  UNAVAILABLE).
 - A long text's Tokenize response is built and serialized where it is tokenized, in the gate's tokenizer process
   (`tokenizer_jobs.tokenize_response`), and passed on as bytes: a 300k-token answer costs the server's process
   no GIL time beyond the copy.

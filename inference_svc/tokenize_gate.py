@@ -26,7 +26,9 @@ Contract:
 - Meters, owned by the event loop (the only caller), read by tests and reported to `on_meter` (the Prometheus
   metrics) on every change: `pending_chars` (long texts accepted and not finished), `encoded_chars` (all
   characters ever handed to the tokenizer), and `refused`.
-- `close()` stops the worker thread, then the child; pending work finishes first.
+- `close()` stops the worker thread, then the child; accepted work finishes first, for up to `CLOSE_GRACE_S`,
+  after which the child is killed (its work fails) so that a shutdown never hangs on it. A job in the child is
+  also killed after a bound scaled by its characters (`CALL_TIMEOUT_S`, `CALL_TIMEOUT_S_PER_CHAR`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from inference_svc import tokenizer_jobs
@@ -50,6 +53,12 @@ log = logging.getLogger(__name__)
 
 INLINE_CHARS = 2048
 """Texts up to this many characters are encoded on the caller's thread (well under a millisecond)."""
+CALL_TIMEOUT_S = 60.0
+CALL_TIMEOUT_S_PER_CHAR = 60e-6
+"""A job in the tokenizer process is killed after `CALL_TIMEOUT_S` plus this per character (about 60x what a
+tokenizer needs on one core): only a hung child takes that long."""
+CLOSE_GRACE_S = 10.0
+"""How long `close()` lets accepted work finish before it kills the tokenizer process."""
 TRIM_DELAY_S = 1.0
 """How long after the last long text the allocator is trimmed (the responses are sent and freed by then)."""
 
@@ -101,7 +110,7 @@ class TokenizeGate:
         self.pending_chars += n
         self.encoded_chars += n
         self._meter()
-        future = self._pool.submit(self._work, job, args)
+        future = self._pool.submit(self._work, job, args, CALL_TIMEOUT_S + n * CALL_TIMEOUT_S_PER_CHAR)
         future.add_done_callback(lambda _: _call_soon(loop, self._release, n))
         return await asyncio.wrap_future(future)
 
@@ -135,10 +144,10 @@ class TokenizeGate:
             log.error("%s: tokenizing long texts on the server's own thread instead", exc)
             self.process = None
 
-    def _work(self, job: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    def _work(self, job: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> Any:
         self._start_process()
         if self.process is not None:
-            return self.process.call(job, *args)
+            return self.process.call(job, *args, timeout=timeout)
         return job(self.tokenizer, *args)
 
     def _meter(self) -> None:
@@ -167,6 +176,12 @@ class TokenizeGate:
         self._closed = True
         if self._trim_timer is not None:
             self._trim_timer.cancel()
+        drained = self._pool.submit(lambda: None)  # done once all work accepted before it is done (one worker)
+        try:
+            drained.result(timeout=CLOSE_GRACE_S)
+        except FutureTimeout:  # a job still running in the child: ended, so that shutdown never hangs
+            if self.process is not None:
+                self.process.kill()
         self._pool.shutdown(wait=True)
         if self.process is not None:
             self.process.close()

@@ -1,27 +1,35 @@
 """A tokenizer in a child process: long texts are tokenized off the server's GIL, CPU priority and heap.
 
 Contract:
-- `TokenizerProcess(tokenizer)` owns at most one child, `python -m inference_svc.tokenizer_process`, started by
-  `start()` or by the first `call`. The child holds its own copy of the tokenizer (sent pickled when it starts)
-  and runs at a lower CPU priority (`NICE` steps), so on a busy machine the server's decode loop gets the cores
-  first. It imports neither torch nor gRPC, and is ready in well under a second.
-- `call(job, *args)` runs `job(tokenizer, *args)` in the child and returns its result. `job` is a module-level
-  function (`inference_svc.tokenizer_jobs`), pickled by name; arguments and result travel pickled over the
-  child's stdin and stdout, one call at a time. Callers serialize their calls: the gate's one worker thread is
-  the only caller. The call blocks with the GIL released while the child works.
+- `TokenizerProcess(tokenizer)` owns at most one child Python process, started by `start()` or by the first
+  `call`. The child resolves modules exactly as the server does (it gets the server's `sys.path` and runs in
+  isolated mode, so neither its working directory nor PYTHONPATH can put other code first), holds its own copy
+  of the tokenizer (sent pickled when it starts) and runs at a lower CPU priority (`NICE` steps), so on a busy
+  machine the server's decode loop gets the cores first. It imports neither torch nor gRPC, and is ready in well
+  under a second.
+- `call(job, *args, timeout=...)` runs `job(tokenizer, *args)` in the child and returns its result. `job` is a
+  module-level function (`inference_svc.tokenizer_jobs`), pickled by name; arguments and result travel pickled
+  over the child's stdin and stdout, one call at a time. Callers serialize their calls: the gate's one worker
+  thread is the only caller. The call blocks with the GIL released while the child works; the server's process
+  still spends GIL time pickling the text and unpickling the result, a copy each.
 - An exception the job raises is raised again by `call`, with its type and attributes (`InvalidRequestError`
-  keeps its `field`); one that does not pickle arrives as a `RequestFailedError` carrying its text.
-- If the child dies mid-call (killed, out of memory), that call raises `RequestFailedError` naming its exit
-  status, and the next call starts a new child (`starts` counts them). Failure to start at all raises
-  `TokenizerProcessError`; the gate then tokenizes on its own thread.
+  keeps its `field`). Any other exception is also logged with its traceback on the child's stderr; one that
+  does not pickle arrives as a `RequestFailedError` with a generic message (clients never see internals).
+- If the child dies mid-call (killed, out of memory), or has not answered within `timeout` seconds and is
+  killed, that call raises `RequestFailedError` naming its exit status, and the next call starts a new child
+  (`starts` counts them; `calls` counts answered jobs). Failure to start at all (or within `START_TIMEOUT_S`)
+  raises `TokenizerProcessError`; the gate then tokenizes on its own thread.
 - After each call the child hands freed heap pages back to the system, so its memory between calls is its
-  baseline, not its largest text.
-- The child ends when its stdin closes: at `close()`, or when the server process ends, however it ends.
+  working set, not its largest text plus everything freed since.
+- The child ignores SIGINT and SIGTERM (a terminal's or a process group's signal is the server's to handle)
+  and ends when its stdin closes: at `close()`, or when the server process ends, however it ends (after the job
+  in hand, if any). `kill()` ends it at once; `close()` ends it for good.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import pickle
@@ -30,8 +38,8 @@ import struct
 import subprocess
 import sys
 import threading
+import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import IO, Any
 
 from inference_svc.errors import InferenceError, RequestFailedError
@@ -42,8 +50,13 @@ NICE = 10
 """How many steps below the server's CPU priority the child runs."""
 START_TIMEOUT_S = 60.0
 """How long a new child may take to import and load the tokenizer before it counts as failed to start."""
+CALL_TIMEOUT_S = 120.0
+"""The default bound on one job; the gate gives each call a bound scaled by its characters."""
 _HEADER = struct.Struct("<Q")  # the byte length of the pickled frame that follows
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # the folder holding inference_svc/ and shared_model/
+_CHILD = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+    "from inference_svc.tokenizer_process import main; sys.exit(main(sys.argv[2:]))"
+)
 
 
 class TokenizerProcessError(InferenceError):
@@ -58,8 +71,11 @@ class TokenizerProcess:
         self.nice = nice
         self.starts = 0
         """Children started so far (more than one means a child died and was replaced)."""
+        self.calls = 0
+        """Jobs the children have answered."""
         self._proc: subprocess.Popen | None = None
-        self._lock = threading.Lock()  # start/close from another thread than the caller's
+        self._closed = False
+        self._lock = threading.Lock()  # start/close/kill from another thread than the caller's
 
     @property
     def pid(self) -> int | None:
@@ -68,16 +84,20 @@ class TokenizerProcess:
         return proc.pid if proc is not None and proc.poll() is None else None
 
     def start(self) -> None:
-        """Start the child unless one is running; `TokenizerProcessError` when it cannot start."""
+        """Start the child unless one is running; `TokenizerProcessError` when it cannot start (or after
+        `close`)."""
         with self._lock:
+            if self._closed:
+                raise TokenizerProcessError("the tokenizer process is closed")
             if self._proc is not None and self._proc.poll() is None:
                 return
             self._proc = None
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-            cmd = [sys.executable, "-m", "inference_svc.tokenizer_process", str(self.nice)]
+            # The child resolves modules as this process does (its sys.path, the working directory made absolute),
+            # and nothing else: isolated mode ignores PYTHONPATH and the working directory of its own.
+            path = json.dumps([os.path.abspath(p) for p in sys.path])
+            cmd = [sys.executable, "-I", "-c", _CHILD, path, str(self.nice)]
             try:
-                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             except OSError as exc:
                 raise TokenizerProcessError(f"cannot start the tokenizer process ({exc})") from exc
             assert proc.stdin is not None and proc.stdout is not None
@@ -85,32 +105,33 @@ class TokenizerProcess:
             timer.start()
             try:
                 _write(proc.stdin, self._payload)
-                ready = _read(proc.stdout)
-            except (OSError, EOFError) as exc:
-                proc.kill()
-                status = proc.wait()
-                raise TokenizerProcessError(f"the tokenizer process exited at start-up ({_status(status)})") from exc
+                ready = pickle.loads(_read(proc.stdout))
+            except Exception as exc:  # died, hung and was killed, or answered garbage
+                status = _end(proc)
+                raise TokenizerProcessError(f"the tokenizer process failed to start ({_status(status)})") from exc
             finally:
                 timer.cancel()
-            if pickle.loads(ready) != "ready":
-                proc.kill()
+            if ready != "ready":
+                _end(proc)
                 raise TokenizerProcessError("the tokenizer process answered its start-up with something else")
             self._proc = proc
             self.starts += 1
             if self.starts > 1:
                 log.warning("tokenizer process restarted (pid %d, start %d)", proc.pid, self.starts)
 
-    def call(self, job: Callable[..., Any], *args: Any) -> Any:
-        """`job(tokenizer, *args)` run in the child (see the module docstring)."""
+    def call(self, job: Callable[..., Any], *args: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
+        """`job(tokenizer, *args)` run in the child (see the module docstring); a child that has not answered
+        within `timeout` seconds is killed, and the call fails like any other death of the child."""
         self.start()
         proc = self._proc
         assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
         try:
             _write(proc.stdin, pickle.dumps((job, args), protocol=pickle.HIGHEST_PROTOCOL))
             reply = _read(proc.stdout)
         except (OSError, EOFError):
-            proc.kill()
-            status = proc.wait()
+            status = _end(proc)
             with self._lock:
                 if self._proc is proc:
                     self._proc = None
@@ -118,27 +139,44 @@ class TokenizerProcess:
             raise RequestFailedError(
                 f"the tokenizer process exited while tokenizing this text ({_status(status)}); retry", logged=True
             ) from None
+        finally:
+            timer.cancel()
+        self.calls += 1
         ok, value = pickle.loads(reply)
         if ok:
             return value
         raise value
 
-    def close(self) -> None:
-        """End the child: its stdin closes and it exits; killed if it has not within a few seconds."""
+    def kill(self) -> None:
+        """Kill the running child now: a call in flight fails, the next call starts a new child."""
         with self._lock:
-            proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        with contextlib.suppress(OSError):
-            assert proc.stdin is not None
-            proc.stdin.close()
-        try:
-            proc.wait(5.0)
-        except subprocess.TimeoutExpired:
+            proc = self._proc
+        if proc is not None:
             proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+
+    def close(self) -> None:
+        """End the child for good: its stdin closes and it exits (killed if it has not within a few seconds);
+        later calls raise `TokenizerProcessError`."""
+        with self._lock:
+            self._closed = True
+            proc, self._proc = self._proc, None
+        if proc is not None:
+            _end(proc, grace=5.0)
+
+
+def _end(proc: subprocess.Popen, grace: float = 0.0) -> int:
+    """Close the child's pipes, let it exit for `grace` seconds, kill it after that; its exit status."""
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
+    if not grace:
+        proc.kill()
+    try:
+        return proc.wait(grace or None)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 def _write(stream: IO[bytes], payload: bytes) -> None:
@@ -167,22 +205,34 @@ def _status(returncode: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the child
-def _reply(job: Callable[..., Any], tokenizer: Any, args: tuple[Any, ...]) -> bytes:
+def _reply(frame: bytes, tokenizer: Any) -> bytes:
+    """The pickled (ok, result or exception) for one pickled (job, args) frame. A service error travels as it is;
+    anything else is logged here with its traceback and travels as its type and message (the server answers it
+    with a generic INTERNAL); what does not pickle becomes a generic `RequestFailedError`."""
+    name = "?"
     try:
+        job, args = pickle.loads(frame)
+        name = getattr(job, "__qualname__", repr(job))
         return pickle.dumps((True, job(tokenizer, *args)), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
+        if not isinstance(exc, InferenceError):
+            traceback.print_exc(file=sys.stderr)
         try:
             reply = pickle.dumps((False, exc), protocol=pickle.HIGHEST_PROTOCOL)
             pickle.loads(reply)  # an exception pickles by its args, which its constructor may not take back
             return reply
         except Exception:
-            failure = RequestFailedError(f"tokenizer job {getattr(job, '__name__', job)!r} failed: {exc}")
+            print(f"tokenizer job {name}: {type(exc).__name__} does not pickle", file=sys.stderr)
+            failure = RequestFailedError(f"the tokenizer failed on this text ({type(exc).__name__})", logged=True)
             return pickle.dumps((False, failure), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def main(argv: list[str]) -> int:
     """The child's loop: read the tokenizer, answer "ready", then one reply per job until stdin closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the server's to handle
+    # A terminal's Ctrl-C and a process group's SIGTERM are the server's to handle: it drains, then closes
+    # this process's stdin, which ends it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(OSError):
         os.nice(int(argv[0]) if argv else NICE)
     requests = sys.stdin.buffer
@@ -195,9 +245,7 @@ def main(argv: list[str]) -> int:
         tokenizer = pickle.loads(_read(requests))
         _write(replies, pickle.dumps("ready"))
         while True:
-            job, args = pickle.loads(_read(requests))
-            reply = _reply(job, tokenizer, args)
-            del job, args
+            reply = _reply(_read(requests), tokenizer)
             _write(replies, reply)
             del reply
             release_free_memory()

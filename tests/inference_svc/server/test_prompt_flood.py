@@ -66,8 +66,9 @@ def test_text_beyond_the_tokenizer_budget_is_refused_before_parsing(bundle_dir) 
             assert code == grpc.StatusCode.INVALID_ARGUMENT
             assert details == "text: at least 5000 characters are more than the server tokenizes at once (4000)"
             assert gate.encoded_chars == 0
-            emoji = "\U0001f600" * 1000  # 4,000 bytes but 1,000 characters: parsed, tokenized inline
-            assert len(client.tokenize(emoji).token_ids) > 0 and gate.encoded_chars == 1000
+            # 8,800 bytes (more than the prescreen skips) of 4-byte characters: 2,200 characters, which pass
+            emoji = "\U0001f600" * 2200
+            assert len(client.tokenize(emoji).token_ids) > 0 and gate.encoded_chars == 2200
     finally:
         srv.close()
 
@@ -191,14 +192,14 @@ def test_text_longer_than_the_whole_budget_is_invalid_not_retryable(small_tokeni
 def test_tokenize_rpc_builds_its_response_through_the_gate(client, server) -> None:
     engine = server.server.engine
     before = engine._tokenizer_gate.encoded_chars
-    text = "for i in range(3):\n    print(i)\n" * 100  # 3,200 characters: above the inline size, on the worker
+    calls = engine._tokenizer_gate.process.calls
+    text = "for i in range(3):\n    print(i)\n" * 100  # 3,200 characters: above the inline size, in the child
     r = client.tokenize(text)
     assert list(r.token_ids) == engine.engine.tokenizer.encode(text)
     tok = engine.engine.tokenizer
     assert list(r.tokens) == [tok.id_to_token(i) for i in r.token_ids] and all(r.tokens)
     assert engine._tokenizer_gate.encoded_chars == before + len(text)
-    process = engine._tokenizer_gate.process
-    assert process is not None and process.pid is not None  # long work went to the tokenizer process
+    assert engine._tokenizer_gate.process.calls == calls + 1  # long work went to the tokenizer process
 
 
 def test_long_prompt_from_the_tokenizer_process_is_refused_by_its_token_count(client, server) -> None:
@@ -209,7 +210,7 @@ def test_long_prompt_from_the_tokenizer_process_is_refused_by_its_token_count(cl
     text = "x = [1, 2]\n" * 150  # 1,650 characters, far more tokens than the 128-token context
     n = len(engine.engine.tokenizer.encode(text))
     assert n >= engine.engine.max_model_len and len(text) <= engine.max_prompt_chars
-    before, inline = gate.encoded_chars, gate.inline_chars
+    before, inline, calls = gate.encoded_chars, gate.inline_chars, gate.process.calls
     gate.inline_chars = 100  # so this text goes to the tokenizer process
     try:
         code, details = _code(client.generate, text, max_new_tokens=2)
@@ -217,7 +218,7 @@ def test_long_prompt_from_the_tokenizer_process_is_refused_by_its_token_count(cl
         gate.inline_chars = inline
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert f"the prompt has {n} tokens; this engine's context holds {engine.engine.max_model_len}" in details
-    assert gate.encoded_chars == before + len(text)
+    assert gate.encoded_chars == before + len(text) and gate.process.calls == calls + 1
 
 
 def test_tokenizer_work_is_metered_in_prometheus(client, server) -> None:
