@@ -27,8 +27,9 @@ Contract:
   metrics) on every change: `pending_chars` (long texts accepted and not finished), `encoded_chars` (all
   characters ever handed to the tokenizer), and `refused`.
 - `close()` stops the worker thread, then the child; accepted work finishes first, for up to `CLOSE_GRACE_S`,
-  after which the child is killed (its work fails) so that a shutdown never hangs on it. A job in the child is
-  also killed after a bound scaled by its characters (`CALL_TIMEOUT_S`, `CALL_TIMEOUT_S_PER_CHAR`).
+  after which work still queued is cancelled and the child is killed (its job fails), so that a shutdown never
+  hangs on it. A job in the child is also killed after a bound scaled by its characters (`CALL_TIMEOUT_S`,
+  `CALL_TIMEOUT_S_PER_CHAR`).
 """
 
 from __future__ import annotations
@@ -173,13 +174,16 @@ class TokenizeGate:
             self._pool.submit(release_free_memory)
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         if self._trim_timer is not None:
             self._trim_timer.cancel()
         drained = self._pool.submit(lambda: None)  # done once all work accepted before it is done (one worker)
         try:
             drained.result(timeout=CLOSE_GRACE_S)
-        except FutureTimeout:  # a job still running in the child: ended, so that shutdown never hangs
+        except FutureTimeout:  # work still running: queued work cancelled, the child's job ended with the child
+            self._pool.shutdown(wait=False, cancel_futures=True)
             if self.process is not None:
                 self.process.kill()
         self._pool.shutdown(wait=True)
