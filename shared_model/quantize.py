@@ -23,9 +23,14 @@ Contract:
 - `QuantizedLinear(x)` = x @ Wᵀ (+ bias) for x [..., in], computed in bf16 (or fp16 when the model is fp16) and
   returned in x's dtype: torch's CPU kernels are vectorized for 16-bit activations only (fp32 activations take a
   scalar path 10x slower), and the weight's rounding dominates the activation's anyway.
-  - Up to `PACKED_MAX_ROWS` rows (decode steps): torch's packed weight-only kernels, which read the quantized
-    bytes and nothing else: `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` on CPU, `_weight_int4pack_mm`
-    on CUDA. Their cost grows with every row, so
+  - One row of int8 on a CPU with AVX-512 VNNI (a batch-1 decode step; `int8_row_kernel`):
+    `shared_model.int8_gemv`, which also rounds the activation row to int8, in groups of up to 256 inputs with
+    one scale each, and multiplies bytes by bytes, as llama.cpp's Q8_0 does. So on such CPUs an int8 layer's
+    single-row output carries the activation's rounding too (at most half a step of max|x_g| / 127 per input);
+    its reference (`fake_quantized`) applies the same rounding.
+  - Otherwise up to `PACKED_MAX_ROWS` rows (decode steps): torch's packed weight-only kernels, which read the
+    quantized bytes and nothing else: `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` on CPU,
+    `_weight_int4pack_mm` on CUDA. Their cost grows with every row, so
   - more rows (prefill chunks): the matrix is dequantized into the compute dtype for this call and multiplied by
     the dense GEMM. For int4 on CPU that unpacks torch's packed layout, which `QuantizedLinear` checks against the
     codes when it is built; where the layout is not the one expected (another CPU capability), it runs the packed
@@ -44,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared_model import int8_gemv
 from shared_model.fuse import fuse_projections
 from shared_model.ledger import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZATIONS
 from shared_model.model import CausalLM
@@ -112,6 +118,12 @@ def compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+def int8_row_kernel(in_features: int, device: torch.device) -> bool:
+    """Whether an int8 layer of `in_features` inputs on `device` runs one activation row through
+    `shared_model.int8_gemv` (activations rounded to int8 in groups), which its reference then models too."""
+    return device.type == "cpu" and int8_gemv.activation_group(in_features) is not None and int8_gemv.available()
+
+
 def _has_kernel(op: str, device: torch.device) -> bool:
     key = "CUDA" if device.type == "cuda" else device.type.upper()
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)
@@ -132,11 +144,13 @@ class QuantizedLinear(nn.Module):
         device = weight.device
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self._int4_block_rows = 0  # int4 on CPU: rows per block of torch's packed layout, 0 when not recognized
+        self._row_kernel = False  # int8 on a VNNI CPU: one row runs `shared_model.int8_gemv`
         if kind == "int8":
             q, scales = quantize_int8(weight)
             self.register_buffer("qweight", q)  # [N, K] int8
             self.register_buffer("scales", scales.to(self.dtype))  # [N]
             self._packed_kernel = _has_kernel("_weight_int8pack_mm", device)
+            self._row_kernel = int8_row_kernel(self.in_features, device)
         else:
             q, scales, zeros = quantize_int4(weight, group_size)
             # [G, N, 2]: each group's scale and zero for every output row, as the kernels take them
@@ -156,7 +170,9 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
-        if x2.shape[0] <= PACKED_MAX_ROWS:
+        if self._row_kernel and x2.shape[0] == 1:
+            y = int8_gemv.int8_gemv(x2[0].float(), self.qweight, self.scales).to(self.dtype)[None]  # [1, N]
+        elif x2.shape[0] <= PACKED_MAX_ROWS:
             y = self._packed(x2)
         elif self.kind == "int8" or self._int4_block_rows or self.qweight.device.type == "cuda":
             y = F.linear(x2, self.dequantize())
@@ -264,16 +280,24 @@ class DequantizedLinear(nn.Module):
     input and output rounded to the compute dtype; past `PACKED_MAX_ROWS` rows the weight too, as the dequantized
     path multiplies in that dtype) around a plain fp32 matmul. Only the order of the sums differs."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute: torch.dtype) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, compute: torch.dtype, row_kernel: bool = False
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.float(), requires_grad=False)  # [N, K]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.compute = compute
+        self.row_kernel = row_kernel  # a single row's activation is rounded to int8, as `int8_gemv` does
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         weight = self.weight if rows <= PACKED_MAX_ROWS else self.weight.to(self.compute).float()
-        y = F.linear(x.to(self.compute).float(), weight).to(self.compute)
+        xc = x.to(self.compute).float()
+        if self.row_kernel and rows == 1:
+            group = int8_gemv.activation_group(x.shape[-1])
+            assert group is not None
+            xc = int8_gemv.quantize_activation(xc.reshape(-1), group).view(xc.shape)
+        y = F.linear(xc, weight).to(self.compute)
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
 
@@ -290,8 +314,8 @@ def fake_quantized(model: CausalLM, kind: str, group_size: int = DEFAULT_GROUP_S
     def reference(linear: nn.Linear, as_kind: str) -> DequantizedLinear:
         if as_kind == "int8":
             w = dequantize_int8(*quantize_int8(linear.weight), stored)
-        else:
-            w = dequantize_int4(*quantize_int4(linear.weight, group_size), group_size, stored)
+            return DequantizedLinear(w, linear.bias, stored, int8_row_kernel(w.shape[1], w.device))
+        w = dequantize_int4(*quantize_int4(linear.weight, group_size), group_size, stored)
         return DequantizedLinear(w, linear.bias, stored)
 
     with torch.no_grad():

@@ -1,0 +1,85 @@
+// One row times an int8 weight, with AVX-512 VNNI: y[n] = scale[n] * sum_g s_g * sum_{k in g} w[n, k] * xq[k].
+//
+// The activation row x is quantized once per call to int8 in groups of `group` inputs (s_g = max|x_g| / 127,
+// xq = nearbyint(x * (1 / s_g)), as shared_model/int8_gemv.py's reference does); each group's int8 dot products
+// run on vpdpbusd (unsigned x signed bytes: |xq| times w with xq's sign moved onto w), are summed in int32 over
+// the group (at most 256 products of |127| x |127|: no overflow), then scaled in fp32. Eight weight rows share
+// each load of the activation's bytes. Rows are split over torch's intra-op threads.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 8;  // weight rows per pass over the activation
+
+torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales, int64_t group) {
+  TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(), "int8_gemv: x must be fp32 [K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(), "int8_gemv: w must be int8 [N, K]");
+  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "int8_gemv: scales must be fp32 [N]");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(x.size(0) == k && scales.size(0) == n, "int8_gemv: shapes do not match");
+  TORCH_CHECK(group % 64 == 0 && group <= 256 && k % group == 0, "int8_gemv: group must be 64, 128 or 256 and divide K");
+  const int64_t groups = k / group, regs = group / 64;
+
+  // The activation: |xq| 64-byte aligned, the sign of each byte as a mask, one scale per group.
+  std::vector<int8_t> abs_buffer(k + 64);
+  auto* xabs = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(abs_buffer.data()) + 63) & ~uintptr_t(63));
+  std::vector<__mmask64> negative(k / 64);
+  std::vector<float> group_scale(groups);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t g = 0; g < groups; ++g) {
+    float amax = 0.f;
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) amax = std::max(amax, std::fabs(xp[i]));
+    const float s = amax / 127.f;
+    group_scale[g] = s;
+    const float inv = s > 0.f ? 1.f / s : 0.f;
+    for (int64_t i = g * group; i < (g + 1) * group; i += 64) {
+      alignas(64) int8_t q[64];
+      for (int j = 0; j < 64; ++j) q[j] = static_cast<int8_t>(std::nearbyint(xp[i + j] * inv));
+      const __m512i qv = _mm512_load_si512(q);
+      negative[i / 64] = _mm512_movepi8_mask(qv);
+      _mm512_store_si512(xabs + i, _mm512_abs_epi8(qv));
+    }
+  }
+
+  auto y = torch::empty({n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  at::parallel_for(0, (n + kRows - 1) / kRows, 64 / kRows, [&](int64_t begin, int64_t end) {
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t pass = begin; pass < end; ++pass) {
+      const int64_t r0 = pass * kRows, rows = std::min(kRows, n - r0);
+      __m512 acc[kRows];
+      for (int64_t i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512i dot[kRows];
+        for (int64_t i = 0; i < kRows; ++i) dot[i] = zero;
+        for (int64_t r = 0; r < regs; ++r) {
+          const int64_t off = g * group + r * 64;
+          const __m512i xa = _mm512_load_si512(xabs + off);
+          const __mmask64 neg = negative[off / 64];
+          for (int64_t i = 0; i < rows; ++i) {
+            const __m512i wv = _mm512_loadu_si512(wp + (r0 + i) * k + off);
+            dot[i] = _mm512_dpbusd_epi32(dot[i], xa, _mm512_mask_sub_epi8(wv, neg, zero, wv));
+          }
+        }
+        const __m512 s = _mm512_set1_ps(group_scale[g]);
+        for (int64_t i = 0; i < rows; ++i) acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), s, acc[i]);
+      }
+      for (int64_t i = 0; i < rows; ++i) yp[r0 + i] = _mm512_reduce_add_ps(acc[i]) * sp[r0 + i];
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int8_gemv", &int8_gemv, "one fp32 row times an int8 weight (VNNI)"); }

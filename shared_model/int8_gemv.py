@@ -1,0 +1,120 @@
+"""An int8 GEMV for one activation row on CPUs with AVX-512 VNNI: the batch-1 decode step of an int8 model.
+
+Contract:
+- `int8_gemv(x, q, scales)`: x fp32 `[K]`, q int8 `[N, K]` (contiguous), scales fp32 `[N]` → fp32 `[N]` =
+  scales · (q @ quantize_activation(x)): the activation row is rounded to int8 in groups of `activation_group(K)`
+  inputs (one scale per group, max|x| / 127), as llama.cpp rounds activations for its Q8 dot products, and the
+  products run as int8 × int8 on `vpdpbusd`. `reference(x, q, scales)` is the same in plain torch (fp32 sums in
+  another order); the tests hold the kernel to it.
+- Registered as the custom op `tandem::int8_gemv` (a fake for tracing), so a compiled decode step calls it as
+  an extern kernel.
+- `available()`: True when this machine can run it: x86-64 Linux with the avx512bw and avx512_vnni CPU flags, a
+  C++ compiler, and the extension built. It is built on first use with torch's extension builder, from
+  `int8_gemv.cpp` beside this file, into `~/.cache/tandem/cpu_kernels/<hash>` (the hash covers the source, the
+  flags and torch's version), so later processes load it in about a second. Any failure is logged once and makes
+  it False: callers fall back to torch's kernels. `TANDEM_INT8_GEMV=0` turns it off.
+- Only rows whose length K is a multiple of 64 qualify (`activation_group(K)` is None otherwise).
+- Why: torch's `_weight_int8pack_mm` converts every weight to fp32 and multiplies there; at one row it reads
+  8–11 GB/s on the 2-core VM. This kernel multiplies bytes, and reads 13–18 GB/s there (docs/benchmarks.md §7).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("int8_gemv.cpp")
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma", "-fopenmp"]
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+
+
+def activation_group(k: int) -> int | None:
+    """Inputs per activation scale for rows of length `k`: the largest of 256, 128, 64 dividing it, else None."""
+    return next((g for g in (256, 128, 64) if k % g == 0), None)
+
+
+def quantize_activation(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x fp32 `[K]` rounded as the kernel rounds it, back in fp32: per group s = max|x| / 127, x ≈ s·round(x/s)."""
+    xg = x.float().view(-1, group)  # [G, group]
+    s = xg.abs().amax(dim=1, keepdim=True) / 127  # [G, 1]
+    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+    return (torch.round(xg * inv) * s).view(-1)
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What `int8_gemv` computes, in plain torch."""
+    group = activation_group(q.shape[1])
+    assert group is not None
+    return (q.float() @ quantize_activation(x, group)) * scales.float()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+@functools.cache
+def _extension() -> Any | None:
+    """The built extension, or None (logged once) where it cannot run or be built."""
+    if os.environ.get("TANDEM_INT8_GEMV", "1") == "0":
+        return None
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        log.info("int8 GEMV kernel not used: the CPU lacks %s", ", ".join(missing))
+        return None
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        log.warning("int8 GEMV kernel not built: no C++ compiler (set CXX); using torch's int8 kernel")
+        return None
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode())
+    build = Path.home() / ".cache" / "tandem" / "cpu_kernels" / digest.hexdigest()[:16]
+    try:
+        from torch.utils.cpp_extension import load
+
+        build.mkdir(parents=True, exist_ok=True)
+        return load(
+            name="tandem_int8_gemv",
+            sources=[str(SOURCE)],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+            verbose=False,
+        )
+    except Exception as exc:  # a failed build must not stop serving: torch's kernel is correct, only slower
+        log.warning("int8 GEMV kernel could not be built (%s: %s); using torch's int8 kernel", type(exc).__name__, exc)
+        return None
+
+
+def available() -> bool:
+    """Whether `int8_gemv` can run here (builds the extension on first call; see the module docstring)."""
+    return _extension() is not None
+
+
+@torch.library.custom_op("tandem::int8_gemv", mutates_args=())
+def int8_gemv(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """scales · (q @ quantize_activation(x)), fp32 `[N]` (see the module docstring)."""
+    group = activation_group(q.shape[1])
+    ext = _extension()
+    if ext is None or group is None:
+        raise RuntimeError("int8_gemv is not available here (check available() and activation_group() first)")
+    return ext.int8_gemv(x.float().contiguous(), q, scales.float().contiguous(), group)
+
+
+@int8_gemv.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((q.shape[0],), dtype=torch.float32)

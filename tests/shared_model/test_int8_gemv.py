@@ -1,0 +1,57 @@
+"""The VNNI int8 GEMV against its plain-torch reference, the rule for where it runs, and its use by an int8 layer
+(eager and compiled). Skipped where the CPU lacks AVX-512 VNNI (torch's int8 kernel then runs, tested elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared_model import int8_gemv
+from shared_model.quantize import DequantizedLinear, QuantizedLinear, dequantize_int8, quantize_int8
+
+needs_kernel = pytest.mark.skipif(not int8_gemv.available(), reason="needs AVX-512 VNNI and a C++ compiler")
+
+
+def test_activation_group_is_the_largest_dividing_block() -> None:
+    assert [int8_gemv.activation_group(k) for k in (768, 2048, 896, 320, 64, 96)] == [256, 256, 128, 64, 64, None]
+
+
+def test_quantize_activation_rounds_each_group_to_127_steps() -> None:
+    x = torch.cat([torch.linspace(-3, 3, 64), torch.zeros(64)])
+    xq = int8_gemv.quantize_activation(x, 64)
+    step = 3 / 127
+    assert torch.allclose(xq[:64] / step, torch.round(xq[:64] / step), atol=1e-4)  # on the group's grid
+    assert (xq[:64] - x[:64]).abs().max() <= step / 2 + 1e-6
+    assert torch.equal(xq[64:], torch.zeros(64))  # an all-zero group stays zero (no division by zero)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k"), [(13, 64), (8, 128), (1283, 768), (96, 2048), (64, 896)])
+def test_kernel_matches_its_reference(n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n * k)
+    x = torch.randn(k, generator=g) * torch.rand(k, generator=g) * 4  # groups of different ranges
+    x[: min(64, k)] = 0.0  # one all-zero group
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = torch.rand(n, generator=g) / 100
+    y, ref = int8_gemv.int8_gemv(x, q, scales), int8_gemv.reference(x, q, scales)
+    assert y.dtype == torch.float32 and y.shape == (n,)
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()  # the same products, summed in another order
+    exact = (q.float() @ x) * scales
+    assert (y - exact).abs().max() <= 0.02 * exact.abs().max()  # and close to the unrounded activation
+
+
+@needs_kernel
+@pytest.mark.parametrize("compiled", [False, True])
+def test_int8_layer_runs_one_row_through_the_kernel(compiled: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 256, generator=g)
+    layer = QuantizedLinear(weight, None, "int8", 64, torch.bfloat16)
+    assert layer._row_kernel
+    ref = DequantizedLinear(dequantize_int8(*quantize_int8(weight), torch.bfloat16), None, torch.bfloat16, True)
+    x = torch.randn(1, 256, generator=g, dtype=torch.bfloat16)
+    fn = torch.compile(layer, fullgraph=True) if compiled else layer  # fullgraph: the custom op does not break it
+    y = fn(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (1, 96)
+    assert torch.allclose(y.float(), ref(x).float(), rtol=1e-2, atol=1e-2)  # bf16 outputs
+    two = torch.randn(2, 256, generator=g, dtype=torch.bfloat16)  # two rows: torch's kernel, no activation rounding
+    assert torch.allclose(layer(two).float(), ref(two).float(), rtol=1e-2, atol=1e-2)
