@@ -82,4 +82,9 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& w, const to
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int8_gemv", &int8_gemv, "one fp32 row times an int8 weight (VNNI)"); }
+// The GIL is released while it runs (it touches no Python object): a server's other threads keep running, as they
+// do during torch's own ops.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_gemv", &int8_gemv, "one fp32 row times an int8 weight (VNNI)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+}
