@@ -2,7 +2,8 @@
 
 Times one activation row against `--matrices` weight matrices of `--rows` x `--cols` (more than the caches hold
 with the defaults' 12 x 4096 x 768 in fp32), best of `--rounds` interleaved rounds so that every kernel sees the
-same machine load, for: `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (through `QuantizedLinear`'s own
+same machine load, for: `shared_model.int8_gemv` (the VNNI kernel an int8 layer runs for one row, where the CPU
+has it), `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (through `QuantizedLinear`'s own
 packing) with bf16 activations, `F.linear` in fp32 and bf16, and `torch.mv` in bf16 (what `ServingLinear` runs
 for one bf16 row). The figures of docs/benchmarks.md §7 ("Torch's packed kernels are compute-bound here").
 
@@ -19,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from shared_model import int8_gemv
 from shared_model.quantize import QuantizedLinear
 
 
@@ -41,6 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     bf16 = [w.bfloat16() for w in dense]
     cases: dict[str, tuple[Callable[[], object], float]] = {
         "_weight_int8pack_mm, bf16 x": (lambda: [q._packed(x16) for q in int8], n * k),
+        **(
+            {
+                "tandem::int8_gemv (VNNI), int8 x": (
+                    lambda: [int8_gemv.int8_gemv(x32[0], q.qweight, q.scales) for q in int8],
+                    n * k,
+                )
+            }
+            if int8_gemv.available() and int8_gemv.activation_group(k)
+            else {}
+        ),
         "_weight_int4pack_mm_for_cpu, bf16 x": (lambda: [q._packed(x16) for q in int4], n * k / 2),
         "F.linear fp32": (lambda: [F.linear(x32, w) for w in dense], n * k * 4),
         "F.linear bf16": (lambda: [F.linear(x16, w) for w in bf16], n * k * 2),
