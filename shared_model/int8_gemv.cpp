@@ -1,4 +1,4 @@
-// One row times an int8 weight, with AVX-512 VNNI: y[n] = scale[n] * sum_g s_g * sum_{k in g} w[n, k] * xq[k].
+// One row times an int8 weight (values in [-127, 127], as shared_model.quantize makes them), with AVX-512 VNNI: y[n] = scale[n] * sum_g s_g * sum_{k in g} w[n, k] * xq[k].
 //
 // The activation row x is quantized once per call to int8 in groups of `group` inputs (s_g = max|x_g| / 127,
 // xq = nearbyint(x * (1 / s_g)), as shared_model/int8_gemv.py's reference does); each group's int8 dot products
@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -24,8 +25,10 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& w, const to
   TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
               "int8_gemv: scales must be fp32 [N]");
   const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(x.is_cpu() && w.is_cpu() && scales.is_cpu(), "int8_gemv: CPU tensors only");
   TORCH_CHECK(x.size(0) == k && scales.size(0) == n, "int8_gemv: shapes do not match");
-  TORCH_CHECK(group % 64 == 0 && group <= 256 && k % group == 0, "int8_gemv: group must be 64, 128 or 256 and divide K");
+  TORCH_CHECK(group > 0 && group % 64 == 0 && group <= 256 && k % group == 0,
+              "int8_gemv: group must be 64, 128 or 256 and divide K");
   const int64_t groups = k / group, regs = group / 64;
 
   // The activation: |xq| 64-byte aligned, the sign of each byte as a mask, one scale per group.
@@ -36,13 +39,23 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& w, const to
   const float* xp = x.data_ptr<float>();
   for (int64_t g = 0; g < groups; ++g) {
     float amax = 0.f;
-    for (int64_t i = g * group; i < (g + 1) * group; ++i) amax = std::max(amax, std::fabs(xp[i]));
+    bool finite = true;
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+      finite = finite && std::isfinite(xp[i]);
+      amax = std::max(amax, std::fabs(xp[i]));
+    }
+    // A group holding NaN or Inf gets a NaN scale, so every output is NaN, as the float product would be (the
+    // sampler then refuses the row). A group too small for its reciprocal counts as zero, as in the reference.
     const float s = amax / 127.f;
-    group_scale[g] = s;
-    const float inv = s > 0.f ? 1.f / s : 0.f;
+    const bool zero = !(s >= std::numeric_limits<float>::min());
+    group_scale[g] = finite ? (zero ? 0.f : s) : std::numeric_limits<float>::quiet_NaN();
+    const float inv = finite && !zero ? 1.f / s : 0.f;
     for (int64_t i = g * group; i < (g + 1) * group; i += 64) {
       alignas(64) int8_t q[64];
-      for (int j = 0; j < 64; ++j) q[j] = static_cast<int8_t>(std::nearbyint(xp[i + j] * inv));
+      for (int j = 0; j < 64; ++j) {
+        const float r = std::nearbyint(xp[i + j] * inv);  // within [-127, 127]; 0 for a non-finite group
+        q[j] = static_cast<int8_t>(std::isfinite(r) ? std::clamp(r, -127.f, 127.f) : 0.f);
+      }
       const __m512i qv = _mm512_load_si512(q);
       negative[i / 64] = _mm512_movepi8_mask(qv);
       _mm512_store_si512(xabs + i, _mm512_abs_epi8(qv));

@@ -9,13 +9,17 @@ Contract:
 - Registered as the custom op `tandem::int8_gemv` (a fake for tracing), so a compiled decode step calls it as
   an extern kernel.
 - `available()`: True when this machine can run it: x86-64 Linux with the avx512bw and avx512_vnni CPU flags, a
-  C++ compiler, and the extension built. It is built on first use with torch's extension builder, from
-  `int8_gemv.cpp` beside this file, into `~/.cache/tandem/cpu_kernels/<hash>` (the hash covers the source, the
-  flags and torch's version), so later processes load it in about a second. Any failure is logged once and makes
-  it False: callers fall back to torch's kernels. `TANDEM_INT8_GEMV=0` turns it off.
+  C++ compiler and ninja, and the extension built. It is built on first use with torch's extension builder,
+  from `int8_gemv.cpp` beside this file, into `~/.cache/tandem/cpu_kernels/<hash>` (the hash covers the source,
+  the flags, torch's and Python's versions and the compiler), so later processes load it in about a second
+  (the first build takes about 30 s). A build lock left by a process killed mid-build is removed after
+  `STALE_LOCK_S`. Any failure is logged once and makes it False: callers fall back to torch's kernels.
+  `TANDEM_INT8_GEMV=0` turns it off.
 - Only rows whose length K is a multiple of 64 qualify (`activation_group(K)` is None otherwise).
-- Why: torch's `_weight_int8pack_mm` converts every weight to fp32 and multiplies there; at one row it reads
-  8–11 GB/s on the 2-core VM. This kernel multiplies bytes, and reads 13–18 GB/s there (docs/benchmarks.md §7).
+- Why: torch's `_weight_int8pack_mm` converts every weight to fp32 and multiplies there. On the 2-core VM
+  (`benchmarks/gemv_probe.py`) this kernel, which multiplies bytes, was 1.47–1.52x faster: 23.7 against 16.2
+  GB/s, and 15.6 against 10.2 GB/s on a set larger than the caches (docs/benchmarks.md §7).
+- A row holding NaN or Inf gives NaN outputs (its groups' scales are NaN), as a float product would.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import logging
 import os
 import platform
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("int8_gemv.cpp")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma", "-fopenmp"]
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+STALE_LOCK_S = 600.0
+"""A build lock older than this was left by a process that died while building."""
 
 
 def activation_group(k: int) -> int | None:
@@ -44,11 +52,15 @@ def activation_group(k: int) -> int | None:
 
 
 def quantize_activation(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x fp32 `[K]` rounded as the kernel rounds it, back in fp32: per group s = max|x| / 127, x ≈ s·round(x/s)."""
+    """x fp32 `[K]` rounded as the kernel rounds it, back in fp32: per group s = max|x| / 127, x ≈ s·round(x/s);
+    a group whose s is below the smallest normal float is zero, and one holding NaN or Inf is NaN."""
     xg = x.float().view(-1, group)  # [G, group]
     s = xg.abs().amax(dim=1, keepdim=True) / 127  # [G, 1]
-    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
-    return (torch.round(xg * inv) * s).view(-1)
+    live = s >= torch.finfo(torch.float32).tiny
+    inv = torch.where(live, 1 / s, torch.zeros_like(s))
+    q = torch.round(xg * inv) * torch.where(live, s, torch.zeros_like(s))
+    finite = torch.isfinite(xg).all(dim=1, keepdim=True)
+    return torch.where(finite, q, torch.full_like(q, float("nan"))).view(-1)
 
 
 def reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -78,15 +90,20 @@ def _extension() -> Any | None:
     if missing:
         log.info("int8 GEMV kernel not used: the CPU lacks %s", ", ".join(missing))
         return None
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
         log.warning("int8 GEMV kernel not built: no C++ compiler (set CXX); using torch's int8 kernel")
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode())
-    build = Path.home() / ".cache" / "tandem" / "cpu_kernels" / digest.hexdigest()[:16]
-    try:
-        from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import is_ninja_available, load
 
+    if not is_ninja_available():
+        log.warning("int8 GEMV kernel not built: ninja is missing (pip install ninja); using torch's int8 kernel")
+        return None
+    key = [SOURCE.read_bytes().decode(), *FLAGS, torch.__version__, sys.version, os.path.realpath(compiler)]
+    build = Path.home() / ".cache" / "tandem" / "cpu_kernels" / hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
+    try:
         build.mkdir(parents=True, exist_ok=True)
+        _drop_stale_lock(build / "lock")
         return load(
             name="tandem_int8_gemv",
             sources=[str(SOURCE)],
@@ -100,12 +117,23 @@ def _extension() -> Any | None:
         return None
 
 
+def _drop_stale_lock(lock: Path) -> None:
+    """torch's builder waits without a bound on its lock file; one left by a process killed mid-build (a build
+    takes well under a minute) would hang every later start, so it is removed."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("removing a stale build lock %s", lock)
+            lock.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+
+
 def available() -> bool:
     """Whether `int8_gemv` can run here (builds the extension on first call; see the module docstring)."""
     return _extension() is not None
 
 
-@torch.library.custom_op("tandem::int8_gemv", mutates_args=())
+@torch.library.custom_op("tandem::int8_gemv", mutates_args=(), device_types="cpu")
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """scales · (q @ quantize_activation(x)), fp32 `[N]` (see the module docstring)."""
     group = activation_group(q.shape[1])

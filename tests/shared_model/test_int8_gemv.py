@@ -55,3 +55,26 @@ def test_int8_layer_runs_one_row_through_the_kernel(compiled: bool) -> None:
     assert torch.allclose(y.float(), ref(x).float(), rtol=1e-2, atol=1e-2)  # bf16 outputs
     two = torch.randn(2, 256, generator=g, dtype=torch.bfloat16)  # two rows: torch's kernel, no activation rounding
     assert torch.allclose(layer(two).float(), ref(two).float(), rtol=1e-2, atol=1e-2)
+
+
+@needs_kernel
+def test_non_finite_rows_give_nan_and_tiny_groups_count_as_zero() -> None:
+    q = torch.randint(-127, 128, (16, 128), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
+    scales = torch.rand(16)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(128)
+        x[70] = bad
+        assert torch.isnan(int8_gemv.int8_gemv(x, q, scales)).all()  # never finite garbage for the sampler
+        assert torch.isnan(int8_gemv.reference(x, q, scales)).all()
+    tiny = torch.cat([torch.full((64,), 1e-39), torch.randn(64)])  # the first group's scale is subnormal
+    y, ref = int8_gemv.int8_gemv(tiny, q, scales), int8_gemv.reference(tiny, q, scales)
+    assert torch.isfinite(ref).all() and (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@needs_kernel
+def test_the_op_refuses_what_it_cannot_run() -> None:
+    q = torch.zeros(8, 96, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="not available here"):  # 96 inputs: no group of 64 divides it
+        int8_gemv.int8_gemv(torch.zeros(96), q, torch.ones(8))
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        int8_gemv._extension().int8_gemv(torch.zeros(64), torch.zeros(8, 128, dtype=torch.int8), torch.ones(8), 64)
