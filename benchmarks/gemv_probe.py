@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         "_weight_int8pack_mm, bf16 x": (lambda: [q._packed(x16) for q in int8], n * k),
         **(
             {
-                "tandem::int8_gemv (VNNI), int8 x": (
+                "tandem_cpu::int8_gemv (VNNI), int8 x": (
                     lambda: [int8_gemv.int8_gemv(x32[0], q.qweight, q.scales) for q in int8],
                     n * k,
                 )

@@ -151,6 +151,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales", scales.to(self.dtype))  # [N]
             self._packed_kernel = _has_kernel("_weight_int8pack_mm", device)
             self._row_kernel = int8_row_kernel(self.in_features, device)
+            self._group = int8_gemv.activation_group(self.in_features) or 0  # the kernel's activation groups
         else:
             q, scales, zeros = quantize_int4(weight, group_size)
             # [G, N, 2]: each group's scale and zero for every output row, as the kernels take them
@@ -171,7 +172,7 @@ class QuantizedLinear(nn.Module):
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
         if self._row_kernel and x2.shape[0] == 1:
-            y = int8_gemv.int8_gemv(x2[0].float(), self.qweight, self.scales).to(self.dtype)[None]  # [1, N]
+            y = torch.ops.tandem_cpu.int8_gemv(x2[0], self.qweight, self.scales, self._group)[None]  # [1, N]
         elif x2.shape[0] <= PACKED_MAX_ROWS:
             y = self._packed(x2)
         elif self.kind == "int8" or self._int4_block_rows or self.qweight.device.type == "cuda":
