@@ -287,10 +287,6 @@ class AsyncEngine:
             if not self._streams:
                 self._idle.set()
 
-    async def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
-        """Token ids of `text` through the metered `TokenizeGate` (whatever its length)."""
-        return await self._tokenizer_gate.encode(text, add_bos, field="prompt")
-
     async def tokenizer_work(self, chars: int, job: Callable[..., Any], *args: Any, field: str = "text") -> Any:
         """`job(tokenizer, *args)` (an `inference_svc.tokenizer_jobs` function, e.g. the Tokenize RPC's response)
         metered as `chars` characters by the `TokenizeGate`: in its tokenizer process when long."""
@@ -300,7 +296,7 @@ class AsyncEngine:
         """`tokenizer_work` for a prompt (e.g. a chat's rendering and encoding): refused unread like a text prompt
         when `chars` cannot fit the context."""
         self._refuse_unread_if_too_long(chars, field)
-        return await self._tokenizer_gate.run(chars, job, *args, field=field)
+        return await self.tokenizer_work(chars, job, *args, field=field)
 
     @property
     def prescreen_bytes(self) -> int:
