@@ -1,8 +1,10 @@
 """The bridge between asyncio (the gRPC server) and the single-threaded `Engine`.
 
 Contract:
-- One dedicated thread, the *engine thread*, is the only caller of `Engine` once `start()` has run. The event loop
-  talks to it through a command inbox (add, abort, call); the engine thread answers through
+- One dedicated thread, the *engine thread* (an `EngineThread`: the caller's, else its own), is the only
+  caller of `Engine` once `start()` has run. A server loads the engine and runs `warmup` on that same thread before
+  `start()`, so that all of the model's torch work runs on one thread (why: `inference_svc.engine_thread`). The
+  event loop talks to it through a command inbox (add, abort, call); the engine thread answers through
   `loop.call_soon_threadsafe`, once per step with every increment of that step.
 - State has one owner each: the admission counters and the per-request streams belong to the event loop; the
   per-request deadlines, abort causes and inter-token clocks belong to the engine thread.
@@ -39,11 +41,11 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import queue
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -53,6 +55,7 @@ from typing import Any
 from inference_svc import tokenizer_jobs
 from inference_svc.engine.engine import check_encoded, check_text_prompt
 from inference_svc.engine.types import MAX_N, EngineInfo, FinishReason, RequestOutput, SamplingParams
+from inference_svc.engine_thread import EngineThread
 from inference_svc.errors import (
     CapacityError,
     DeadlineExceededError,
@@ -131,8 +134,12 @@ class AsyncEngine:
         metrics: ServiceMetrics | None = None,
         fault_hook: FaultHook | None = None,
         lifecycle: Lifecycle | None = None,
+        thread: EngineThread | None = None,
     ) -> None:
         self.engine = engine
+        self.thread = thread
+        """Where the engine loop runs (in a server, the thread that loaded the engine and ran `warmup`); without one
+        given, `start()` starts one. It is this object's from then on: `stop()` ends it."""
         self._owns_lifecycle = lifecycle is None
         self.lifecycle = lifecycle or Lifecycle()
         """Whether new work is taken: the server's (`TandemServer.lifecycle`), or this engine's own when standalone."""
@@ -157,13 +164,14 @@ class AsyncEngine:
         self._step_failures = 0
         # shared, written once
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._running: concurrent.futures.Future | None = None
+        """The engine loop's future on `thread` (None: not started, or stopped)."""
         self._broken = False  # written once by the engine thread; the lifecycle hears of it in the loop
 
     # ------------------------------------------------------------------ lifecycle
     def warmup(self, prompt_ids: list[int] | None = None) -> None:
         """Run one tiny greedy request to completion (before `start()`; blocking)."""
-        if self._thread is not None:
+        if self._running is not None:
             raise RuntimeError("warmup() must run before start()")
         ids = prompt_ids or [int(self.engine.model_config.bos_token_id or 0)]
         self.engine.generate([ids], SamplingParams(max_new_tokens=2, ignore_eos=True))
@@ -183,17 +191,21 @@ class AsyncEngine:
         if self._owns_lifecycle:
             self.lifecycle.to(State.SERVING)
         self._idle.set()
-        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
-        self._thread.start()
+        if self.thread is None:
+            self.thread = EngineThread()
+        self._running = self.thread.submit(self._run)
         self._tokenizer_gate.start()  # its tokenizer process, in the background
 
     async def stop(self) -> None:
         """End the engine thread (after `drain`, or abruptly)."""
-        if self._thread is None:
+        if self._running is None:
             return
         self._inbox.put(_STOP)
-        await asyncio.to_thread(self._thread.join, 30.0)
-        self._thread = None
+        await asyncio.to_thread(concurrent.futures.wait, [self._running], 30.0)
+        self._running = None
+        if self.thread is not None:
+            self.thread.close()
+            self.thread = None
         await asyncio.to_thread(self._tokenizer_gate.close)
 
     async def drain(self, grace: float) -> int:
@@ -225,7 +237,7 @@ class AsyncEngine:
 
     async def run_in_engine(self, fn: Callable[[], Any]) -> Any:
         """Run `fn()` in the engine thread between steps (e.g. `engine.stats`) and return its result."""
-        if self._thread is None:
+        if self._running is None:
             return fn()
         future = asyncio.get_running_loop().create_future()
         self._inbox.put(_Call(fn, future))
@@ -247,7 +259,7 @@ class AsyncEngine:
         `finished=True` (`RequestOutput.index` says which). Completions after the first run as engine requests
         `REQUEST_ID.i` with seed `seed + i` when a seed is set, so they differ and stay reproducible; they are
         admitted together or not at all, and leaving the iterator aborts every one still running."""
-        if not self.lifecycle.accepting or self._broken or self._thread is None:
+        if not self.lifecycle.accepting or self._broken or self._running is None:
             raise EngineStoppedError(self.lifecycle.refusal() or "the engine is not running")
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
             raise InvalidRequestError("n", f"must be an integer in [1, {MAX_N}], got {n!r}")

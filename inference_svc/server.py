@@ -72,6 +72,7 @@ from inference_svc import tokenizer_jobs
 from inference_svc.async_engine import AsyncEngine, FaultHook
 from inference_svc.engine.config import EngineConfig
 from inference_svc.engine.types import Completion, EngineInfo, RequestOutput
+from inference_svc.engine_thread import EngineThread
 from inference_svc.errors import (
     EngineStoppedError,
     InferenceError,
@@ -625,18 +626,24 @@ class TandemServer:
             "off" if self.metrics_port is None else "on " + host_port(s.metrics_host, self.metrics_port),
         )  # fmt: skip
 
-        engine = self._prebuilt_engine
-        if engine is None:
-            from inference_svc.engine.engine import Engine
+        # the model is loaded, compiled, warmed up and stepped on one thread (why: inference_svc.engine_thread)
+        thread = EngineThread()
+        try:
+            engine = self._prebuilt_engine
+            if engine is None:
+                from inference_svc.engine.engine import Engine
 
-            engine = await asyncio.to_thread(Engine.from_bundle, s.model, self.engine_config)
-        async_engine = AsyncEngine(
-            engine, s.admission, self.metrics, fault_hook=self._fault_hook, lifecycle=self.lifecycle
-        )
-        if s.warmup:
-            t0 = time.perf_counter()
-            await asyncio.to_thread(async_engine.warmup)
-            log.info("warmed up in %.2f s", time.perf_counter() - t0)
+                engine = await thread.run(Engine.from_bundle, s.model, self.engine_config)
+            async_engine = AsyncEngine(
+                engine, s.admission, self.metrics, fault_hook=self._fault_hook, lifecycle=self.lifecycle, thread=thread
+            )
+            if s.warmup:
+                t0 = time.perf_counter()
+                await thread.run(async_engine.warmup)
+                log.info("warmed up in %.2f s", time.perf_counter() - t0)
+        except BaseException:
+            thread.close()
+            raise
         self.metrics.observe_stats(engine.stats())
         self.metrics.observe_model(engine.info())
         await async_engine.start()

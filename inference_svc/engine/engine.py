@@ -30,6 +30,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -154,6 +155,9 @@ class Engine:
         if bundle.tokenizer is None:
             raise ModelLoadError(f"{bundle.path}: the model folder has no tokenizer.json")
         self.config = config
+        self.thread_ident = threading.get_ident()
+        """The thread that built this engine (and compiled and probed its step): a server steps it on the same one,
+        so that torch's OpenMP pool is one (`inference_svc.engine_thread`)."""
         self.model_config: ModelConfig = bundle.config
         self.tokenizer: Tokenizer = bundle.tokenizer
         self.device = device
