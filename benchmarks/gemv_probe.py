@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from shared_model import int8_gemv
+from shared_model import int4_gemv, int8_gemv
 from shared_model.quantize import QuantizedLinear
 
 
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     x32 = torch.randn(1, k, generator=gen)
     x16 = x32.bfloat16()
     int8 = [QuantizedLinear(w, None, "int8", 64, torch.bfloat16) for w in dense]
-    int4 = [QuantizedLinear(w, None, "int4", 64, torch.bfloat16) for w in dense]
+    int4 = [QuantizedLinear(w, None, "int4", 64, torch.bfloat16, row_kernels=False) for w in dense]
+    int4_vnni = [QuantizedLinear(w, None, "int4", 64, torch.bfloat16) for w in dense] if int4_gemv.available(64) else []
     bf16 = [w.bfloat16() for w in dense]
     cases: dict[str, tuple[Callable[[], object], float]] = {
         "_weight_int8pack_mm, bf16 x": (lambda: [q._packed(x16) for q in int8], n * k),
@@ -54,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
             else {}
         ),
         "_weight_int4pack_mm_for_cpu, bf16 x": (lambda: [q._packed(x16) for q in int4], n * k / 2),
+        **(
+            {"tandem_cpu::int4_gemv (VNNI), int8 x": (lambda: [q(x16) for q in int4_vnni], n * k / 2)}
+            if int4_vnni
+            else {}
+        ),
         "F.linear fp32": (lambda: [F.linear(x32, w) for w in dense], n * k * 4),
         "F.linear bf16": (lambda: [F.linear(x16, w) for w in bf16], n * k * 2),
         "torch.mv bf16": (lambda: [torch.mv(w, x16[0]) for w in bf16], n * k * 2),

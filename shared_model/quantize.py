@@ -28,6 +28,10 @@ Contract:
     one scale each, and multiplies bytes by bytes, as llama.cpp's Q8_0 does. So on such CPUs an int8 layer's
     single-row output carries the activation's rounding too (at most half a step of max|x_g| / 127 per input);
     its reference (`fake_quantized`) applies the same rounding.
+  - Up to `int4_gemv.MAX_ROWS` rows of int4 on such a CPU, with groups of 64, 128 or 256 (`int4_row_kernel`):
+    `shared_model.int4_gemv`, which rounds each row to int8 in the weight's groups and multiplies the 4-bit codes
+    by those bytes on `vpdpbusd`, as llama.cpp's Q4_0 does. Such a layer keeps only that kernel's layout (codes
+    `[N, K/2]`, scales and zeros `[N, 2, G]`), the same bytes as torch's; its reference models the rounding too.
   - Otherwise up to `PACKED_MAX_ROWS` rows (decode steps): torch's packed weight-only kernels, which read the
     quantized bytes and nothing else: `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` on CPU,
     `_weight_int4pack_mm` on CUDA. Their cost grows with every row, so
@@ -49,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared_model import int8_gemv
+from shared_model import int4_gemv, int8_gemv
 from shared_model.fuse import fuse_projections
 from shared_model.ledger import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZATIONS
 from shared_model.model import CausalLM
@@ -124,6 +128,22 @@ def int8_row_kernel(in_features: int, device: torch.device) -> bool:
     return device.type == "cpu" and int8_gemv.activation_group(in_features) is not None and int8_gemv.available()
 
 
+def int4_row_kernel(group_size: int, device: torch.device) -> bool:
+    """Whether an int4 layer in groups of `group_size` on `device` runs up to `int4_gemv.MAX_ROWS` activation rows
+    through `shared_model.int4_gemv` (activations rounded to int8 in the weight's groups), stored in its layout."""
+    return device.type == "cpu" and int4_gemv.available(group_size)
+
+
+def activation_rounding(kind: str, in_features: int, group_size: int, device: torch.device) -> tuple[int, int]:
+    """(inputs per activation scale, most rows) of the calls whose activations a `kind` layer's row kernel
+    rounds to int8 on `device`; (0, 0) where no row kernel runs."""
+    if kind == "int8" and int8_row_kernel(in_features, device):
+        return int8_gemv.activation_group(in_features) or 0, 1
+    if kind == "int4" and int4_row_kernel(group_size, device):
+        return group_size, int4_gemv.MAX_ROWS
+    return 0, 0
+
+
 def _has_kernel(op: str, device: torch.device) -> bool:
     key = "CUDA" if device.type == "cuda" else device.type.upper()
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)
@@ -134,8 +154,15 @@ class QuantizedLinear(nn.Module):
     """A linear layer whose weight is stored int8 (per row) or int4 (per group); see the module docstring."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, group_size: int, dtype: torch.dtype
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kind: str,
+        group_size: int,
+        dtype: torch.dtype,
+        row_kernels: bool = True,
     ) -> None:
+        """`row_kernels=False`: torch's kernels and layouts only, even where Tandem's row kernels run."""
         super().__init__()
         check_quantizable("weight", weight, kind, group_size)
         self.kind, self.group_size = kind, group_size
@@ -144,19 +171,23 @@ class QuantizedLinear(nn.Module):
         device = weight.device
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self._int4_block_rows = 0  # int4 on CPU: rows per block of torch's packed layout, 0 when not recognized
-        self._row_kernel = False  # int8 on a VNNI CPU: one row runs `shared_model.int8_gemv`
+        self._row_kernel = False  # a VNNI CPU: int8's single row, int4's decode batches run Tandem's kernels
         if kind == "int8":
             q, scales = quantize_int8(weight)
             self.register_buffer("qweight", q)  # [N, K] int8
             self.register_buffer("scales", scales.to(self.dtype))  # [N]
             self._packed_kernel = _has_kernel("_weight_int8pack_mm", device)
-            self._row_kernel = int8_row_kernel(self.in_features, device)
+            self._row_kernel = row_kernels and int8_row_kernel(self.in_features, device)
             self._group = int8_gemv.activation_group(self.in_features) or 0  # the kernel's activation groups
         else:
             q, scales, zeros = quantize_int4(weight, group_size)
-            # [G, N, 2]: each group's scale and zero for every output row, as the kernels take them
+            # [G, N, 2]: each group's scale and zero for every output row, as torch's kernels take them
             sz = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
-            if device.type == "cuda":  # tinygemm: bf16 only; two codes per byte, high nibble first
+            self._row_kernel = row_kernels and int4_row_kernel(group_size, device)
+            if self._row_kernel:  # Tandem's layout only: [N, K/2] codes, [N, 2, G] scales and zeros
+                packed = int4_gemv.pack(q)
+                sz = torch.stack([scales, zeros], dim=1).contiguous()
+            elif device.type == "cuda":  # tinygemm: bf16 only; two codes per byte, high nibble first
                 self.dtype = torch.bfloat16
                 pairs = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()
                 packed = torch.ops.aten._convert_weight_to_int4pack(pairs, 8)
@@ -171,11 +202,14 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
-        if self._row_kernel and x2.shape[0] == 1:
+        rows = x2.shape[0]
+        if self._row_kernel and self.kind == "int8" and rows == 1:
             y = torch.ops.tandem_cpu.int8_gemv(x2[0], self.qweight, self.scales, self._group)[None]  # [1, N]
-        elif x2.shape[0] <= PACKED_MAX_ROWS:
+        elif self._row_kernel and self.kind == "int4" and rows <= int4_gemv.MAX_ROWS:
+            y = torch.ops.tandem_cpu.int4_gemv(x2, self.qweight, self.scales_and_zeros, self.group_size)  # [M, N]
+        elif rows <= PACKED_MAX_ROWS and not (self._row_kernel and self.kind == "int4"):  # no torch layout then
             y = self._packed(x2)
-        elif self.kind == "int8" or self._int4_block_rows or self.qweight.device.type == "cuda":
+        elif self.kind == "int8" or self._int4_block_rows or self._row_kernel or self.qweight.device.type == "cuda":
             y = F.linear(x2, self.dequantize())
         else:  # int4 in a packed layout this module cannot unpack: the packed kernel, a few rows at a time
             y = torch.cat([self._packed(rows) for rows in x2.split(PACKED_MAX_ROWS)])
@@ -197,6 +231,8 @@ class QuantizedLinear(nn.Module):
         if self.kind == "int8":
             return self.qweight.to(self.dtype).mul_(self.scales[:, None])
         n, k, g = self.out_features, self.in_features, self.group_size
+        if self._row_kernel:  # Tandem's layout, unpacked in fp32 as the kernel computes
+            return int4_gemv.dequantize(self.qweight, self.scales_and_zeros, g).to(self.dtype)
         if self.qweight.device.type == "cuda":  # tinygemm's tiled layout: let the kernel multiply the identity
             eye = torch.eye(k, dtype=self.dtype, device=self.qweight.device)
             return torch.ops.aten._weight_int4pack_mm(eye, self.qweight, g, self.scales_and_zeros).t()
@@ -279,25 +315,30 @@ def _check_model(model: CausalLM, kind: str, group_size: int) -> None:
 class DequantizedLinear(nn.Module):
     """The reference of a `QuantizedLinear`: its dequantized weight in fp32, applied with the same roundings (the
     input and output rounded to the compute dtype; past `PACKED_MAX_ROWS` rows the weight too, as the dequantized
-    path multiplies in that dtype) around a plain fp32 matmul. Only the order of the sums differs."""
+    path multiplies in that dtype; with `rounding` from `activation_rounding`, the activations of the calls a row
+    kernel runs) around a plain fp32 matmul. Only the order of the sums differs."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, compute: torch.dtype, row_kernel: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        compute: torch.dtype,
+        rounding: tuple[int, int] = (0, 0),
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.float(), requires_grad=False)  # [N, K]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.compute = compute
-        self.row_kernel = row_kernel  # a single row's activation is rounded to int8, as `int8_gemv` does
+        # (group, most rows): calls of at most that many rows get their activations rounded to int8 in groups, as
+        # the row kernels do (`activation_rounding`); (0, 0): never
+        self.act_group, self.act_rows = rounding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         weight = self.weight if rows <= PACKED_MAX_ROWS else self.weight.to(self.compute).float()
         xc = x.to(self.compute).float()
-        if self.row_kernel and rows == 1:
-            group = int8_gemv.activation_group(x.shape[-1])
-            assert group is not None
-            xc = int8_gemv.quantize_activation(xc.reshape(-1), group).view(xc.shape)
+        if self.act_group and rows <= self.act_rows:  # groups never span rows
+            xc = int8_gemv.quantize_activation(xc.reshape(-1), self.act_group).view(xc.shape)
         y = F.linear(xc, weight).to(self.compute)
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
@@ -313,11 +354,12 @@ def fake_quantized(model: CausalLM, kind: str, group_size: int = DEFAULT_GROUP_S
     stored = compute_dtype(ref.model.embed_tokens.weight.dtype)  # scales, zeros and activations are rounded to this
 
     def reference(linear: nn.Linear, as_kind: str) -> DequantizedLinear:
+        rounding = activation_rounding(as_kind, linear.in_features, group_size, linear.weight.device)
         if as_kind == "int8":
             w = dequantize_int8(*quantize_int8(linear.weight), stored)
-            return DequantizedLinear(w, linear.bias, stored, int8_row_kernel(w.shape[1], w.device))
+            return DequantizedLinear(w, linear.bias, stored, rounding)
         w = dequantize_int4(*quantize_int4(linear.weight, group_size), group_size, stored)
-        return DequantizedLinear(w, linear.bias, stored)
+        return DequantizedLinear(w, linear.bias, stored, rounding)
 
     with torch.no_grad():
         for layer in ref.model.layers:

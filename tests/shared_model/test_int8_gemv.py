@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared_model import int8_gemv
+from shared_model import cpu_kernels, int8_gemv
 from shared_model.quantize import DequantizedLinear, QuantizedLinear, dequantize_int8, quantize_int8
 
 needs_kernel = pytest.mark.skipif(not int8_gemv.available(), reason="needs AVX-512 VNNI and a C++ compiler")
@@ -47,7 +47,12 @@ def test_int8_layer_runs_one_row_through_the_kernel(compiled: bool) -> None:
     weight = torch.randn(96, 256, generator=g)
     layer = QuantizedLinear(weight, None, "int8", 64, torch.bfloat16)
     assert layer._row_kernel
-    ref = DequantizedLinear(dequantize_int8(*quantize_int8(weight), torch.bfloat16), None, torch.bfloat16, True)
+    ref = DequantizedLinear(
+        dequantize_int8(*quantize_int8(weight), torch.bfloat16),
+        None,
+        torch.bfloat16,
+        (int8_gemv.activation_group(256) or 0, 1),
+    )
     x = torch.randn(1, 256, generator=g, dtype=torch.bfloat16)
     fn = torch.compile(layer, fullgraph=True) if compiled else layer  # fullgraph: the custom op does not break it
     y = fn(x)
@@ -77,4 +82,4 @@ def test_the_op_refuses_what_it_cannot_run() -> None:
     with pytest.raises(RuntimeError, match="not available here"):  # 96 inputs: no group of 64 divides it
         int8_gemv.int8_gemv(torch.zeros(96), q, torch.ones(8))
     with pytest.raises(RuntimeError, match="shapes do not match"):
-        int8_gemv._extension().int8_gemv(torch.zeros(64), torch.zeros(8, 128, dtype=torch.int8), torch.ones(8), 64)
+        cpu_kernels.extension().int8_gemv(torch.zeros(64), torch.zeros(8, 128, dtype=torch.int8), torch.ones(8), 64)

@@ -61,7 +61,7 @@ def _assert_matches_reference(got, x, weight, bias, kind: str, dtype: torch.dtyp
 
 def test_int4_cpu_layout_is_recognized_and_unpacks_exactly() -> None:
     weight = torch.randn(128, 256, generator=torch.Generator().manual_seed(2))
-    layer = qz.QuantizedLinear(weight, None, "int4", 64, torch.bfloat16)
+    layer = qz.QuantizedLinear(weight, None, "int4", 64, torch.bfloat16, row_kernels=False)  # torch's layout
     assert layer._int4_block_rows in (64, 32)  # else prefill silently takes the slow path
     codes, scales, zeros = qz.quantize_int4(weight, 64)
     assert torch.equal(qz._unpack_cpu_int4(layer.qweight, 128, 256, layer._int4_block_rows), codes)
@@ -71,7 +71,7 @@ def test_int4_cpu_layout_is_recognized_and_unpacks_exactly() -> None:
 
 def test_int4_unknown_layout_still_computes_the_same_product() -> None:
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(3))
-    layer = qz.QuantizedLinear(weight, None, "int4", 64, torch.bfloat16)
+    layer = qz.QuantizedLinear(weight, None, "int4", 64, torch.bfloat16, row_kernels=False)
     x = torch.randn(11, 128, dtype=torch.bfloat16)
     layer._int4_block_rows = 0  # as on a CPU whose packed layout is not one `_unpack_cpu_int4` knows
     _assert_matches_reference(layer(x), x, weight, None, "int4", torch.bfloat16)

@@ -1,0 +1,119 @@
+"""Tandem's hand-written CPU kernels: one C++ extension, built on first use, with a torch fallback everywhere.
+
+Contract:
+- `extension()` is the built extension module, or None where the kernels cannot run here: anything but x86-64
+  Linux, a CPU without the avx512f, avx512bw, avx512vl and avx512_vnni flags, no C++ compiler ($CXX, else c++)
+  or no ninja, a failed build, or `TANDEM_CPU_KERNELS=0` (`TANDEM_INT8_GEMV=0`, the older name, too). Why it is
+  None is logged once. Callers then run torch's kernels, which compute the same thing, slower.
+- Once loaded, the operators of the `tandem_cpu` library exist (`torch.ops.tandem_cpu.*`), each with a fake
+  kernel for tracing (registered here), so a compiled step calls them through the dispatcher with no Python
+  wrapper: `int8_gemv` (`shared_model.int8_gemv`) and `int4_gemv` (`shared_model.int4_gemv`).
+- `available()`: whether `extension()` is not None.
+- The build: torch's extension builder compiles `SOURCES` (beside this file) with `FLAGS` into
+  `~/.cache/tandem/cpu_kernels/<hash>`, the hash covering the sources, the flags, torch's and Python's versions and
+  the compiler, so a later process loads it in about a second (the first build takes 30-60 s). A build lock left
+  by a process killed mid-build is removed after `STALE_LOCK_S` (torch's builder would wait on it forever).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name("int8_gemv.cpp"), Path(__file__).with_name("int4_gemv.cpp")]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-fopenmp"]
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+STALE_LOCK_S = 600.0
+"""A build lock older than this was left by a process that died while building."""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def _turned_off() -> bool:
+    return "0" in (os.environ.get("TANDEM_CPU_KERNELS", "1"), os.environ.get("TANDEM_INT8_GEMV", "1"))
+
+
+@functools.cache
+def extension() -> Any | None:
+    """The built extension, or None (logged once) where it cannot run or be built."""
+    if _turned_off():
+        return None
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        log.info("Tandem's CPU kernels not used: the CPU lacks %s", ", ".join(missing))
+        return None
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        log.warning("Tandem's CPU kernels not built: no C++ compiler (set CXX); using torch's kernels")
+        return None
+    from torch.utils.cpp_extension import is_ninja_available, load
+
+    if not is_ninja_available():
+        log.warning("Tandem's CPU kernels not built: ninja is missing (pip install ninja); using torch's kernels")
+        return None
+    key = [*(s.read_bytes().decode() for s in SOURCES), *FLAGS, torch.__version__, sys.version]
+    key.append(os.path.realpath(compiler))
+    build = Path.home() / ".cache" / "tandem" / "cpu_kernels" / hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+        _drop_stale_lock(build / "lock")
+        module = load(
+            name="tandem_cpu_kernels",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+            verbose=False,
+        )
+        _register_fakes()  # the operators exist once the module is loaded
+        return module
+    except Exception as exc:  # a failed build must not stop serving: torch's kernels are correct, only slower
+        log.warning("Tandem's CPU kernels could not be built (%s: %s); using torch's kernels", type(exc).__name__, exc)
+        return None
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """torch's builder waits without a bound on its lock file; one left by a process killed mid-build (a build
+    takes about a minute) would hang every later start, so it is removed."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("removing a stale build lock %s", lock)
+            lock.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+
+
+def available() -> bool:
+    """Whether the kernels can run here (builds the extension on first call; see the module docstring)."""
+    return extension() is not None
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("tandem_cpu::int8_gemv")
+    def _(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+        return x.new_empty((q.shape[0],))
+
+    @torch.library.register_fake("tandem_cpu::int4_gemv")
+    def _(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], codes.shape[0]))

@@ -1,0 +1,112 @@
+"""The VNNI int4 GEMV against its plain-torch reference, its layout, and its use by an int4 layer (eager and
+compiled) with the reference modelling its activation rounding. Skipped where the CPU lacks AVX-512 VNNI (torch's
+int4 kernel then runs, tested elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared_model import cpu_kernels, int4_gemv
+from shared_model.quantize import (
+    PACKED_MAX_ROWS,
+    DequantizedLinear,
+    QuantizedLinear,
+    activation_rounding,
+    dequantize_int4,
+    quantize_int4,
+)
+
+needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX-512 VNNI and a C++ compiler")
+
+
+def _weights(n: int, k: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight [N, K], codes [N, K/2] in the kernel's layout, scales_and_zeros [N, 2, G] fp32)."""
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    q, scales, zeros = quantize_int4(weight, group)
+    return weight, int4_gemv.pack(q), torch.stack([scales, zeros], dim=1).contiguous()
+
+
+def test_pack_and_unpack_are_inverse_and_put_input_32_plus_i_in_the_high_nibble() -> None:
+    q = torch.randint(0, 16, (5, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    codes = int4_gemv.pack(q)
+    assert codes.shape == (5, 64) and codes.dtype == torch.uint8
+    assert torch.equal(int4_gemv.unpack(codes), q)
+    assert int(codes[2, 33]) == int(q[2, 65]) | int(q[2, 97]) << 4  # block 1, byte 1: inputs 64 + 1 and 64 + 33
+
+
+def test_dequantize_matches_the_quantize_module() -> None:
+    _, codes, sz = _weights(32, 256, 64)
+    weight = torch.randn(32, 256, generator=torch.Generator().manual_seed(0))
+    expected = dequantize_int4(*quantize_int4(weight, 64), 64, torch.float32)
+    assert torch.equal(int4_gemv.dequantize(codes, sz, 64), expected)
+
+
+SHAPES = [
+    (16, 64, 64, 1), (48, 768, 64, 1), (96, 768, 128, 3), (2304, 768, 64, 4), (64, 2048, 256, 2), (17, 512, 64, 2),
+]  # fmt: skip
+"""(N, K, group, rows): one block, the 82M model's shapes, several groups, N not a multiple of anything."""
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k", "group", "rows"), SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_its_reference(n: int, k: int, group: int, rows: int, dtype: torch.dtype) -> None:
+    _, codes, sz = _weights(n, k, group)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+    sz_stored = sz.to(dtype)  # the layer stores them in its compute dtype; the kernel reads them as stored
+    y = int4_gemv.int4_gemv(x, codes, sz_stored, group)
+    assert y.shape == (rows, n) and y.dtype == dtype
+    ref = int4_gemv.reference(x, codes, sz_stored, group)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's own rounding
+    assert (y.float() - ref).abs().max() <= tol * ref.abs().max()
+    exact = x.float() @ int4_gemv.dequantize(codes, sz_stored, group).t()  # without the activation rounding
+    assert (y.float() - exact).abs().max() <= 0.03 * exact.abs().max()
+
+
+@needs_kernel
+def test_nonfinite_rows_give_nan_and_tiny_groups_count_as_zero() -> None:
+    _, codes, sz = _weights(16, 128, 64)
+    x = torch.randn(2, 128)
+    x[1, 70] = float("nan")
+    y = int4_gemv.int4_gemv(x, codes, sz, 64)
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()  # the row alone, never finite garbage
+    tiny = torch.zeros(1, 128)
+    tiny[0, :64] = 1e-39  # subnormal: its scale has no reciprocal
+    tiny[0, 64:] = torch.randn(64)
+    y, ref = int4_gemv.int4_gemv(tiny, codes, sz, 64), int4_gemv.reference(tiny, codes, sz, 64)
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@needs_kernel
+def test_the_op_refuses_what_it_cannot_run() -> None:
+    _, codes, sz = _weights(16, 128, 64)
+    op = torch.ops.tandem_cpu.int4_gemv
+    with pytest.raises(RuntimeError, match="M in 1"):
+        op(torch.zeros(5, 128), codes, sz, 64)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        op(torch.zeros(1, 256), codes, sz, 64)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        op(torch.zeros(1, 128), codes, sz, 32)
+    with pytest.raises(RuntimeError, match="scales_and_zeros must be"):
+        op(torch.zeros(1, 128), codes, sz[:, :, :1].contiguous(), 64)
+    assert not int4_gemv.available(32)  # groups of 32 keep torch's kernel
+
+
+@needs_kernel
+@pytest.mark.parametrize("compiled", [False, True])
+def test_int4_layer_runs_decode_batches_through_the_kernel(compiled: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 256, generator=g)
+    layer = QuantizedLinear(weight, None, "int4", 64, torch.bfloat16)
+    assert layer._row_kernel and layer.qweight.shape == (96, 128)  # only the kernel's layout is kept
+    rounding = activation_rounding("int4", 256, 64, weight.device)
+    assert rounding == (64, int4_gemv.MAX_ROWS)
+    ref = DequantizedLinear(dequantize_int4(*quantize_int4(weight, 64), 64, torch.bfloat16), None, torch.bfloat16,
+                            rounding)  # fmt: skip
+    fn = torch.compile(layer, fullgraph=True) if compiled else layer  # fullgraph: the custom op does not break it
+    for rows in (1, 3, PACKED_MAX_ROWS, 9):  # 9 rows: the dense path over the dequantized weight
+        x = torch.randn(rows, 256, generator=g, dtype=torch.bfloat16)
+        y, expected = fn(x).float(), ref(x).float()
+        assert (y - expected).abs().max() <= 1e-2 * expected.abs().max(), rows
+    assert torch.equal(layer.dequantize().float(), ref.weight.to(torch.bfloat16).float())
