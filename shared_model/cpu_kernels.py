@@ -9,6 +9,7 @@ Contract:
   kernel for tracing (registered here), so a compiled step calls them through the dispatcher with no Python
   wrapper: `int8_gemv` (`shared_model.int8_gemv`) and `int4_gemv` (`shared_model.int4_gemv`).
 - `available()`: whether `extension()` is not None.
+- `build(name, sources)` is the same for another package's kernels (`inference_svc.kernels.cpu_attention`).
 - The build: torch's extension builder compiles `SOURCES` (beside this file) with `FLAGS` into
   `~/.cache/tandem/cpu_kernels/<hash>`, the hash covering the sources, the flags, torch's and Python's versions and
   the compiler, so a later process loads it in about a second (the first build takes 30-60 s). A build lock left
@@ -25,6 +26,7 @@ import platform
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +54,15 @@ def _turned_off() -> bool:
     return "0" in (os.environ.get("TANDEM_CPU_KERNELS", "1"), os.environ.get("TANDEM_INT8_GEMV", "1"))
 
 
-@functools.cache
 def extension() -> Any | None:
-    """The built extension, or None (logged once) where it cannot run or be built."""
+    """The built extension of `SOURCES`, or None (logged once) where it cannot run or be built."""
+    return build("tandem_cpu_kernels", tuple(SOURCES), _register_fakes)
+
+
+@functools.cache
+def build(name: str, sources: tuple[Path, ...], on_load: Callable[[], None] | None = None) -> Any | None:
+    """Extension `name` built from `sources` with `FLAGS` (and `on_load()` run once it is loaded), or None (logged
+    once) where it cannot run or be built: the rules of the module docstring, for any package's kernels."""
     if _turned_off():
         return None
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -72,21 +80,22 @@ def extension() -> Any | None:
     if not is_ninja_available():
         log.warning("Tandem's CPU kernels not built: ninja is missing (pip install ninja); using torch's kernels")
         return None
-    key = [*(s.read_bytes().decode() for s in SOURCES), *FLAGS, torch.__version__, sys.version]
+    key = [name, *(s.read_bytes().decode() for s in sources), *FLAGS, torch.__version__, sys.version]
     key.append(os.path.realpath(compiler))
     build = Path.home() / ".cache" / "tandem" / "cpu_kernels" / hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
     try:
         build.mkdir(parents=True, exist_ok=True)
         _drop_stale_lock(build / "lock")
         module = load(
-            name="tandem_cpu_kernels",
-            sources=[str(s) for s in SOURCES],
+            name=name,
+            sources=[str(s) for s in sources],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),
             verbose=False,
         )
-        _register_fakes()  # the operators exist once the module is loaded
+        if on_load is not None:
+            on_load()  # e.g. fake kernels: the operators exist once the module is loaded
         return module
     except Exception as exc:  # a failed build must not stop serving: torch's kernels are correct, only slower
         log.warning("Tandem's CPU kernels could not be built (%s: %s); using torch's kernels", type(exc).__name__, exc)

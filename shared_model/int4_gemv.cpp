@@ -25,48 +25,72 @@ namespace {
 constexpr int64_t kMaxRows = 4;  // activation rows per call: a decode batch (more rows take the dense path)
 
 struct Activations {
-  std::vector<int8_t> buffer;
-  int8_t* xq;                    // [M, K], 64-byte aligned rows
-  std::vector<float> scale;      // [M, Gp]: a (0 past the last group)
-  std::vector<float> scaled_sum; // [M, Gp]: a * S, S = sum of the group's xq
-  std::vector<__m512i> start;    // [M, G]: each group's dot products start from -8 * S (lane 0)
-  int64_t padded;                // Gp: the groups rounded up to 16
+  int8_t* xq;          // [M, K], 64-byte aligned rows
+  float* scale;        // [M, Gp]: a (0 past the last group)
+  float* scaled_sum;   // [M, Gp]: a * S, S = sum of the group's xq
+  const __m512i* start;  // [M, G]: each group's dot products start from -8 * S (lane 0)
+  int64_t padded;      // Gp: the groups rounded up to 16
 };
 
-Activations quantize_rows(const float* x, int64_t m, int64_t k, int64_t group) {
+// 16 inputs as fp32
+inline __m512 load_x(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_x(const at::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load_x(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Per-thread buffers, reused from call to call (a call allocates nothing once they are large enough).
+struct Buffers {
+  std::vector<int8_t> xq;
+  std::vector<float> scale, scaled_sum;
+  std::vector<__m512i> start;
+};
+
+template <typename X>
+Activations quantize_rows(const X* x, int64_t m, int64_t k, int64_t group) {
+  static thread_local Buffers buf;
   const int64_t groups = k / group, padded = (groups + 15) / 16 * 16;
-  Activations a;
-  a.padded = padded;
-  a.buffer.resize(m * k + 64);
-  a.xq = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(a.buffer.data()) + 63) & ~uintptr_t(63));
-  a.scale.assign(m * padded, 0.f);
-  a.scaled_sum.assign(m * padded, 0.f);
-  a.start.resize(m * groups);
+  buf.xq.resize(m * k + 64);
+  buf.scale.assign(m * padded, 0.f);
+  buf.scaled_sum.assign(m * padded, 0.f);
+  buf.start.resize(m * groups);
+  Activations a{reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(buf.xq.data()) + 63) & ~uintptr_t(63)),
+                buf.scale.data(), buf.scaled_sum.data(), buf.start.data(), padded};
+  const __m512 zero = _mm512_setzero_ps();
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
-      const float* xg = x + r * k + g * group;
-      float amax = 0.f;
-      bool finite = true;
-      for (int64_t i = 0; i < group; ++i) {
-        finite = finite && std::isfinite(xg[i]);
-        amax = std::max(amax, std::fabs(xg[i]));
+      const X* xg = x + r * k + g * group;
+      __m512 amax = zero;
+      __mmask16 bad = 0;
+      for (int64_t i = 0; i < group; i += 16) {
+        const __m512 v = load_x(xg + i);
+        const __m512 nan_if_bad = _mm512_mul_ps(v, zero);  // NaN where v is NaN or +-Inf
+        bad |= _mm512_cmp_ps_mask(nan_if_bad, nan_if_bad, _CMP_UNORD_Q);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
       }
       // NaN or Inf in a group: a NaN scale, so every output of the row is NaN (the sampler then refuses it); a
       // group too small for its reciprocal counts as zero, as in the reference
-      const float s = amax / 127.f;
-      const bool zero = !(s >= std::numeric_limits<float>::min());
-      const float scale = finite ? (zero ? 0.f : s) : std::numeric_limits<float>::quiet_NaN();
-      const float inv = finite && !zero ? 1.f / s : 0.f;
-      int32_t total = 0;
+      const float s = _mm512_reduce_max_ps(amax) / 127.f;
+      const bool finite = bad == 0, tiny = !(s >= std::numeric_limits<float>::min());
+      const float scale = finite ? (tiny ? 0.f : s) : std::numeric_limits<float>::quiet_NaN();
+      const __m512 inv = _mm512_set1_ps(finite && !tiny ? 1.f / s : 0.f);
+      __m512i total = _mm512_setzero_si512();
       int8_t* q = a.xq + r * k + g * group;
-      for (int64_t i = 0; i < group; ++i) {
-        const float v = std::nearbyint(xg[i] * inv);  // within [-127, 127]; 0 for a non-finite group
-        q[i] = static_cast<int8_t>(std::isfinite(v) ? std::clamp(v, -127.f, 127.f) : 0.f);
-        total += q[i];
+      for (int64_t i = 0; i < group; i += 16) {
+        // round half to even as the reference's torch.round; within [-127, 127] (0 for a non-finite group)
+        __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(load_x(xg + i), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        if (!finite) v = zero;
+        const __m512i iv = _mm512_cvtps_epi32(v);
+        total = _mm512_add_epi32(total, iv);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(iv));
       }
+      const int32_t sum = _mm512_reduce_add_epi32(total);
       a.scale[r * padded + g] = scale;
-      a.scaled_sum[r * padded + g] = scale * static_cast<float>(total);
-      a.start[r * groups + g] = _mm512_castsi128_si512(_mm_cvtsi32_si128(-8 * total));
+      a.scaled_sum[r * padded + g] = scale * static_cast<float>(sum);
+      buf.start[r * groups + g] = _mm512_castsi128_si512(_mm_cvtsi32_si128(-8 * sum));
     }
   }
   return a;
@@ -168,18 +192,31 @@ torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& codes, cons
   TORCH_CHECK(scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) == n && scales_and_zeros.size(1) == 2 &&
                   scales_and_zeros.size(2) == k / group && scales_and_zeros.is_contiguous(),
               "int4_gemv: scales_and_zeros must be [N, 2, K / group], contiguous");
-  const auto x32 = x.to(at::kFloat).contiguous();
-  const Activations a = quantize_rows(x32.data_ptr<float>(), m, k, group);
-  auto y = torch::empty({m, n}, x32.options());
+  const auto xc = x.contiguous();
+  Activations a;
+  switch (xc.scalar_type()) {
+    case at::kFloat: a = quantize_rows(xc.data_ptr<float>(), m, k, group); break;
+    case at::kBFloat16: a = quantize_rows(xc.data_ptr<at::BFloat16>(), m, k, group); break;
+    case at::kHalf: a = quantize_rows(xc.data_ptr<at::Half>(), m, k, group); break;
+    default: TORCH_CHECK(false, "int4_gemv: x must be fp32, bf16 or fp16");
+  }
+  static thread_local std::vector<float> out;
+  out.resize(m * n);
   const auto* cp = codes.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
+  float* yp = out.data();
   switch (scales_and_zeros.scalar_type()) {
     case at::kFloat: dispatch_rows(a, m, cp, scales_and_zeros.data_ptr<float>(), yp, n, k, group); break;
     case at::kBFloat16: dispatch_rows(a, m, cp, scales_and_zeros.data_ptr<at::BFloat16>(), yp, n, k, group); break;
     case at::kHalf: dispatch_rows(a, m, cp, scales_and_zeros.data_ptr<at::Half>(), yp, n, k, group); break;
     default: TORCH_CHECK(false, "int4_gemv: scales_and_zeros must be fp32, bf16 or fp16");
   }
-  return y.to(x.scalar_type());
+  auto y = torch::empty({m, n}, x.options());  // rounded once from the fp32 sums, in x's dtype
+  switch (y.scalar_type()) {
+    case at::kFloat: std::copy(out.begin(), out.end(), y.data_ptr<float>()); break;
+    case at::kBFloat16: std::copy(out.begin(), out.end(), y.data_ptr<at::BFloat16>()); break;
+    default: std::copy(out.begin(), out.end(), y.data_ptr<at::Half>()); break;
+  }
+  return y;
 }
 
 }  // namespace

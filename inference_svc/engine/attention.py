@@ -16,6 +16,9 @@ Contract:
 - `torch_ops()` stores K/V in the cache's dtype (fp8/int8 through `kv_quant.store_scaled`); where the stored
   dtype is not q's it reads the blocks back in fp32 (dequantized with their scales), computes in fp32 and
   returns q's dtype. A cache in q's dtype is read as it is (views where it can), exactly as before.
+- `torch_ops()` runs decode attention and the K/V stores of an unscaled CPU cache through Tandem's C++ kernels
+  where they are built (`inference_svc.kernels.cpu_attention`: the cache read in place, fp32 softmax and sums,
+  one rounding to q's dtype); elsewhere, and for prefill chunks, the plain torch ops below.
 - `torch_ops()` plans each step once (which blocks to gather, the length mask, whether a lone sequence's blocks
   are consecutive so its cache is read as a view): the plan is derived from the metadata tensors, kept for the
   tensors it was derived from (the same objects in every layer of a step), and replaced when new ones arrive.
@@ -31,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_svc.engine.kv_cache import KVCache
+from inference_svc.kernels import cpu_attention
 from inference_svc.kernels.kv_quant import as_bytes, store_scaled
 from inference_svc.kernels.triton_backend import AttentionOps
 
@@ -115,13 +119,14 @@ class _TorchOps:
     """
 
     def __init__(self) -> None:
+        self._native = cpu_attention.extension()  # the C++ decode kernels, or None (torch ops only)
         self._decode_key: tuple[torch.Tensor, torch.Tensor] | None = None
         self._decode_plan: _DecodePlan | None = None
         self._prefill_key: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._prefill_plans: list[_PrefillPlan] = []
 
-    @staticmethod
     def store_kv(
+        self,
         k: torch.Tensor,
         v: torch.Tensor,
         k_cache: torch.Tensor,
@@ -133,6 +138,9 @@ class _TorchOps:
         if k_scales is not None and v_scales is not None:  # fp8 / int8: quantized at the blocks' scales
             store_scaled(k, k_cache, k_scales, slot_mapping)
             store_scaled(v, v_cache, v_scales, slot_mapping)
+            return
+        if self._native is not None and k_cache.is_cpu:  # the same two index copies, in one call
+            self._native.store_kv(k, v, k_cache, v_cache, slot_mapping)
             return
         hkv, dim = k_cache.shape[2], k_cache.shape[3]
         # each token's K/V written once, at its slot (cast when the cache's dtype is not the model's)
@@ -152,6 +160,8 @@ class _TorchOps:
         v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         del num_splits  # a kernel tuning knob
+        if self._native is not None and k_scales is None and k_cache.is_cpu and k_cache.dtype in _NATIVE_DTYPES:
+            return self._native.decode_attention(q.contiguous(), k_cache, v_cache, context_lens, block_tables, scale)
         key = self._decode_key
         if key is None or key[0] is not context_lens or key[1] is not block_tables:
             self._decode_plan = _plan_decode(context_lens, block_tables, k_cache.shape[1], q.device)
@@ -202,6 +212,10 @@ class _TorchOps:
             for plan in self._prefill_plans
         ]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Cache dtypes the C++ decode kernel reads (fp8/int8 caches, with scales, take the torch ops)."""
 
 
 def torch_ops() -> AttentionOps:

@@ -1,0 +1,76 @@
+"""The C++ paged decode kernel of the CPU path against the fp64 reference, on scattered blocks, ragged lengths and
+grouped heads; its refusals; and that the torch ops use it (and keep the torch path for scaled caches)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference_svc.engine.attention import torch_ops
+from inference_svc.kernels import cpu_attention, reference
+
+native = cpu_attention.extension()
+needs_kernel = pytest.mark.skipif(native is None, reason="needs AVX-512 and a C++ compiler")
+
+
+def _case(dtype: torch.dtype, lens: list[int], hq: int = 12, hkv: int = 4, d: int = 64, bs: int = 16, seed: int = 0):
+    """A cache of 64 blocks with every sequence's blocks scattered over it (never consecutive), and its queries."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(64, bs, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(64, bs, hkv, d, generator=g).to(dtype)
+    order = torch.randperm(64, generator=g).tolist()
+    width = max(-(-n // bs) for n in lens)
+    tables = torch.zeros(len(lens), width + 1, dtype=torch.int32)  # one padding column past the longest
+    for i, n in enumerate(lens):
+        blocks = [order.pop() for _ in range(-(-n // bs))]
+        tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    q = torch.randn(len(lens), hq, d, generator=g)
+    return q, k_cache, v_cache, torch.tensor(lens, dtype=torch.int32), tables
+
+
+DTYPES = [
+    (torch.float32, torch.float32, 1e-5),
+    (torch.bfloat16, torch.bfloat16, 1e-2),
+    (torch.float16, torch.float16, 2e-3),
+    (torch.bfloat16, torch.float32, 1e-2),  # a bf16 model over an fp32 cache (--kv-cache-dtype fp32)
+]
+"""(q dtype, cache dtype, tolerance relative to the largest output)."""
+
+
+@needs_kernel
+@pytest.mark.parametrize(("q_dtype", "cache_dtype", "tol"), DTYPES)
+@pytest.mark.parametrize("lens", [[1], [37], [16, 300, 5, 64], [129, 2]])
+def test_decode_matches_the_reference(q_dtype, cache_dtype, tol: float, lens: list[int]) -> None:
+    q, k_cache, v_cache, ctx, tables = _case(cache_dtype, lens)
+    q = q.to(q_dtype)
+    out = native.decode_attention(q, k_cache, v_cache, ctx, tables, 0.125)
+    assert out.shape == q.shape and out.dtype == q_dtype
+    want = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), ctx, tables, 0.125)
+    assert (out.double() - want).abs().max() <= tol * max(want.abs().max().item(), 1.0)
+    one = native.decode_attention(q[-1:].contiguous(), k_cache, v_cache, ctx[-1:], tables[-1:].contiguous(), 0.125)
+    assert torch.equal(one, out[-1:])  # a sequence's result does not depend on the batch
+
+
+@needs_kernel
+def test_decode_refuses_reads_outside_the_cache() -> None:
+    q, k_cache, v_cache, ctx, tables = _case(torch.float32, [20])
+    bad = tables.clone()
+    bad[0, 1] = 64  # one past the last block
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        native.decode_attention(q, k_cache, v_cache, ctx, bad, 0.125)
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.decode_attention(q, k_cache, v_cache, torch.tensor([10_000], dtype=torch.int32), tables, 0.125)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        native.decode_attention(q[:, :10].contiguous(), k_cache, v_cache, ctx, tables, 0.125)
+
+
+@needs_kernel
+def test_torch_ops_store_and_decode_through_the_kernel() -> None:
+    q, k_cache, v_cache, ctx, tables = _case(torch.float32, [16, 40])
+    ops = torch_ops()
+    k, v = torch.randn(2, 4, 64), torch.randn(2, 4, 64)
+    slots = torch.tensor([int(tables[0, 0]) * 16 + 15, int(tables[1, 2]) * 16 + 7])  # each sequence's last token
+    ops.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(-1, 4, 64)[slots], k) and torch.equal(v_cache.view(-1, 4, 64)[slots], v)
+    out = ops.decode_attention(q, k_cache, v_cache, ctx, tables, 0.125)
+    assert torch.equal(out, native.decode_attention(q, k_cache, v_cache, ctx, tables, 0.125))
