@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from shared_model import int4_gemv, int8_gemv
+from shared_model import cpu_kernels, int4_gemv, int8_gemv
 from shared_model.quantize import QuantizedLinear
 
 
@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         "F.linear bf16": (lambda: [F.linear(x16, w) for w in bf16], n * k * 2),
         "torch.mv bf16": (lambda: [torch.mv(w, x16[0]) for w in bf16], n * k * 2),
     }
+    if cpu_kernels.available():  # what a compiled bf16 step runs for one row (shared_model.fuse.set_row_kernels)
+        cases["tandem_cpu::bf16_gemv"] = (lambda: [torch.ops.tandem_cpu.bf16_gemv(x16[0], w) for w in bf16], n * k * 2)
     best = dict.fromkeys(cases, float("inf"))
     with torch.inference_mode():
         for _ in range(args.rounds):

@@ -25,6 +25,9 @@ Contract:
 - The op declares no mutated arguments although a paged backend writes its cache: those writes go to tensors that
   are not graph inputs and that the graph never reads, and the layers' calls stay in order because each layer's
   output is the next one's input.
+- A bf16 model's single-row projections run Tandem's bf16 GEMV inside the graph where it is built
+  (`shared_model.fuse.set_row_kernels`; the module's own eager forward then uses it too, until
+  `release_row_kernels()`), another summation order, covered by the same checks.
 - `compiler_available()` says whether inductor can build kernels here (on CPU it needs a C++ compiler).
 - One decoder at a time per process runs calls through its graphs: the 'fail_on_recompile' stance is dynamo's
   process-wide state, so a second decoder compiling while another is inside a call would be refused as a
@@ -43,6 +46,7 @@ from collections.abc import Callable
 import torch
 
 from shared_model.attention import AttentionBackend
+from shared_model.fuse import set_row_kernels
 from shared_model.model import CausalLM
 
 _DECODERS: weakref.WeakValueDictionary[int, CompiledDecoder] = weakref.WeakValueDictionary()
@@ -107,6 +111,8 @@ class CompiledDecoder:
 
     def __init__(self, model: CausalLM) -> None:
         self.model = model
+        self.row_kernels = set_row_kernels(model, True)
+        """bf16 projections whose single row runs Tandem's bf16 GEMV (`shared_model.fuse.set_row_kernels`)."""
         self.handle = next(_HANDLES)
         _DECODERS[self.handle] = self
         self.current_backend: AttentionBackend | None = None
@@ -147,6 +153,12 @@ class CompiledDecoder:
             return self.model.hidden_states(input_ids, positions, backend)
         finally:
             self.current_backend = None
+
+    def release_row_kernels(self) -> None:
+        """Give the model back its eager projections (`torch.mv`, bit-equal to `F.linear`): when this compiled
+        forward is dropped."""
+        set_row_kernels(self.model, False)
+        self.row_kernels = 0
 
     def warm_up(self, run: Callable[[], object]) -> float:
         """Compile by calling `run` (steps of each kind through `hidden_states`); returns and records its seconds."""

@@ -13,6 +13,9 @@ Contract:
   row on CPU, a batch-1 decode step, runs `torch.mv` instead of `F.linear`. There they return the same bits (checked
   by tests/shared_model/test_fuse.py at decode shapes), and the GEMV reads the weight 1.6-2.4x faster than the
   bf16 GEMM path (benchmarks/gemv_probe.py, docs/benchmarks.md §7). Everything else goes to `F.linear` unchanged.
+- `set_row_kernels(model, True)` (the compiled step's choice, `shared_model.compiled`) makes that single bf16 row
+  run Tandem's `tandem_cpu::bf16_gemv` instead where it is built (`shared_model.cpu_kernels`): fp32 sums in
+  another order, so not bit-equal to `F.linear`; the eager path keeps `torch.mv` and its bit-equality.
 - Inference only: the merged parameters stop requiring grad, and the merged projections live outside the module
   tree, where ZeRO never sees them. Training keeps the plain parameters. Apply it after the model has its final
   device and dtype (`Module.to` would copy the parameters out of the merged matrices). Applying it twice does
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared_model import cpu_kernels
 from shared_model.model import Attention, CausalLM, MergedGateUp, MergedQKV
 
 
@@ -44,6 +48,22 @@ def fuse_projections(model: CausalLM) -> CausalLM:
     return model
 
 
+def set_row_kernels(model: CausalLM, on: bool) -> int:
+    """Let (or stop) the model's bf16 `ServingLinear`s run one row through `tandem_cpu::bf16_gemv` where it is built
+    (see the module docstring); returns how many projections use it now."""
+    linears = [model.lm_head]
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears += [attn.o_proj, mlp.down_proj]
+        linears += [m.proj for m in (attn.merged, mlp.merged_gate_up) if m is not None]
+    count = 0
+    for linear in linears:
+        if isinstance(linear, ServingLinear):
+            linear.row_kernel = on and linear.can_use_row_kernel()
+            count += linear.row_kernel
+    return count
+
+
 class ServingLinear(nn.Linear):
     """`nn.Linear` with a GEMV for one bias-free bf16 row on CPU (see the module docstring)."""
 
@@ -56,9 +76,23 @@ class ServingLinear(nn.Linear):
         out.weight, out.bias = linear.weight, linear.bias
         return out
 
+    row_kernel = False
+    """Whether one bf16 row runs `tandem_cpu::bf16_gemv` instead of `torch.mv` (`set_row_kernels`)."""
+
+    def can_use_row_kernel(self) -> bool:
+        w = self.weight
+        return (
+            self.bias is None and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
+            and w.shape[1] % 32 == 0 and cpu_kernels.available()
+        )  # fmt: skip
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1]:
-            return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], self.out_features)  # [..., out]
+            if self.row_kernel:
+                y = torch.ops.tandem_cpu.bf16_gemv(x.reshape(-1), self.weight)
+            else:
+                y = torch.mv(self.weight, x.reshape(-1))
+            return y.view(*x.shape[:-1], self.out_features)  # [..., out]
         return F.linear(x, self.weight, self.bias)
 
 

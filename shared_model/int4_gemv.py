@@ -13,12 +13,18 @@ Contract:
 - It is the C++ operator `torch.ops.tandem_cpu.int4_gemv`, built with the other CPU kernels
   (`shared_model.cpu_kernels`), with a fake kernel for tracing. `available(group)`: whether it runs here for
   that group size (a multiple of 64, and the kernels built).
+- `enabled()`: whether int4 layers use it, only with `TANDEM_INT4_GEMV=1`. Off by default, because it did not
+  pay where it matters: alone it is 1.4-2x faster than torch's kernel at the 82M model's shapes, but a compiled
+  int4 decode step was 8% slower with it (11.3 against 10.5 ms, same process, alternating requests; eager it
+  was 3% faster), and served int4 decode was slower too (docs/benchmarks.md §7). Why is not understood yet.
 - Why: torch's `_weight_int4pack_mm_for_cpu` converts the weights to floats and multiplies there, and read its
   int4 bytes at 11.7-14.3 GB/s on the 2-core VM, where llama.cpp's Q4_0 decode multiplies bytes
   (docs/benchmarks.md §7).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -27,6 +33,11 @@ from shared_model.int8_gemv import quantize_activation
 
 MAX_ROWS = 4
 """Activation rows per call (the kernel reads each weight row once for all of them)."""
+
+
+def enabled() -> bool:
+    """Whether int4 layers run this kernel (`TANDEM_INT4_GEMV=1`; see the module docstring)."""
+    return os.environ.get("TANDEM_INT4_GEMV", "0") == "1"
 
 
 def available(group: int) -> bool:

@@ -28,7 +28,8 @@ Contract:
     one scale each, and multiplies bytes by bytes, as llama.cpp's Q8_0 does. So on such CPUs an int8 layer's
     single-row output carries the activation's rounding too (at most half a step of max|x_g| / 127 per input);
     its reference (`fake_quantized`) applies the same rounding.
-  - Up to `int4_gemv.MAX_ROWS` rows of int4 on such a CPU, with groups of 64, 128 or 256 (`int4_row_kernel`):
+  - Up to `int4_gemv.MAX_ROWS` rows of int4 on such a CPU, with groups of 64, 128 or 256, when
+    `TANDEM_INT4_GEMV=1` (off by default: see `shared_model.int4_gemv`) (`int4_row_kernel`):
     `shared_model.int4_gemv`, which rounds each row to int8 in the weight's groups and multiplies the 4-bit codes
     by those bytes on `vpdpbusd`, as llama.cpp's Q4_0 does. Such a layer keeps only that kernel's layout (codes
     `[N, K/2]`, scales and zeros `[N, 2, G]`), the same bytes as torch's; its reference models the rounding too.
@@ -131,7 +132,7 @@ def int8_row_kernel(in_features: int, device: torch.device) -> bool:
 def int4_row_kernel(group_size: int, device: torch.device) -> bool:
     """Whether an int4 layer in groups of `group_size` on `device` runs up to `int4_gemv.MAX_ROWS` activation rows
     through `shared_model.int4_gemv` (activations rounded to int8 in the weight's groups), stored in its layout."""
-    return device.type == "cpu" and int4_gemv.available(group_size)
+    return device.type == "cpu" and int4_gemv.enabled() and int4_gemv.available(group_size)
 
 
 def activation_rounding(kind: str, in_features: int, group_size: int, device: torch.device) -> tuple[int, int]:

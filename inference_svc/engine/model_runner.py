@@ -277,6 +277,8 @@ class ModelRunner:
 
     def drop_compiled(self) -> None:
         """Run every step eagerly from now on."""
+        if self.compiled is not None:
+            self.compiled.release_row_kernels()
         self.compiled = None
         self._hidden_states = self.model.hidden_states
 

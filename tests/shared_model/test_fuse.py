@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from shared_model import cpu_kernels
 from shared_model.attention import CAUSAL
 from shared_model.config import RopeScaling
-from shared_model.fuse import ServingLinear, fuse_projections
+from shared_model.fuse import ServingLinear, fuse_projections, set_row_kernels
 from shared_model.model import build_model
 from tests.conftest import tiny_config
 
@@ -65,3 +67,21 @@ def test_state_dict_keeps_its_names_and_values_and_shares_the_merged_memory() ->
     assert attn.k_proj.weight.data_ptr() == merged[cfg.q_size :].data_ptr()  # a view, not a copy
     assert mlp.up_proj.weight.data_ptr() == mlp.merged_gate_up.proj.weight[cfg.intermediate_size :].data_ptr()
     assert not any(p.requires_grad for p in (attn.q_proj.weight, attn.v_proj.weight, mlp.gate_proj.weight))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX-512 VNNI and a C++ compiler")
+def test_row_kernels_are_the_compiled_steps_choice_and_close_to_the_gemv() -> None:
+    model = build_model(tiny_config(), dtype=torch.bfloat16, seed=0)
+    fuse_projections(model)
+    assert set_row_kernels(model, True) == 4 * model.config.num_layers + 1  # qkv, o, gate/up, down; the LM head
+    with torch.inference_mode():  # serving: no autograd through the kernel
+        x = torch.randn(1, model.config.hidden_size, dtype=torch.bfloat16)
+        head = model.lm_head
+        assert head.row_kernel
+        y = head(x).float()
+        exact = x.float() @ head.weight.float().t()
+        assert (y - exact).abs().max() <= 2**-7 * exact.abs().max()  # fp32 sums, one bf16 rounding
+        compiled = torch.compile(head, fullgraph=True)  # the custom op does not break the graph
+        assert torch.equal(compiled(x), head(x))
+        assert set_row_kernels(model, False) == 0 and not head.row_kernel
+        assert torch.equal(head(x), F.linear(x, head.weight))  # the eager path's bit-equality is back

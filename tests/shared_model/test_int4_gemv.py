@@ -93,9 +93,16 @@ def test_the_op_refuses_what_it_cannot_run() -> None:
     assert not int4_gemv.available(32)  # groups of 32 keep torch's kernel
 
 
+def test_int4_layers_keep_torchs_kernel_unless_asked(monkeypatch) -> None:
+    monkeypatch.delenv("TANDEM_INT4_GEMV", raising=False)
+    layer = QuantizedLinear(torch.randn(32, 128), None, "int4", 64, torch.bfloat16)
+    assert not layer._row_kernel and activation_rounding("int4", 128, 64, torch.device("cpu")) == (0, 0)
+
+
 @needs_kernel
 @pytest.mark.parametrize("compiled", [False, True])
-def test_int4_layer_runs_decode_batches_through_the_kernel(compiled: bool) -> None:
+def test_int4_layer_runs_decode_batches_through_the_kernel(compiled: bool, monkeypatch) -> None:
+    monkeypatch.setenv("TANDEM_INT4_GEMV", "1")  # opt-in (shared_model.int4_gemv)
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 256, generator=g)
     layer = QuantizedLinear(weight, None, "int4", 64, torch.bfloat16)
