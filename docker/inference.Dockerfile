@@ -28,18 +28,21 @@ RUN pip install ".[serve]" \
  && python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('lightning', 'deepspeed')))"
 
 FROM ${PYTHON_IMAGE} AS runtime
-# g++: `--compile auto` (the default) builds the compiled decode step with inductor's C++ backend at start-up;
-# without a compiler the service still runs, eagerly, and says so in its log.
+# g++: `--compile auto` (the default) builds the compiled decode step with inductor's C++ backend at start-up, and
+# shared_model/cpu_kernels.py builds Tandem's CPU kernels (with ninja, from the serve extras) at the first start;
+# without a compiler the service still runs, eagerly and on torch's kernels, and says so in its log.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --create-home tandem
 COPY --from=builder /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 MPLCONFIGDIR=/tmp/matplotlib
 USER tandem
 WORKDIR /home/tandem
+# Tandem's CPU kernels into ~/.cache/tandem (where the build machine has AVX-512; else they build at first start)
+RUN python -m shared_model.cpu_kernels
 EXPOSE 50051 8000 9464
 STOPSIGNAL SIGTERM
 # grpc.health.v1 on the default port; docker-compose.yml sets its own with the configured port.
-HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=6 \
+HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=6 \
     CMD ["python", "-m", "inference_svc.healthcheck", "127.0.0.1:50051"]
 ENTRYPOINT ["tandem"]
 CMD ["serve", "--model", "/runs/demo/bundle", "--host", "0.0.0.0"]

@@ -131,3 +131,24 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tandem_cpu::int4_gemv")
     def _(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], codes.shape[0]))
+
+
+def main() -> int:
+    """`python -m shared_model.cpu_kernels`: build every package's CPU kernels now (the bootstrap and the inference
+    image do, so that no first start pays for it); prints one line. Exit 0 also where they cannot be built here."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    start = time.perf_counter()
+    built = available()
+    try:
+        from inference_svc.kernels import cpu_attention  # the serving half's kernels, where it is installed
+    except ImportError:
+        pass
+    else:
+        built = built and cpu_attention.extension() is not None
+    what = "ready" if built else "not built here: torch's kernels run (see the warnings above)"
+    print(f"CPU kernels: {what} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
