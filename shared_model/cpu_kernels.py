@@ -12,9 +12,10 @@ Contract:
 - `available()`: whether `extension()` is not None.
 - `build(name, sources)` is the same for another package's kernels (`inference_svc.kernels.cpu_attention`).
 - The build: torch's extension builder compiles `SOURCES` (beside this file) with `FLAGS` into
-  `~/.cache/tandem/cpu_kernels/<hash>`, the hash covering the sources, the flags, torch's and Python's versions and
-  the compiler, so a later process loads it in about a second (the first build takes 30-60 s). A build lock left
-  by a process killed mid-build is removed after `STALE_LOCK_S` (torch's builder would wait on it forever).
+  `~/.cache/tandem/cpu_kernels/<hash>`, the hash covering the sources (paths and text), the flags, torch's and
+  Python's versions and the compiler, so a later process loads it in about a second (the first build takes
+  30-60 s; `scripts/bootstrap.sh` runs it). A build lock left by a process killed mid-build is removed after
+  `STALE_LOCK_S` (torch's builder would wait on it forever).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def build(name: str, sources: tuple[Path, ...], on_load: Callable[[], None] | No
     if not is_ninja_available():
         log.warning("Tandem's CPU kernels not built: ninja is missing (pip install ninja); using torch's kernels")
         return None
-    key = [name, *(s.read_bytes().decode() for s in sources), *FLAGS, torch.__version__, sys.version]
+    # the sources' paths too: torch's builder rebuilds when its build file names other paths (another checkout)
+    key = [name, *(f"{s}\0{s.read_text()}" for s in sources), *FLAGS, torch.__version__, sys.version]
     key.append(os.path.realpath(compiler))
     build = Path.home() / ".cache" / "tandem" / "cpu_kernels" / hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
     try:
