@@ -13,6 +13,7 @@ for one bf16 row). The figures of docs/benchmarks.md §7 ("Torch's packed kernel
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -40,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     x16 = x32.bfloat16()
     int8 = [QuantizedLinear(w, None, "int8", 64, torch.bfloat16) for w in dense]
     int4 = [QuantizedLinear(w, None, "int4", 64, torch.bfloat16, row_kernels=False) for w in dense]
+    os.environ["TANDEM_INT4_GEMV"] = "1"  # the opt-in int4 kernel, for its layers below (read as they are built)
     int4_vnni = [QuantizedLinear(w, None, "int4", 64, torch.bfloat16) for w in dense] if int4_gemv.available(64) else []
+    assert all(q._row_kernel for q in int4_vnni)
     bf16 = [w.bfloat16() for w in dense]
     cases: dict[str, tuple[Callable[[], object], float]] = {
         "_weight_int8pack_mm, bf16 x": (lambda: [q._packed(x16) for q in int8], n * k),

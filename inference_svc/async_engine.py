@@ -414,7 +414,7 @@ class AsyncEngine:
                 self._expire_deadlines()
                 if self.engine.has_unfinished_requests():
                     self._step()
-        except Exception:  # pragma: no cover - a bug in this bridge; fail loudly, stop serving
+        except BaseException:  # pragma: no cover - a bug in this bridge (or a SystemExit): fail loudly, stop serving
             log.exception("engine thread crashed")
             self._mark_broken()
             self._post([(rid, RequestFailedError("the engine thread crashed")) for rid in list(self._live)])

@@ -2,9 +2,9 @@
 
 Contract:
 - `EngineThread()` starts one daemon thread named `tandem-engine`. `submit(fn, *args)` queues `fn(*args)` there
-  and returns a `concurrent.futures.Future`; `await run(fn, *args)` does the same from an event loop. Calls run
-  one at a time, in the order submitted. A long-running call (`AsyncEngine`'s engine loop) holds the thread until
-  it returns; calls submitted meanwhile wait for it.
+  and returns a `concurrent.futures.Future` (RuntimeError after `close()`); `await run(fn, *args)` does the same
+  from an event loop. Calls run one at a time, in the order submitted. A long-running call (`AsyncEngine`'s
+  engine loop) holds the thread until it returns; calls submitted meanwhile wait for it.
 - `ident` is the thread's `threading.get_ident()`. `close()` lets queued calls finish and ends the thread; it does
   not wait for a running call (the engine loop is stopped through its own inbox first).
 - Why one thread for all of it: torch's CPU kernels run on OpenMP (libgomp in torch's CPU wheels), and libgomp
@@ -12,9 +12,9 @@ Contract:
   When the workers of all pools outnumber the CPUs, libgomp stops letting idle workers spin between parallel
   regions ("throttled" spinning: about 100 spins, then a futex sleep), so each of the hundreds of parallel regions
   of a decode step waits for its workers to wake. A model loaded on one live thread (the event loop's default
-  executor) and stepped on another thus decoded at about half speed: on the 2-core VM, the 82M int8 model at
-  2 threads gave 31-55 tok/s against 67-98 tok/s when loaded and stepped on one thread
-  (`benchmarks/engine_thread.py`, docs/benchmarks.md §7).
+  executor) and stepped on another thus decoded 2-3x slower: on the 2-core VM, the 82M int8 model at 2 threads
+  gave 41.7 tok/s against 113.8 tok/s when loaded and stepped on one thread (`benchmarks/engine_thread.py`,
+  docs/benchmarks.md §7).
 """
 
 from __future__ import annotations
@@ -43,9 +43,12 @@ class EngineThread:
         assert self._thread.ident is not None
         self.ident: int = self._thread.ident
         """The thread's `threading.get_ident()`."""
+        self._closed = False
 
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-        """Queue `fn(*args)` on the thread; its future."""
+        """Queue `fn(*args)` on the thread; its future. RuntimeError once `close()` was called."""
+        if self._closed:
+            raise RuntimeError("the engine thread is closed")
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._inbox.put((fn, args, future))
         return future
@@ -55,8 +58,10 @@ class EngineThread:
         return await asyncio.wrap_future(self.submit(fn, *args))
 
     def close(self) -> None:
-        """End the thread once the queued calls have run (a running call is not waited for)."""
-        self._inbox.put(None)
+        """End the thread once the queued calls have run (a running call is not waited for); idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._inbox.put(None)
 
     def _serve(self) -> None:
         while (item := self._inbox.get()) is not None:

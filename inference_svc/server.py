@@ -641,15 +641,16 @@ class TandemServer:
                 t0 = time.perf_counter()
                 await thread.run(async_engine.warmup)
                 log.info("warmed up in %.2f s", time.perf_counter() - t0)
+            if self.lifecycle.state is not State.LOADING:  # SIGTERM while loading: shutdown() is already under way
+                thread.close()  # nothing was started: no engine loop, no tokenizer process
+                return
+            self.metrics.observe_stats(engine.stats())
+            self.metrics.observe_model(engine.info())
+            await async_engine.start()
         except BaseException:
             thread.close()
             raise
-        self.metrics.observe_stats(engine.stats())
-        self.metrics.observe_model(engine.info())
-        await async_engine.start()
         self.engine = async_engine
-        if self.lifecycle.state is not State.LOADING:  # SIGTERM while loading: shutdown() is already under way
-            return
         self.lifecycle.to(State.SERVING)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("SERVING %s", s.model)

@@ -154,6 +154,17 @@ class CompiledDecoder:
         finally:
             self.current_backend = None
 
+    def eager_hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
+        """The eager forward as it runs once this compiled one is dropped (`torch.mv`, not the row kernels): what
+        the engine's `auto` probe times against the compiled one."""
+        set_row_kernels(self.model, False)
+        try:
+            return self.model.hidden_states(input_ids, positions, backend)
+        finally:
+            set_row_kernels(self.model, self.row_kernels > 0)
+
     def release_row_kernels(self) -> None:
         """Give the model back its eager projections (`torch.mv`, bit-equal to `F.linear`): when this compiled
         forward is dropped."""

@@ -27,6 +27,7 @@ import os
 import platform
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,10 +62,19 @@ def extension() -> Any | None:
     return build("tandem_cpu_kernels", tuple(SOURCES), _register_fakes)
 
 
-@functools.cache
 def build(name: str, sources: tuple[Path, ...], on_load: Callable[[], None] | None = None) -> Any | None:
     """Extension `name` built from `sources` with `FLAGS` (and `on_load()` run once it is loaded), or None (logged
-    once) where it cannot run or be built: the rules of the module docstring, for any package's kernels."""
+    once) where it cannot run or be built: the rules of the module docstring, for any package's kernels. Threads
+    calling it at once wait for one build."""
+    with _BUILD_LOCK:
+        return _build(name, sources, on_load)
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+@functools.cache
+def _build(name: str, sources: tuple[Path, ...], on_load: Callable[[], None] | None) -> Any | None:
     if _turned_off():
         return None
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):

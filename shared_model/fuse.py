@@ -15,7 +15,9 @@ Contract:
   bf16 GEMM path (benchmarks/gemv_probe.py, docs/benchmarks.md §7). Everything else goes to `F.linear` unchanged.
 - `set_row_kernels(model, True)` (the compiled step's choice, `shared_model.compiled`) makes that single bf16 row
   run Tandem's `tandem_cpu::bf16_gemv` instead where it is built (`shared_model.cpu_kernels`): fp32 sums in
-  another order, so not bit-equal to `F.linear`; the eager path keeps `torch.mv` and its bit-equality.
+  another order, so not bit-equal to `F.linear`. It applies to every call of those modules while it is set (the
+  compiled decoder's eager fallbacks too); a model never compiled, or whose compiled forward was dropped, keeps
+  `torch.mv` and its bit-equality.
 - Inference only: the merged parameters stop requiring grad, and the merged projections live outside the module
   tree, where ZeRO never sees them. Training keeps the plain parameters. Apply it after the model has its final
   device and dtype (`Module.to` would copy the parameters out of the merged matrices). Applying it twice does

@@ -90,7 +90,7 @@ Activations quantize_rows(const X* x, int64_t m, int64_t k, int64_t group) {
       const int32_t sum = _mm512_reduce_add_epi32(total);
       a.scale[r * padded + g] = scale;
       a.scaled_sum[r * padded + g] = scale * static_cast<float>(sum);
-      buf.start[r * groups + g] = _mm512_castsi128_si512(_mm_cvtsi32_si128(-8 * sum));
+      buf.start[r * groups + g] = _mm512_maskz_set1_epi32(1, -8 * sum);  // lane 0; the others zero
     }
   }
   return a;

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -119,11 +120,20 @@ class _TorchOps:
     """
 
     def __init__(self) -> None:
-        self._native = cpu_attention.extension()  # the C++ decode kernels, or None (torch ops only)
+        self._native: Any = _UNBUILT
+        """The C++ decode kernels (`cpu_attention.extension()`, built at the first CPU call), or None: torch ops."""
         self._decode_key: tuple[torch.Tensor, torch.Tensor] | None = None
         self._decode_plan: _DecodePlan | None = None
         self._prefill_key: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._prefill_plans: list[_PrefillPlan] = []
+
+    def _kernels(self, cache: torch.Tensor) -> Any:
+        """The C++ kernels for a cache on the CPU (built on first use), else None."""
+        if not cache.is_cpu:
+            return None
+        if self._native is _UNBUILT:
+            self._native = cpu_attention.extension()
+        return self._native
 
     def store_kv(
         self,
@@ -139,8 +149,9 @@ class _TorchOps:
             store_scaled(k, k_cache, k_scales, slot_mapping)
             store_scaled(v, v_cache, v_scales, slot_mapping)
             return
-        if self._native is not None and k_cache.is_cpu:  # the same two index copies, in one call
-            self._native.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        native = self._kernels(k_cache)
+        if native is not None:  # the same two index copies, in one call
+            native.store_kv(k, v, k_cache, v_cache, slot_mapping)
             return
         hkv, dim = k_cache.shape[2], k_cache.shape[3]
         # each token's K/V written once, at its slot (cast when the cache's dtype is not the model's)
@@ -160,8 +171,9 @@ class _TorchOps:
         v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         del num_splits  # a kernel tuning knob
-        if self._native is not None and k_scales is None and k_cache.is_cpu and k_cache.dtype in _NATIVE_DTYPES:
-            return self._native.decode_attention(q.contiguous(), k_cache, v_cache, context_lens, block_tables, scale)
+        native = self._kernels(k_cache)
+        if native is not None and k_scales is None and k_cache.dtype in _NATIVE_DTYPES and q.shape[-1] % 16 == 0:
+            return native.decode_attention(q.contiguous(), k_cache, v_cache, context_lens, block_tables, scale)
         key = self._decode_key
         if key is None or key[0] is not context_lens or key[1] is not block_tables:
             self._decode_plan = _plan_decode(context_lens, block_tables, k_cache.shape[1], q.device)
@@ -215,7 +227,9 @@ class _TorchOps:
 
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-"""Cache dtypes the C++ decode kernel reads (fp8/int8 caches, with scales, take the torch ops)."""
+"""Cache dtypes the C++ decode kernel reads (fp8/int8 caches, with scales, take the torch ops; so do head sizes
+that are not a multiple of 16)."""
+_UNBUILT = object()
 
 
 def torch_ops() -> AttentionOps:

@@ -266,7 +266,7 @@ class ModelRunner:
             for _ in range(steps):
                 for i, batch in enumerate(batches):
                     for compiled in (False, True):
-                        self._hidden_states = compiled_forward if compiled else self.model.hidden_states
+                        self._hidden_states = compiled_forward if compiled else self.compiled.eager_hidden_states
                         start = time.perf_counter()
                         self.run(batch)
                         times.setdefault((compiled, i), []).append(time.perf_counter() - start)

@@ -74,3 +74,10 @@ def test_torch_ops_store_and_decode_through_the_kernel() -> None:
     assert torch.equal(k_cache.view(-1, 4, 64)[slots], k) and torch.equal(v_cache.view(-1, 4, 64)[slots], v)
     out = ops.decode_attention(q, k_cache, v_cache, ctx, tables, 0.125)
     assert torch.equal(out, native.decode_attention(q, k_cache, v_cache, ctx, tables, 0.125))
+
+
+def test_head_sizes_the_kernel_does_not_take_run_the_torch_ops() -> None:
+    q, k_cache, v_cache, ctx, tables = _case(torch.float32, [16, 40], d=24)  # 24: not a multiple of 16
+    out = torch_ops().decode_attention(q, k_cache, v_cache, ctx, tables, 0.2)
+    want = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), ctx, tables, 0.2)
+    assert (out.double() - want).abs().max() <= 1e-5

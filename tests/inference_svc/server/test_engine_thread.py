@@ -56,3 +56,11 @@ def test_server_loads_warms_up_and_steps_on_the_engine_thread(bundle_dir, monkey
         assert ident not in (threading.get_ident(), srv._thread.ident)  # neither the caller nor the event loop
     finally:
         srv.close()
+
+
+def test_a_closed_engine_thread_refuses_work() -> None:
+    thread = EngineThread()
+    thread.close()
+    thread.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        thread.submit(lambda: None)
