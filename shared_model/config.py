@@ -437,6 +437,24 @@ PRESETS: dict[str, Preset] = {
         ),
         "about 5M parameters: tests and the CPU demo",
     ),
+    "mini": Preset(
+        ModelConfig(
+            model_type="qwen3",
+            vocab_size=8192,
+            hidden_size=512,
+            num_layers=8,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=64,
+            intermediate_size=1536,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+            qk_norm=True,
+            max_position_embeddings=2048,
+        ),
+        "about 30M parameters: trainable on 2 CPU cores in under an hour, large enough that reading the weights "
+        "is most of a CPU decode step (the speculative-decoding benchmark's model)",
+    ),
     "small": Preset(
         ModelConfig(
             model_type="qwen3",

@@ -5,8 +5,10 @@ Contract:
   `k_cache, v_cache: [num_blocks, block_size, Hkv, D]` in the stored dtype (`--kv-cache-dtype`), and for fp8/int8
   `k_scales, v_scales: [num_blocks, Hkv]` fp32 (`inference_svc.kernels.kv_quant`). Token slot =
   block_id * block_size + offset. Block tables are int32 `[S, max_blocks]` padded with 0.
-- One engine step is one flat batch of T tokens: the D decode tokens first (one per sequence), then the prefill
-  chunks of P sequences back to back. `AttentionMetadata` describes it with tensors only (and the count D).
+- One engine step is one flat batch of T tokens: the D decode queries first, each over its own context length and
+  block table (a sequence's decoded token, or each token of a short chunk such as a speculative verify item,
+  which sees its context up to itself), then the prefill chunks of P sequences back to back. `AttentionMetadata`
+  describes it with tensors only (and the count D).
 - One backend for every implementation: `PagedAttention(ops, cache, meta)` is built per step; per layer it stores
   this step's K/V at `slot_mapping` (each token's K/V written exactly once), then calls the ops' decode attention
   on the D decode queries (each over its sequence's cached context) and their prefill attention on the packed
@@ -47,7 +49,7 @@ class AttentionMetadata:
     """Everything attention needs for one step, as tensors on the model device (no host copies)."""
 
     slot_mapping: torch.Tensor  # [T] int64: each token's cache slot
-    num_decode_tokens: int  # D: tokens [0, D) are decodes, one per sequence
+    num_decode_tokens: int  # D: tokens [0, D) are decode queries (several may belong to one sequence)
     decode_context_lens: torch.Tensor  # [D] int32 (includes the token being decoded)
     decode_block_tables: torch.Tensor  # [D, max_blocks] int32
     cu_seqlens_q: torch.Tensor  # [P+1] int32, offsets into the prefill tokens (which start at D)

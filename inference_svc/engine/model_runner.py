@@ -3,9 +3,10 @@
 Contract:
 - Owns the model, the KV cache (`kv_cache.KVCache`, stored in `kv_dtype`) and the attention backend choice. Reads
   Sequences (never writes them).
-- `run(batch)` flattens the batch into one `[T]` token row (decodes first, then prefill chunks), builds the
-  `AttentionMetadata` (slots, block tables, context lengths) once (a verify item of speculative decoding is a
-  chunk like a prefill chunk: its last token and drafts over its cached context), runs shared_model's decoder
+- `run(batch)` flattens the batch into one `[T]` token row (decode queries first, then prefill chunks), builds the
+  `AttentionMetadata` (slots, block tables, context lengths) once (a chunk of at most `QUERY_CHUNK_MAX` tokens,
+  such as a verify item of speculative decoding, its last token and drafts, runs as one decode query per token
+  over its context so far), runs shared_model's decoder
   with a per-step backend (the same `CausalLM`, prepared by the engine: projections merged by
   `shared_model.fuse`, bit-equal to the plain decoder, and weights quantized by `shared_model.quantize` when
   asked; traced by `shared_model.compiled` when `compiled` is set), and returns fp32 logits only for the rows
@@ -32,7 +33,7 @@ import torch
 from inference_svc.engine.attention import AttentionMetadata, KVCache, paged_attention_factory, torch_ops
 from inference_svc.engine.logprobs import ROWS_PER_PIECE, token_logprobs
 from inference_svc.engine.sequence import Sequence
-from inference_svc.engine.types import TokenLogprob
+from inference_svc.engine.types import MAX_SPECULATIVE_TOKENS, TokenLogprob
 from shared_model.compiled import CompiledDecoder
 from shared_model.config import ModelConfig
 from shared_model.model import CausalLM
@@ -81,6 +82,12 @@ class ScheduledSeq:
 
 
 BackendFactory = Callable[[KVCache, AttentionMetadata], Callable]
+
+QUERY_CHUNK_MAX = MAX_SPECULATIVE_TOKENS + 1
+"""A chunk of at most this many tokens (a verify item: the last token and up to K drafts) runs as that many decode
+queries, token i over the context up to and including itself, instead of as a prefill chunk. It computes the same
+attention through the decode kernels, which read the cache in place; the prefill path would gather the context
+and build a mask, a cost that a chunk of a few tokens does not pay back."""
 
 
 class StepLogits(NamedTuple):
@@ -174,8 +181,10 @@ class ModelRunner:
         self, batch: Seq[ScheduledSeq]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[_PromptRows]]:
         bs = self.block_size
-        decodes = [b for b in batch if b.is_decode]
-        prefills = [b for b in batch if not b.is_decode]
+        # decode queries: each decode's token, then every token of a short chunk (a verify item) as a query of its
+        # own over the context up to it; the rest runs as prefill chunks
+        decodes = [b for b in batch if b.is_decode or b.num_tokens <= QUERY_CHUNK_MAX]
+        prefills = [b for b in batch if not (b.is_decode or b.num_tokens <= QUERY_CHUNK_MAX)]
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -198,8 +207,8 @@ class ModelRunner:
         # whose remaining prompt is one token runs as a decode yet sits after prefill chunks in the batch.
         sample_rows = [r for b in batch for r in range(last_row[id(b)] - b.num_sample_rows + 1, last_row[id(b)] + 1)]
         dev = self.device
-        decode_lens = [b.start + 1 for b in decodes]
-        decode_tables = [b.seq.block_table for b in decodes]
+        decode_lens = [p + 1 for b in decodes for p in range(b.start, b.start + b.num_tokens)]
+        decode_tables = [b.seq.block_table for b in decodes for _ in range(b.num_tokens)]
         q_lens = [b.num_tokens for b in prefills]
         ctx_lens = [b.start + b.num_tokens for b in prefills]
         prefill_tables = [b.seq.block_table for b in prefills]
@@ -208,7 +217,7 @@ class ModelRunner:
             cu.append(cu[-1] + n)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decode_tokens=len(decodes),
+            num_decode_tokens=len(decode_lens),
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
             decode_block_tables=_pad_tables(decode_tables, dev),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),

@@ -29,11 +29,12 @@ def test_invalid_values_name_the_field(overrides, message):
 
 def test_presets_sizes():
     assert 3e6 < get_preset("tiny").num_parameters() < 8e6
+    assert 25e6 < get_preset("mini").num_parameters() < 35e6
     assert 80e6 < get_preset("small").num_parameters() < 120e6
     assert round(get_preset("qwen3-8b").num_parameters() / 1e9, 2) == 8.19
     assert round(get_preset("qwen3-0.6b").num_parameters() / 1e9, 2) == 0.6
     assert round(get_preset("llama-3.2-1b").num_parameters() / 1e9, 2) == 1.24
-    with pytest.raises(ConfigError, match="unknown model preset 'huge'; choose one of: tiny, small"):
+    with pytest.raises(ConfigError, match="unknown model preset 'huge'; choose one of: tiny, mini, small"):
         get_preset("huge")
 
 

@@ -122,6 +122,23 @@ def _fake_results(identical: bool) -> dict:
     }
 
 
+def test_median_round_keeps_the_middle_run_and_every_rounds_figures() -> None:
+    sb = _load()
+    runs = [
+        {"tok_s": 30.0, "tokens": 3, "differs_from_batch1_plain": [], "background_cpu_busy": 0.01},
+        {"tok_s": 10.0, "tokens": 1, "differs_from_batch1_plain": [{"prompt": "a", "first_difference": 4}],
+         "background_cpu_busy": 0.05},
+        {"tok_s": 20.0, "tokens": 2, "differs_from_batch1_plain": [], "background_cpu_busy": 0.02},
+    ]  # fmt: skip
+    mid = sb.median_round(runs)
+    assert (mid["tok_s"], mid["tokens"]) == (20.0, 2)
+    assert mid["rounds_tok_s"] == [30.0, 10.0, 20.0]
+    assert mid["differs_from_batch1_plain"] == [{"prompt": "a", "first_difference": 4}]  # from any round
+    assert mid["background_cpu_busy"] == 0.05
+    assert sb.median_round(runs[:2])["tok_s"] == 10.0  # an even count: the lower middle one
+    assert runs[2]["differs_from_batch1_plain"] == []  # the inputs are not changed
+
+
 def test_markdown_rows() -> None:
     sb = _load()
     text = sb.markdown(_fake_results(identical=True))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from inference_svc.engine import SamplingParams
 from inference_svc.engine.speculative import Draft
@@ -212,3 +213,45 @@ def test_rejected_drafts_leave_no_trace(llama_dir, make_engine):
     )
     assert cached.token_ids == fresh.token_ids
     assert cached.usage.cached_prompt_tokens == hit
+
+
+def test_verify_items_run_as_decode_queries_with_the_prefill_paths_logits(model_dir, make_engine, monkeypatch):
+    """A verify item (last token + drafts) runs as one decode query per token over its context so far
+    (`model_runner.QUERY_CHUNK_MAX`); every such step is also run through the prefill path first, in place (both
+    write the same K/V to the same slots), and the two give the same logits."""
+    from inference_svc.engine import model_runner
+
+    prompts = _prompts(5, 512, 4)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    plain = _tokens(make_engine(model_dir), prompts, params)
+    spec = _drafting_from(
+        make_engine(model_dir, speculative="ngram", speculative_verify_cost=0.0, speculative_max_batch=0),
+        prompts, plain, wrong_every=3,
+    )  # fmt: skip
+    runner = spec.runner
+    run, factory = runner.run, runner.backend_factory
+    seen: list[tuple[int, int]] = []  # (decode queries, tokens) of each step with a verify item
+
+    def recording_factory(cache, meta):
+        seen.append((meta.num_decode_tokens, int(meta.slot_mapping.shape[0])))
+        return factory(cache, meta)
+
+    def checked_run(batch):
+        if not any(b.draft for b in batch):
+            return run(batch)
+        with monkeypatch.context() as m:
+            m.setattr(model_runner, "QUERY_CHUNK_MAX", 0)  # every chunk a prefill chunk
+            as_prefill = run(batch).sample
+        runner.backend_factory = recording_factory
+        try:
+            out = run(batch)
+        finally:
+            runner.backend_factory = factory
+        torch.testing.assert_close(out.sample, as_prefill, rtol=1e-5, atol=1e-5)
+        return out
+
+    runner.run = checked_run
+    assert _tokens(spec, prompts, params) == plain
+    assert seen, "no verify step ran"
+    assert all(queries == tokens for queries, tokens in seen)  # every verify token was a decode query
+    assert max(tokens for _, tokens in seen) > len(prompts)  # and there were drafts among them
