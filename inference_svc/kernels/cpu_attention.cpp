@@ -1,11 +1,15 @@
-// Paged attention for the CPU's decode step: each sequence's one query over its cached K/V, read in place from the
+// Paged attention for the CPU's decode step: each query over its sequence's cached K/V, read in place from the
 // paged cache (no gather), and the step's K/V stores, in two calls per layer instead of a dozen torch ops.
 //
 // Layout (inference_svc/engine/attention.py): caches [num_blocks, block_size, Hkv, D] in fp32, bf16 or fp16;
-// block tables int32 [S, max_blocks]; token slot = block * block_size + offset. Each (sequence, KV head) is one work
-// item: the G = Hq / Hkv query heads of the group score every cached token (fp32 dot products), softmax in fp32
-// (max subtracted), and the values are summed with those weights in fp32; the output is rounded once to q's dtype.
-// Work items are split over torch's intra-op threads only when there is enough work to pay for waking them.
+// block tables int32 [S, max_blocks]; token slot = block * block_size + offset. Consecutive queries of one sequence
+// (same block table, context lengths growing by one: a speculative verify item's rows) form a run. Each (run, KV
+// head) is one work item: the run's queries times the G = Hq / Hkv query heads of the group score the cached
+// tokens, 16 at a time (fp32 dot products), each row over its own context; softmax in fp32 (max subtracted,
+// vectorized exp); the values, each read once for the run, are summed with those weights in fp32; the output is
+// rounded once to q's dtype. A row's arithmetic is the same in a run as alone, so results are bitwise independent
+// of the batch. Work items are split over torch's intra-op threads only when there is enough work to pay for
+// waking them.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -27,56 +31,153 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
+// exp(x) for x <= 0 (scores minus their maximum), 16 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two
+// parts, so r is exact to fp32), e^r by its Taylor polynomial to degree 7 (relative error below 1e-8 there), times
+// 2^n. Below -87.3, where e^x is under fp32's smallest normal, the result is 0 or a denormal.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2's leading bits: n * hi is exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// softmax of sc[0, len) in place, in fp32: the maximum subtracted, exp16, one division.
+inline void softmax_in_place(float* sc, int64_t len) {
+  const int64_t full = len / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len - full)) - 1);
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < full; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(sc + j));
+  top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, sc + full));
+  const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < full; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), peak));
+    _mm512_storeu_ps(sc + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (tail) {
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sc + full), peak)));
+    _mm512_mask_storeu_ps(sc + full, tail, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t j = 0; j < full; j += 16) _mm512_storeu_ps(sc + j, _mm512_mul_ps(_mm512_loadu_ps(sc + j), inv));
+  if (tail) _mm512_mask_storeu_ps(sc + full, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, sc + full), inv));
+}
+
+// out[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: three rounds of shuffles and adds (45 instructions
+// for 16 sums, where one horizontal reduction each would take about 8 apiece in a dependent chain).
+inline __m512 hsum16(const __m512* v) {
+  __m512 quad[4];  // quad[k], 128-bit lane L: the sums over lane L of v[4k .. 4k+3]
+  for (int k = 0; k < 4; ++k) {
+    const __m512 a = v[4 * k], b = v[4 * k + 1], c = v[4 * k + 2], e = v[4 * k + 3];
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 ce = _mm512_add_ps(_mm512_unpacklo_ps(c, e), _mm512_unpackhi_ps(c, e));
+    quad[k] = _mm512_add_ps(_mm512_shuffle_ps(ab, ce, _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_ps(ab, ce, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(quad[0], quad[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(quad[0], quad[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2], quad[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(quad[2], quad[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Runs of consecutive queries of one sequence: rows i..i+n-1 whose block tables agree (over the blocks the last
+// one reads) and whose context lengths grow by one a row (a verify item's tokens, each over its context so far).
+// A run is one work item per KV head, so each cached K/V row is read once for all its queries.
+struct Run {
+  int64_t row, count;
+};
+
+std::vector<Run> query_runs(const int32_t* lens, const int32_t* tables, int64_t s, int64_t bs, int64_t max_blocks) {
+  std::vector<Run> runs;
+  for (int64_t i = 0; i < s;) {
+    int64_t n = 1;
+    while (i + n < s && lens[i + n] == lens[i + n - 1] + 1 &&
+           std::equal(tables + i * max_blocks, tables + i * max_blocks + (lens[i + n] + bs - 1) / bs,
+                      tables + (i + n) * max_blocks))
+      ++n;
+    runs.push_back({i, n});
+    i += n;
+  }
+  return runs;
+}
+
 template <typename Q, typename C>
 void decode_kernel(const Q* q, const C* kc, const C* vc, const int32_t* lens, const int32_t* tables, Q* out, int64_t s,
                    int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t max_blocks, float scale) {
   const int64_t group = hq / hkv, chunks = d / 16;
-  int64_t longest = 0;
-  for (int64_t i = 0; i < s; ++i) longest = std::max<int64_t>(longest, lens[i]);
-  const int64_t work = longest * group * d * 2;  // multiply-adds of one item
+  const std::vector<Run> runs = query_runs(lens, tables, s, bs, max_blocks);
+  int64_t work = 0;  // multiply-adds of the largest item
+  for (const Run& run : runs) work = std::max<int64_t>(work, run.count * lens[run.row + run.count - 1] * group * d * 2);
   const int64_t grain = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(work, 1));
-  at::parallel_for(0, s * hkv, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(runs.size()) * hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<__m512> acc(group * chunks);
-    std::vector<__m512> query(group * chunks);
+    std::vector<__m512> acc, query;
+    std::vector<const C*> keys, values;  // [longest]: each cached token's K and V row of head h
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / hkv, h = item % hkv, len = lens[seq];
-      const int32_t* table = tables + seq * max_blocks;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t c = 0; c < chunks; ++c)
-          query[g * chunks + c] = _mm512_mul_ps(load16(q + (seq * hq + h * group + g) * d + c * 16), _mm512_set1_ps(scale));
-      scores.resize(group * len);
-      for (int64_t j = 0; j < len; ++j) {  // scores [G, len]
-        const C* key = kc + ((static_cast<int64_t>(table[j / bs]) * bs + j % bs) * hkv + h) * d;
-        for (int64_t g = 0; g < group; ++g) {
-          __m512 dot = _mm512_setzero_ps();
-          for (int64_t c = 0; c < chunks; ++c) dot = _mm512_fmadd_ps(query[g * chunks + c], load16(key + c * 16), dot);
-          scores[g * len + j] = _mm512_reduce_add_ps(dot);
+      const Run run = runs[item / hkv];
+      const int64_t h = item % hkv, first = lens[run.row], longest = lens[run.row + run.count - 1];
+      const int64_t rows = run.count * group;  // (query r, head g) -> row r * group + g
+      const int32_t* table = tables + run.row * max_blocks;
+      query.resize(rows * chunks);
+      acc.assign(rows * chunks, _mm512_setzero_ps());
+      scores.resize(rows * longest);  // [rows, longest]; row r * group + g holds lens[run.row + r] scores
+      for (int64_t r = 0; r < run.count; ++r)
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t c = 0; c < chunks; ++c)
+            query[(r * group + g) * chunks + c] =
+                _mm512_mul_ps(load16(q + ((run.row + r) * hq + h * group + g) * d + c * 16), _mm512_set1_ps(scale));
+      keys.resize(longest);
+      values.resize(longest);
+      for (int64_t j0 = 0; j0 < longest; j0 += bs) {
+        const int64_t offset = (static_cast<int64_t>(table[j0 / bs]) * bs * hkv + h) * d;
+        for (int64_t j = j0, stop = std::min(longest, j0 + bs); j < stop; ++j) {
+          keys[j] = kc + offset + (j - j0) * hkv * d;
+          values[j] = vc + offset + (j - j0) * hkv * d;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {  // softmax in place
-        float* sc = scores.data() + g * len;
-        const float top = *std::max_element(sc, sc + len);
-        float total = 0.f;
-        for (int64_t j = 0; j < len; ++j) total += (sc[j] = std::exp(sc[j] - top));
-        const float inv = 1.f / total;
-        for (int64_t j = 0; j < len; ++j) sc[j] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
-      for (int64_t j = 0; j < len; ++j) {
-        const C* value = vc + ((static_cast<int64_t>(table[j / bs]) * bs + j % bs) * hkv + h) * d;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const __m512 v = load16(value + c * 16);
-          for (int64_t g = 0; g < group; ++g)
-            acc[g * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * len + j]), v, acc[g * chunks + c]);
+      // scores 16 keys at a time, every row (a row's scores past its own context are computed and never read)
+      for (int64_t j = 0; j < longest; j += 16) {
+        const int64_t n = std::min<int64_t>(16, longest - j);
+        for (int64_t row = 0; row < rows; ++row) {
+          __m512 dots[16];
+          for (int64_t i = 0; i < 16; ++i) {
+            dots[i] = _mm512_setzero_ps();
+            if (i < n)
+              for (int64_t c = 0; c < chunks; ++c)
+                dots[i] = _mm512_fmadd_ps(query[row * chunks + c], load16(keys[j + i] + c * 16), dots[i]);
+          }
+          _mm512_mask_storeu_ps(scores.data() + row * longest + j, static_cast<__mmask16>((1u << n) - 1), hsum16(dots));
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        alignas(64) float row[16];
-        Q* o = out + (seq * hq + h * group + g) * d;
+      for (int64_t row = 0; row < rows; ++row) softmax_in_place(scores.data() + row * longest, first + row / group);
+      for (int64_t j = 0; j < longest; ++j) {  // values weighted by the scores; key j is seen by queries r >= j - first + 1
+        const int64_t seen = std::max<int64_t>(0, j - first + 1) * group;
         for (int64_t c = 0; c < chunks; ++c) {
-          _mm512_store_ps(row, acc[g * chunks + c]);
-          for (int i = 0; i < 16; ++i) o[c * 16 + i] = static_cast<Q>(row[i]);
+          const __m512 v = load16(values[j] + c * 16);
+          for (int64_t row = seen; row < rows; ++row)
+            acc[row * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[row * longest + j]), v, acc[row * chunks + c]);
+        }
+      }
+      for (int64_t row = 0; row < rows; ++row) {
+        alignas(64) float lane[16];
+        Q* o = out + ((run.row + row / group) * hq + h * group + row % group) * d;
+        for (int64_t c = 0; c < chunks; ++c) {
+          _mm512_store_ps(lane, acc[row * chunks + c]);
+          for (int i = 0; i < 16; ++i) o[c * 16 + i] = static_cast<Q>(lane[i]);
         }
       }
     }

@@ -52,6 +52,26 @@ def test_decode_matches_the_reference(q_dtype, cache_dtype, tol: float, lens: li
 
 
 @needs_kernel
+@pytest.mark.parametrize(("q_dtype", "cache_dtype", "tol"), DTYPES)
+def test_queries_of_one_sequence_share_its_reads_and_keep_their_own_context(q_dtype, cache_dtype, tol) -> None:
+    """Verify rows: consecutive queries over one block table with lengths growing by one (a run, scored together)
+    beside a plain decode, a run that crosses a block boundary, and two rows that are not a run (same table,
+    lengths not consecutive). Each row matches the reference over its own context, and equals, bit for bit, the
+    kernel on that row alone (a run computes exactly what its rows would one by one)."""
+    q, k_cache, v_cache, _, base = _case(cache_dtype, [300, 40, 90])
+    rows = [(0, n) for n in range(291, 296)] + [(1, 40)] + [(2, n) for n in range(30, 36)] + [(0, 100), (0, 102)]
+    ctx = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    tables = base[[t for t, _ in rows]].contiguous()
+    q = torch.randn(len(rows), q.shape[1], q.shape[2], generator=torch.Generator().manual_seed(1)).to(q_dtype)
+    out = native.decode_attention(q, k_cache, v_cache, ctx, tables, 0.125)
+    want = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), ctx, tables, 0.125)
+    assert (out.double() - want).abs().max() <= tol * max(want.abs().max().item(), 1.0)
+    for i in range(len(rows)):
+        alone = native.decode_attention(q[i : i + 1], k_cache, v_cache, ctx[i : i + 1], tables[i : i + 1], 0.125)
+        assert torch.equal(alone, out[i : i + 1]), f"row {i}"
+
+
+@needs_kernel
 def test_decode_refuses_reads_outside_the_cache() -> None:
     q, k_cache, v_cache, ctx, tables = _case(torch.float32, [20])
     bad = tables.clone()

@@ -247,7 +247,7 @@ def test_verify_items_run_as_decode_queries_with_the_prefill_paths_logits(model_
             out = run(batch)
         finally:
             runner.backend_factory = factory
-        torch.testing.assert_close(out.sample, as_prefill, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.sample, as_prefill, rtol=1e-4, atol=1e-4)  # fp32 sums in another order
         return out
 
     runner.run = checked_run
