@@ -32,7 +32,8 @@ What it does, in one run:
    must equal the plain ones for every prompt (greedy is exact): a difference is printed and the exit status is 1;
 5. 16 streams: the same prompts repeated to 16 concurrent streamed requests (same settings), total generated
    tokens / wall time from the first request sent to the last token, plain and speculative, `--stream-rounds`
-   (3) rounds in alternating order; the round with the median tok/s is reported, every round's tok/s beside it. Every prompt was
+   (5) rounds in alternating order; the round with the median tok/s is reported, every round's tok/s beside it,
+   and the median of each round's speculative / plain. Every prompt was
    already prefilled once by then, so the prefix cache serves both equally. (The engine turns drafting off in a
    step with more than `speculative_max_batch`, default 8, decoding sequences: this row checks that costs
    nothing.) Their token ids are compared with the batch-1 plain ones too (reported, not an error: batched
@@ -454,6 +455,11 @@ def tandem_case(bundle: Path, dtype: str, threads: int, prompts: list[dict], arg
                 log(f"    {s['tok_s']:.1f} tok/s ({s['tokens']} tokens in {s['wall_s']:.1f} s), "
                     f"{s['accepted_draft_tokens']}/{s['draft_tokens']} drafts kept")  # fmt: skip
         result["streams"] = {name: median_round(runs) for name, runs in rounds.items()}
+        # each round's speculative / plain, the two run back to back: less exposed to the machine's drift than the
+        # ratio of the two medians
+        paired = [sp["tok_s"] / pl["tok_s"] for pl, sp in zip(rounds["plain"], rounds["speculative"], strict=True)]
+        result["streams_ratio_rounds"] = paired
+        result["streams_ratio"] = statistics.median(paired)
         result["status"] = "ok"
         return result
     finally:
@@ -480,8 +486,8 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "| threads | llama-bench tg | llama-lookup tok/s (acceptance) | Tandem plain | Tandem speculative | "
         "speculative / llama-bench (goal ≥ 1.0) | acceptance | tokens/step | greedy identical | "
-        f"{STREAMS} streams plain | {STREAMS} streams speculative |",
-        "|--:|--:|--:|--:|--:|--:|--:|--:|:-:|--:|--:|",
+        f"{STREAMS} streams plain | {STREAMS} streams speculative | {STREAMS} streams speculative / plain |",
+        "|--:|--:|--:|--:|--:|--:|--:|--:|:-:|--:|--:|--:|",
     ]
     for c in results["cases"]:
         lb, lk, td = c.get("llama_bench", {}), c.get("llama_lookup", {}), c.get("tandem", {})
@@ -490,14 +496,15 @@ def markdown(results: dict[str, Any]) -> str:
                else lk.get("status", "error"))  # fmt: skip
         if td.get("status") != "ok":
             status = td.get("status", "error")
-            lines.append(f"| {c['threads']} | {lbt} | {lkt} | {status} | {status} | – | – | – | – | – | – |")
+            lines.append(f"| {c['threads']} | {lbt} | {lkt} | {status} | {status} | – | – | – | – | – | – | – |")
             continue
         sp, pl, st = td["speculative"], td["plain"], td["streams"]
         ratio = fmt(sp["tok_s"] / lb["tg"], 2) if lb.get("tg") else "–"
         lines.append(
             f"| {c['threads']} | {lbt} | {lkt} | {fmt(pl['tok_s'])} | {fmt(sp['tok_s'])} | {ratio} "
             f"| {sp['acceptance']:.0%} | {sp['tokens_per_step']:.2f} | {'yes' if td['greedy_identical'] else 'NO'} "
-            f"| {fmt(st['plain']['tok_s'])} | {fmt(st['speculative']['tok_s'])} |"
+            f"| {fmt(st['plain']['tok_s'])} | {fmt(st['speculative']['tok_s'])} "
+            f"| {fmt(td['streams_ratio'], 2) if 'streams_ratio' in td else '–'} |"
         )
     lines += [
         "",
@@ -507,7 +514,8 @@ def markdown(results: dict[str, Any]) -> str:
         "message's / their arrival span, mean over prompts; acceptance and tokens/step from Usage "
         "(accepted / drafted, completion tokens / decode steps). Greedy identical: the speculative token ids "
         f"equal the plain ones for every prompt. {STREAMS} streams: the prompts repeated to {STREAMS} concurrent "
-        "requests, all generated tokens / wall time.",
+        "requests, all generated tokens / wall time, the median of the rounds; speculative / plain: the median of "
+        "each round's ratio (the two run back to back).",
     ]
     lines += [f"Note: {n}" for n in results["notes"]]
     return "\n".join(lines)
@@ -536,7 +544,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--stream-rounds",
         type=int,
-        default=3,
+        default=5,
         help=f"rounds of the {STREAMS}-stream case, plain and speculative alternating; the median is kept",
     )
     p.add_argument("--quiet-wait", type=float, default=0.0, help="seconds to wait before each case for a calm CPU")

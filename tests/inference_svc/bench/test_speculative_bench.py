@@ -86,7 +86,7 @@ def _fake_results(identical: bool) -> dict:
     spec = {"tok_s": 120.0, "acceptance": 0.5, "tokens_per_step": 1.8}
     streams = {"plain": {"tok_s": 300.0}, "speculative": {"tok_s": 310.0}}
     tandem = {"status": "ok", "plain": {"tok_s": 80.0}, "speculative": spec, "streams": streams,
-              "greedy_identical": identical}  # fmt: skip
+              "streams_ratio": 1.04, "greedy_identical": identical}  # fmt: skip
     return {
         "date": "2026-12-01T18:00:00+00:00",
         "command": ".venv/bin/python benchmarks/speculative.py --threads 1,2",
@@ -144,7 +144,7 @@ def test_markdown_rows() -> None:
     text = sb.markdown(_fake_results(identical=True))
     rows = [ln for ln in text.splitlines() if ln.startswith("| ")]
     assert len(rows) == 3  # header + one row per thread count
-    assert rows[1] == "| 1 | 100.0 | 150.0 (60%) | 80.0 | 120.0 | 1.20 | 50% | 1.80 | yes | 300.0 | 310.0 |"
+    assert rows[1] == "| 1 | 100.0 | 150.0 (60%) | 80.0 | 120.0 | 1.20 | 50% | 1.80 | yes | 300.0 | 310.0 | 1.04 |"
     assert rows[2].startswith("| 2 | error | not run | error | error |")
     assert "avx512f yes" in text and "Command: `.venv/bin/python benchmarks/speculative.py" in text
     assert "Note: busy machine" in text
