@@ -18,7 +18,8 @@ What it does, in one run:
 3. llama.cpp (built once, cached, see `benchmarks/llama_cpp.py`; `llama-lookup` in a second build folder,
    `build-examples/`, whose build time is printed): the bundle converted with the sdist's `convert_hf_to_gguf.py`
    to the same precision (F32 for float32, BF16 for bfloat16; cached under `~/.cache/tandem/speculative/`); per
-   `--threads` count `llama-bench -m F -t T -p 0 -n N_GEN` (tg, its mean over 5 reps) and, per prompt,
+   `--threads` count `llama-bench -m F -t T -p 0 -n N_GEN` (tg, its mean over 5 reps), run again after the
+   Tandem case, the two runs' mean reported (the machine's speed drifts over a case), and, per prompt,
    `llama-lookup -m F -t T -p TEXT -n N_GEN --spec-draft-n-max K --temp 0 --ignore-eos -c 2048 -s 0` (this
    version removed `--draft`, which now only errors out, in favour of `--spec-draft-n-max`): its decode tok/s
    recomputed as (n_predict - 1) / its decode time (the first token comes from the prompt's logits, as Tandem's
@@ -375,6 +376,20 @@ def many_streams(target: str, prompts: list[dict], n_gen: int, k: int, timeout_s
     }
 
 
+def run_llama_bench(tools, gguf: Path, threads: int, args, results: dict[str, Any]) -> dict[str, Any]:
+    """One `llama-bench -p 0 -n N_GEN` (its tg, the mean of its 5 reps), or {"status": "error", ...}."""
+    try:
+        lb = llama_cpp.bench(tools, gguf, threads, 0, args.n_gen, args.bench_timeout)
+        if lb["raw"]:
+            results["llama_cpp"]["build_commit"] = lb["raw"][0].get("build_commit", "?")
+        log(f"  llama-bench tg{args.n_gen}: {lb['tg']:.1f} tok/s")
+        return lb
+    except (llama_cpp.StepError, KeyError, ValueError) as exc:
+        results["errors"].append(f"llama-bench t{threads}: {exc}")
+        print(f"error: llama-bench t{threads}: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return {"status": "error", "error": str(exc)}
+
+
 def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The round with the median tok/s (the lower middle one for an even count), with every round's tok/s beside
     it and the streams that differed from batch-1 plain in any round."""
@@ -508,7 +523,8 @@ def markdown(results: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        f"tok/s. llama-bench: `-p 0 -n {results['n_gen']}`, its mean over 5 reps. llama-lookup: `--spec-draft-n-max "
+        f"tok/s. llama-bench: `-p 0 -n {results['n_gen']}`, the mean of two runs (each its mean over 5 reps), one "
+        "before the llama-lookup and Tandem cases and one after. llama-lookup: `--spec-draft-n-max "
         f"{results['k']} --temp 0 --ignore-eos`, per prompt (n_predict - 1) / its decode time, mean over prompts; "
         "acceptance n_accept / n_drafted. Tandem: served over gRPC, batch 1, per prompt tokens after the first "
         "message's / their arrival span, mean over prompts; acceptance and tokens/step from Usage "
@@ -666,15 +682,7 @@ def main(argv: list[str] | None = None) -> int:
         case: dict[str, Any] = {"threads": threads}
         case["background_cpu_busy"] = cpu_peer.wait_quiet(args.quiet_wait, args.quiet_below)
         log(f"[{threads}T] llama-bench (other work on the CPUs: {case['background_cpu_busy']:.0%})")
-        try:
-            lb = llama_cpp.bench(tools, gguf, threads, 0, args.n_gen, args.bench_timeout)
-            if lb["raw"]:
-                results["llama_cpp"]["build_commit"] = lb["raw"][0].get("build_commit", "?")
-            log(f"  llama-bench tg{args.n_gen}: {lb['tg']:.1f} tok/s")
-        except (llama_cpp.StepError, KeyError, ValueError) as exc:
-            lb = {"status": "error", "error": str(exc)}
-            results["errors"].append(f"llama-bench t{threads}: {exc}")
-            print(f"error: llama-bench t{threads}: {str(exc).splitlines()[0]}", file=sys.stderr)
+        lb = run_llama_bench(tools, gguf, threads, args, results)
         case["llama_bench"] = lb
         busy = cpu_peer.wait_quiet(args.quiet_wait, args.quiet_below) if lookup_bin else float("nan")
         log(f"[{threads}T] llama-lookup (other work on the CPUs: {busy:.0%})")
@@ -696,6 +704,14 @@ def main(argv: list[str] | None = None) -> int:
             results["errors"].append(f"tandem t{threads}: {td['error']}")
             print(f"error: tandem t{threads}: {td['error'].splitlines()[0]}", file=sys.stderr)
         case["tandem"] = td
+        if lb.get("status") != "error":  # again after Tandem: the machine's speed drifts; the mean brackets both
+            busy = cpu_peer.wait_quiet(args.quiet_wait, args.quiet_below)
+            log(f"[{threads}T] llama-bench again (other work on the CPUs: {busy:.0%})")
+            again = run_llama_bench(tools, gguf, threads, args, results)
+            if again.get("status") != "error":
+                lb["tg_runs"] = [lb["tg"], again["tg"]]
+                lb["tg"] = statistics.mean(lb["tg_runs"])
+                log(f"  llama-bench tg{args.n_gen}: {lb['tg']:.1f} tok/s, the mean of the two runs")
         if td.get("status") == "ok":
             log(f"  Tandem: plain {td['plain']['tok_s']:.1f} tok/s, speculative {td['speculative']['tok_s']:.1f} "
                 f"tok/s, acceptance {td['speculative']['acceptance']:.0%}, {td['speculative']['tokens_per_step']:.2f} "
