@@ -417,7 +417,7 @@ def tandem_case(bundle: Path, dtype: str, threads: int, prompts: list[dict], arg
             result["compiled"], result["compile_seconds"] = info.compiled, info.compile_seconds
             log(f"  Tandem: compiled in {info.compile_seconds:.0f} s" if info.compiled else "  Tandem: eager")
             warm = prompts[0]["ids"][: max(8, len(prompts[0]["ids"]) // 2)]
-            for k in (0, args.k):  # warm-up: both paths (a verify step is a chunked-prefill-shaped forward)
+            for k in (0, args.k):  # warm-up: both paths (a verify step is a T = K + 1 forward)
                 stream_one(c, warm, min(args.n_gen, 16), k, timeout)
             result["background_cpu_busy"] = cpu_peer.wait_quiet(args.quiet_wait, args.quiet_below)
             log(f"  Tandem batch-1 (other work on the CPUs: {result['background_cpu_busy']:.0%})")

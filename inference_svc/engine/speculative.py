@@ -2,7 +2,8 @@
 
 Contract:
 - A verify step feeds a decoding sequence's last token plus K drafted tokens to the target model as one chunk of
-  K + 1 query rows over the paged cache (the chunked-prefill path), so one weight read scores K + 1 positions.
+  K + 1 query rows over the paged cache (its attention: one decode query per row, over its context so far; see
+  `model_runner.QUERY_CHUNK_MAX`), so one weight read scores K + 1 positions.
   Which of those tokens are kept is `rejection.verify`'s business; this module only proposes. A proposer returns
   a `Draft`: the tokens, and the distributions they were sampled from when they were sampled (a draft model on a
   sampled request, `draft_model.DraftModelProposer`); n-gram drafts are point masses.

@@ -5,9 +5,11 @@ Contract:
   same rules, flags, cache and `TANDEM_CPU_KERNELS=0`); the torch ops then run as before.
 - `decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale)`: q `[S, Hq, D]`, caches
   `[num_blocks, block_size, Hkv, D]` in fp32/bf16/fp16 (unscaled), int32 lengths and block tables as in
-  `inference_svc.engine.attention` → `[S, Hq, D]` in q's dtype. Each sequence's query heads score its cached
-  tokens in place (no gather, no mask), softmax and value sums in fp32, the output rounded once. A sequence's
-  result does not depend on the others in the batch. Lengths and block ids are checked against the cache.
+  `inference_svc.engine.attention` → `[S, Hq, D]` in q's dtype. Each query's heads score its sequence's cached
+  tokens in place (no gather, no mask), softmax and value sums in fp32, the output rounded once. Consecutive
+  queries of one sequence (a verify item's rows: one block table, lengths growing by one) read each K/V row once
+  for all of them. A query's result does not depend on the others in the batch, bit for bit. Lengths and block
+  ids are checked against the cache.
 - `store_kv(k, v, k_cache, v_cache, slot_mapping)`: both caches' stores in one call (cast to the cache's dtype).
 - Why: on the 82M model a decode step spent about 150-200 µs per layer in attention under torch's profiler
   (2026-12-02), most of it a dozen small torch ops (views, casts, two stores, SDPA's set-up) for one query over a
