@@ -42,7 +42,8 @@ torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& w) {
       for (int64_t i = 0; i < kRows; ++i) row[i] = wp + (r0 + std::min(i, rows - 1)) * k;  // past the end: unused
       __m512 a[kRows], b[kRows];
       for (int64_t i = 0; i < kRows; ++i) a[i] = b[i] = _mm512_setzero_ps();
-      const uint16_t* next = wp + std::min(r0 + kRows, n - 1) * k;  // the next pass's rows, prefetched meanwhile (a prefetch never faults)
+      // the next pass's rows, prefetched meanwhile (a prefetch past the end never faults)
+      const uint16_t* next = wp + std::min(r0 + kRows, n - 1) * k;
       for (int64_t c = 0; c < k; c += 32) {
         const __m512 x0 = widen(xp + c), x1 = widen(xp + c + 16);
         for (int64_t i = 0; i < kRows; ++i) _mm_prefetch(reinterpret_cast<const char*>(next + i * k + c), _MM_HINT_T0);

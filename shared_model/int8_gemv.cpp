@@ -74,13 +74,15 @@ torch::Tensor int8_gemv_fp32(const torch::Tensor& x, const torch::Tensor& w, con
       const int64_t r0 = pass * kRows, rows = std::min(kRows, n - r0);
       __m512 acc[kRows];
       for (int64_t i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
-      const int8_t* next = wp + std::min(r0 + kRows, n - 1) * k;  // the next pass's rows, prefetched meanwhile (a prefetch never faults)
+      // the next pass's rows, prefetched meanwhile (a prefetch past the end never faults)
+      const int8_t* next = wp + std::min(r0 + kRows, n - 1) * k;
       for (int64_t g = 0; g < groups; ++g) {
         __m512i dot[kRows];
         for (int64_t i = 0; i < kRows; ++i) dot[i] = zero;
         for (int64_t r = 0; r < regs; ++r) {
           const int64_t off = g * group + r * 64;
-          for (int64_t i = 0; i < kRows; ++i) _mm_prefetch(reinterpret_cast<const char*>(next + i * k + off), _MM_HINT_T0);
+          for (int64_t i = 0; i < kRows; ++i)
+            _mm_prefetch(reinterpret_cast<const char*>(next + i * k + off), _MM_HINT_T0);
           const __m512i xa = _mm512_load_si512(xabs + off);
           const __mmask64 neg = negative[off / 64];
           for (int64_t i = 0; i < rows; ++i) {

@@ -181,10 +181,10 @@ class ModelRunner:
         self, batch: Seq[ScheduledSeq]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[_PromptRows]]:
         bs = self.block_size
-        # decode queries: each decode's token, then every token of a short chunk (a verify item) as a query of its
-        # own over the context up to it; the rest runs as prefill chunks
-        decodes = [b for b in batch if b.is_decode or b.num_tokens <= QUERY_CHUNK_MAX]
-        prefills = [b for b in batch if not (b.is_decode or b.num_tokens <= QUERY_CHUNK_MAX)]
+        # decode queries: every token of a decode (one) or of a short chunk such as a verify item, each a query of
+        # its own over the context up to it; longer chunks run as prefill chunks
+        decodes = [b for b in batch if b.num_tokens <= QUERY_CHUNK_MAX]
+        prefills = [b for b in batch if b.num_tokens > QUERY_CHUNK_MAX]
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
