@@ -4,10 +4,11 @@ Times one activation row against `--matrices` weight matrices of `--rows` x `--c
 with the defaults' 12 x 4096 x 768 in fp32), best of `--rounds` interleaved rounds so that every kernel sees the
 same machine load, for: `shared_model.int8_gemv` (the VNNI kernel an int8 layer runs for one row, where the CPU
 has it), `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (through `QuantizedLinear`'s own
-packing) with bf16 activations, `F.linear` in fp32 and bf16, and `torch.mv` in bf16 (what `ServingLinear` runs
-for one bf16 row). The figures of docs/benchmarks.md §7 ("Torch's packed kernels are compute-bound here").
+packing) with bf16 activations, `F.linear` in fp32 and bf16, `torch.mv` in bf16 (what `ServingLinear` runs
+for one bf16 row eagerly) and `tandem_cpu::row_gemm` in fp32 and bf16 (what it runs compiled). `--row-counts`
+adds F.linear against row_gemm at a few rows (verify steps, decode batches). The figures of docs/benchmarks.md §7.
 
-    .venv/bin/python benchmarks/gemv_probe.py [--threads 2] [--rows 4096 --cols 768 --matrices 12]
+    .venv/bin/python benchmarks/gemv_probe.py [--threads 2] [--rows 4096 --cols 768 --matrices 12] [--row-counts 5]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cols", type=int, default=768)
     p.add_argument("--matrices", type=int, default=12)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--row-counts", default="", help="also time F.linear and row_gemm at these row counts: 2,5,8,16")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     n, k, count = args.rows, args.cols, args.matrices
@@ -67,21 +69,44 @@ def main(argv: list[str] | None = None) -> int:
         "F.linear bf16": (lambda: [F.linear(x16, w) for w in bf16], n * k * 2),
         "torch.mv bf16": (lambda: [torch.mv(w, x16[0]) for w in bf16], n * k * 2),
     }
-    if cpu_kernels.available():  # what a compiled bf16 step runs for one row (shared_model.fuse.set_row_kernels)
-        cases["tandem_cpu::bf16_gemv"] = (lambda: [torch.ops.tandem_cpu.bf16_gemv(x16[0], w) for w in bf16], n * k * 2)
+    if cpu_kernels.available():  # what a compiled step runs for a few rows (shared_model.fuse.set_row_kernels)
+        cases["tandem_cpu::row_gemm fp32"] = (lambda: [torch.ops.tandem_cpu.row_gemm(x32, w) for w in dense], n * k * 4)
+        cases["tandem_cpu::row_gemm bf16"] = (lambda: [torch.ops.tandem_cpu.row_gemm(x16, w) for w in bf16], n * k * 2)
+    best = _best_times({name: run for name, (run, _) in cases.items()}, args.rounds)
+    print(f"{count} matrices of {n} x {k}, one activation row, {args.threads} threads (best of {args.rounds} rounds)")
+    for name, (_, nbytes) in cases.items():
+        print(f"  {name:38s} {best[name] * 1e3:7.2f} ms   {count * nbytes / best[name] / 1e9:5.1f} GB/s")
+    for m in [int(r) for r in args.row_counts.split(",") if r] if cpu_kernels.available() else []:
+        times = _best_times(_row_count_cases(torch.randn(m, k, generator=gen), dense, bf16), args.rounds)
+        print(f"{m:3d} rows: " + "   ".join(f"{name} {t * 1e3:6.2f} ms" for name, t in times.items()))
+    return 0
+
+
+def _row_count_cases(
+    x32: torch.Tensor, dense: list[torch.Tensor], bf16: list[torch.Tensor]
+) -> dict[str, Callable[[], object]]:
+    """F.linear against Tandem's row kernel for the rows of `x32` [M, K], in fp32 and in bf16."""
+    x16, row_gemm = x32.bfloat16(), torch.ops.tandem_cpu.row_gemm
+    return {
+        "fp32 F.linear": lambda: [F.linear(x32, w) for w in dense],
+        "fp32 row_gemm": lambda: [row_gemm(x32, w) for w in dense],
+        "bf16 F.linear": lambda: [F.linear(x16, w) for w in bf16],
+        "bf16 row_gemm": lambda: [row_gemm(x16, w) for w in bf16],
+    }
+
+
+def _best_times(cases: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Best seconds per call of each case over `rounds` interleaved rounds of 20 calls."""
     best = dict.fromkeys(cases, float("inf"))
     with torch.inference_mode():
-        for _ in range(args.rounds):
-            for name, (run, _) in cases.items():
+        for _ in range(rounds):
+            for name, run in cases.items():
                 run()
                 t0 = time.perf_counter()
                 for _ in range(20):
                     run()
                 best[name] = min(best[name], (time.perf_counter() - t0) / 20)
-    print(f"{count} matrices of {n} x {k}, one activation row, {args.threads} threads (best of {args.rounds} rounds)")
-    for name, (_, nbytes) in cases.items():
-        print(f"  {name:38s} {best[name] * 1e3:7.2f} ms   {count * nbytes / best[name] / 1e9:5.1f} GB/s")
-    return 0
+    return best
 
 
 if __name__ == "__main__":

@@ -10,14 +10,14 @@ Contract:
   current call. So any `AttentionBackend` works unchanged (its plans, host-side logic and cache writes are never
   traced), and the graph does not depend on the context length, block tables or which backend runs.
   The op returns a contiguous tensor of q's shape and dtype (what the decoder expects of a backend).
-- Shapes: the token axis is dynamic, so one graph serves every T >= 2 (prefill chunks, verify steps, batched
-  decodes) and one T == 1 (a lone decode; torch specialises size 1). A model that branches on T has one graph per
-  branch: a quantized projection takes its packed kernel up to `PACKED_MAX_ROWS` rows, so T in 2..4 and T >= 5
-  are two graphs. `warm_up(run)` calls `run` (which must reach every kind of step), returns the seconds it took,
-  and records them in `compile_seconds`. After warm-up the compiled code never compiles again: a call whose
-  shapes or guards no graph covers is refused by dynamo at its guard check (the 'fail_on_recompile' stance),
-  before anything ran, and runs the same decoder eagerly instead; `eager_calls` counts those calls and the first
-  is logged. So serving never stalls on a compile.
+- Shapes: the token axis is dynamic, so one graph serves every T >= 2 (prefill chunks, verify steps, batched decodes)
+  and one T == 1 (a lone decode; torch specialises size 1). A model that branches on T has one graph per branch: a
+  quantized projection takes its packed kernel up to `PACKED_MAX_ROWS` rows, so T in 2..4 and T >= 5 are two graphs; a
+  dense one its row kernel up to `fuse.ROW_KERNEL_MAX_ROWS` rows (below). `warm_up(run)` calls `run` (which must reach
+  every kind of step), returns the seconds it took, and records them in `compile_seconds`. After warm-up the compiled
+  code never compiles again: a call whose shapes or guards no graph covers is refused by dynamo at its guard check (the
+  'fail_on_recompile' stance), before anything ran, and runs the same decoder eagerly instead; `eager_calls` counts
+  those calls and the first is logged. So serving never stalls on a compile.
 - Numerics: the fused kernels may round differently from eager (the same maths in another order), so the compiled
   forward is not bit-equal to the eager one: it is checked against it by greedy-token equality and a logit
   tolerance (tests/inference_svc/engine/test_compiled_engine.py). Inference only: run it under
@@ -25,9 +25,10 @@ Contract:
 - The op declares no mutated arguments although a paged backend writes its cache: those writes go to tensors that
   are not graph inputs and that the graph never reads, and the layers' calls stay in order because each layer's
   output is the next one's input.
-- A bf16 model's single-row projections run Tandem's bf16 GEMV inside the graph where it is built
-  (`shared_model.fuse.set_row_kernels`; the module's own eager forward then uses it too, until
-  `release_row_kernels()`), another summation order, covered by the same checks.
+- An fp32 or bf16 model's projections of up to `fuse.ROW_KERNEL_MAX_ROWS` rows run Tandem's row kernel inside
+  the graph where it is built (`shared_model.fuse.set_row_kernels`; the module's own eager forward then uses it
+  too, until `release_row_kernels()`): another summation order, covered by the same checks, and the same bits for
+  a row at any row count.
 - `compiler_available()` says whether inductor can build kernels here (on CPU it needs a C++ compiler).
 - One decoder at a time per process runs calls through its graphs: the 'fail_on_recompile' stance is dynamo's
   process-wide state, so a second decoder compiling while another is inside a call would be refused as a
@@ -112,7 +113,7 @@ class CompiledDecoder:
     def __init__(self, model: CausalLM) -> None:
         self.model = model
         self.row_kernels = set_row_kernels(model, True)
-        """bf16 projections whose single row runs Tandem's bf16 GEMV (`shared_model.fuse.set_row_kernels`)."""
+        """Projections whose few-row products run Tandem's row kernel (`shared_model.fuse.set_row_kernels`)."""
         self.handle = next(_HANDLES)
         _DECODERS[self.handle] = self
         self.current_backend: AttentionBackend | None = None

@@ -7,8 +7,9 @@ Contract:
   None is logged once. Callers then run torch's kernels, which compute the same thing, slower.
 - Once loaded, the operators of the `tandem_cpu` library exist (`torch.ops.tandem_cpu.*`), each with a fake
   kernel for tracing (registered here), so a compiled step calls them through the dispatcher with no Python
-  wrapper: `int8_gemv` (`shared_model.int8_gemv`), `int4_gemv` (`shared_model.int4_gemv`) and `bf16_gemv`
-  (one bf16 row times a bf16 weight, summed in fp32: the compiled step's batch-1 projections, `shared_model.fuse`).
+  wrapper: `int8_gemv` (`shared_model.int8_gemv`), `int4_gemv` (`shared_model.int4_gemv`) and `row_gemm`
+  (a few fp32 or bf16 rows times a weight of the same dtype, summed in fp32 with each row's arithmetic independent
+  of the row count: the compiled step's decode and verify projections, `shared_model.fuse`).
 - `available()`: whether `extension()` is not None.
 - `build(name, sources)` is the same for another package's kernels (`inference_svc.kernels.cpu_attention`).
 - The build: torch's extension builder compiles `SOURCES` (beside this file) with `FLAGS` into
@@ -38,7 +39,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(f"{name}.cpp") for name in ("int8_gemv", "int4_gemv", "bf16_gemv")]
+SOURCES = [Path(__file__).with_name(f"{name}.cpp") for name in ("int8_gemv", "int4_gemv", "row_gemm")]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-fopenmp"]
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 STALE_LOCK_S = 600.0
@@ -160,9 +161,9 @@ def _register_fakes() -> None:
     def _(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
         return x.new_empty((q.shape[0],))
 
-    @torch.library.register_fake("tandem_cpu::bf16_gemv")
+    @torch.library.register_fake("tandem_cpu::row_gemm")
     def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((w.shape[0],))
+        return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.register_fake("tandem_cpu::int4_gemv")
     def _(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:

@@ -13,11 +13,15 @@ Contract:
   row on CPU, a batch-1 decode step, runs `torch.mv` instead of `F.linear`. There they return the same bits (checked
   by tests/shared_model/test_fuse.py at decode shapes), and the GEMV reads the weight 1.6-2.4x faster than the
   bf16 GEMM path (benchmarks/gemv_probe.py, docs/benchmarks.md §7). Everything else goes to `F.linear` unchanged.
-- `set_row_kernels(model, True)` (the compiled step's choice, `shared_model.compiled`) makes that single bf16 row
-  run Tandem's `tandem_cpu::bf16_gemv` instead where it is built (`shared_model.cpu_kernels`): fp32 sums in
-  another order, so not bit-equal to `F.linear`. It applies to every call of those modules while it is set (the
+- `set_row_kernels(model, True)` (the compiled step's choice, `shared_model.compiled`) makes up to
+  `ROW_KERNEL_MAX_ROWS` bias-free fp32 or bf16 rows on CPU (decode steps, verify steps, small decode batches) run
+  Tandem's `tandem_cpu::row_gemm` instead where it is built (`shared_model.cpu_kernels`): it reads the weight once
+  for all the rows, faster than torch's GEMV and GEMM at these row counts, and computes each row's outputs with the
+  same arithmetic whatever the row count, so a row's result is bitwise the same alone as among others (a verify
+  step's rows score their tokens exactly as plain decode steps would). Its fp32 sums run in another order than
+  `F.linear`'s, so it is not bit-equal to it. It applies to every call of those modules while it is set (the
   compiled decoder's eager fallbacks too); a model never compiled, or whose compiled forward was dropped, keeps
-  `torch.mv` and its bit-equality.
+  `torch.mv` / `F.linear` and their bit-equality.
 - Inference only: the merged parameters stop requiring grad, and the merged projections live outside the module
   tree, where ZeRO never sees them. Training keeps the plain parameters. Apply it after the model has its final
   device and dtype (`Module.to` would copy the parameters out of the merged matrices). Applying it twice does
@@ -32,6 +36,11 @@ from torch import nn
 
 from shared_model import cpu_kernels
 from shared_model.model import Attention, CausalLM, MergedGateUp, MergedQKV
+
+ROW_KERNEL_MAX_ROWS = 17
+"""Rows up to which the row kernel runs: a verify step of the most drafts the engine allows (16) plus its last
+token. On 3072 x 768 matrices, 2 threads, it beat `F.linear` by 1.1-1.6x in fp32 and 1.3-2.2x in bf16 up to 8
+rows, and ran even with it at 16-17 (benchmarks/gemv_probe.py --row-counts, docs/benchmarks.md §7)."""
 
 
 def fuse_projections(model: CausalLM) -> CausalLM:
@@ -51,8 +60,8 @@ def fuse_projections(model: CausalLM) -> CausalLM:
 
 
 def set_row_kernels(model: CausalLM, on: bool) -> int:
-    """Let (or stop) the model's bf16 `ServingLinear`s run one row through `tandem_cpu::bf16_gemv` where it is built
-    (see the module docstring); returns how many projections use it now."""
+    """Let (or stop) the model's `ServingLinear`s run up to `ROW_KERNEL_MAX_ROWS` rows through `tandem_cpu::row_gemm`
+    where it is built and takes their dtype (see the module docstring); returns how many projections use it now."""
     linears = [model.lm_head]
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -67,7 +76,7 @@ def set_row_kernels(model: CausalLM, on: bool) -> int:
 
 
 class ServingLinear(nn.Linear):
-    """`nn.Linear` with a GEMV for one bias-free bf16 row on CPU (see the module docstring)."""
+    """`nn.Linear` with a GEMV for one bias-free bf16 row on CPU, and optionally the row kernel (see the module doc)."""
 
     @classmethod
     def sharing(cls, linear: nn.Linear) -> ServingLinear:
@@ -79,22 +88,22 @@ class ServingLinear(nn.Linear):
         return out
 
     row_kernel = False
-    """Whether one bf16 row runs `tandem_cpu::bf16_gemv` instead of `torch.mv` (`set_row_kernels`)."""
+    """Whether up to `ROW_KERNEL_MAX_ROWS` rows run `tandem_cpu::row_gemm` (`set_row_kernels`)."""
 
     def can_use_row_kernel(self) -> bool:
         w = self.weight
         return (
-            self.bias is None and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
-            and w.shape[1] % 32 == 0 and cpu_kernels.available()
+            self.bias is None and w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu"
+            and w.is_contiguous() and w.shape[1] % 32 == 0 and cpu_kernels.available()
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1]:
-            if self.row_kernel:
-                y = torch.ops.tandem_cpu.bf16_gemv(x.reshape(-1), self.weight)
-            else:
-                y = torch.mv(self.weight, x.reshape(-1))
+        rows = x.numel() // x.shape[-1]
+        if self.row_kernel and x.dtype == self.weight.dtype and rows <= ROW_KERNEL_MAX_ROWS:
+            y = torch.ops.tandem_cpu.row_gemm(x.reshape(rows, x.shape[-1]), self.weight)  # [rows, out]
             return y.view(*x.shape[:-1], self.out_features)  # [..., out]
+        if self.bias is None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and rows == 1:
+            return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], self.out_features)  # [..., out]
         return F.linear(x, self.weight, self.bias)
 
 

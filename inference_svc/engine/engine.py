@@ -64,7 +64,7 @@ from shared_model import ledger
 from shared_model.bundle import Bundle, load_bundle, parse_dtype
 from shared_model.compiled import compiler_available
 from shared_model.config import ModelConfig
-from shared_model.fuse import fuse_projections
+from shared_model.fuse import ROW_KERNEL_MAX_ROWS, fuse_projections
 from shared_model.model import CausalLM
 from shared_model.quantize import QuantizationError, quantize_weights, serving_weight_bytes
 from shared_model.tokenizer import Tokenizer
@@ -227,15 +227,16 @@ class Engine:
     def _warm_up(self, runner: ModelRunner) -> float:
         """Compile `runner`'s graphs on throwaway sequences over free blocks, then zero those blocks; seconds.
 
-        The compile runs a prefill chunk, a lone decode and a decode of two sequences (T >= 2, T == 1, and the small
-        T a quantized model branches on); a 5-row chunk (a verify step's shape) must then be covered already (were
-        it not, `CompiledDecoder` logs it and runs it eagerly). Under 'auto' it then times a batch-1 decode step
-        (and, when the engine speculates by default, a verify step's K + 1 rows) both ways and drops the compiled
-        forward unless it was faster here: a machine's cores, threads and kernels decide, not a rule. Under 'auto'
-        a compile that fails is logged and the runner stays eager; under 'on' it is a `ModelLoadError`."""
+        The compile runs a prefill chunk longer than `ROW_KERNEL_MAX_ROWS` where the pool allows, a lone decode and a
+        decode of two sequences (T >= 2, T == 1, and the small T a model branches on); a 5-row chunk (a verify step's
+        shape) must then be covered already (were it not, `CompiledDecoder` logs it and runs it eagerly). Under 'auto'
+        it then times a batch-1 decode step (and, when the engine speculates by default, a verify step's K + 1 rows)
+        both ways and drops the compiled forward unless it was faster here: a machine's cores, threads and kernels
+        decide, not a rule. Under 'auto' a compile that fails is logged and the runner stays eager; under 'on' it is a
+        `ModelLoadError`."""
         assert runner.compiled is not None
         bs = self.config.block_size
-        n = min(2 * bs, (self.block_manager.num_blocks // 2) * bs - 1)  # two sequences of n + 1 tokens must fit
+        n = min(max(2 * bs, ROW_KERNEL_MAX_ROWS + 1), (self.block_manager.num_blocks // 2) * bs - 1)  # 2 x (n + 1) fit
         if n < 6:
             log.warning("compile: the KV pool is too small to warm up on (%d blocks); running eagerly",
                         self.block_manager.num_blocks)  # fmt: skip

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from shared_model import cpu_kernels
 from shared_model.attention import CAUSAL
 from shared_model.config import RopeScaling
-from shared_model.fuse import ServingLinear, fuse_projections, set_row_kernels
+from shared_model.fuse import ROW_KERNEL_MAX_ROWS, ServingLinear, fuse_projections, set_row_kernels
 from shared_model.model import build_model
 from tests.conftest import tiny_config
 
@@ -70,18 +70,28 @@ def test_state_dict_keeps_its_names_and_values_and_shares_the_merged_memory() ->
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX-512 VNNI and a C++ compiler")
-def test_row_kernels_are_the_compiled_steps_choice_and_close_to_the_gemv() -> None:
-    model = build_model(tiny_config(), dtype=torch.bfloat16, seed=0)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_row_kernels_are_the_compiled_steps_choice_and_give_each_row_the_same_bits_at_any_row_count(
+    dtype: torch.dtype,
+) -> None:
+    model = build_model(tiny_config(), dtype=dtype, seed=0)
     fuse_projections(model)
     assert set_row_kernels(model, True) == 4 * model.config.num_layers + 1  # qkv, o, gate/up, down; the LM head
+    head = model.lm_head
+    assert head.row_kernel
     with torch.inference_mode():  # serving: no autograd through the kernel
-        x = torch.randn(1, model.config.hidden_size, dtype=torch.bfloat16)
-        head = model.lm_head
-        assert head.row_kernel
-        y = head(x).float()
-        exact = x.float() @ head.weight.float().t()
-        assert (y - exact).abs().max() <= 2**-7 * exact.abs().max()  # fp32 sums, one bf16 rounding
+        x = torch.randn(ROW_KERNEL_MAX_ROWS + 1, model.config.hidden_size, dtype=dtype)
+        batch = head(x[:ROW_KERNEL_MAX_ROWS]).float()  # [17, vocab]: one kernel call
+        exact = x[:ROW_KERNEL_MAX_ROWS].double() @ head.weight.double().t()
+        bound = (2**-7 if dtype == torch.bfloat16 else 1e-5) * exact.abs().max().item()  # fp32 sums, one rounding
+        assert (batch - exact).abs().max().item() <= bound
+        for m in (0, 5, ROW_KERNEL_MAX_ROWS - 1):  # a decode step's row alone, a verify step's 5 rows
+            assert torch.equal(head(x[m : m + 1]).float(), batch[m : m + 1])
+            assert torch.equal(head(x[m : m + 5]).float()[0], batch[m])
+        assert torch.equal(head(x[None, 3:8]).float()[0], batch[3:8])  # [B, T, hidden] inputs too
+        past = head(x)  # one row more: F.linear
+        assert torch.equal(past, F.linear(x, head.weight))
         compiled = torch.compile(head, fullgraph=True)  # the custom op does not break the graph
-        assert torch.equal(compiled(x), head(x))
+        assert torch.equal(compiled(x[:1]), head(x[:1]))
         assert set_row_kernels(model, False) == 0 and not head.row_kernel
-        assert torch.equal(head(x), F.linear(x, head.weight))  # the eager path's bit-equality is back
+        assert torch.equal(head(x[:1]), F.linear(x[:1], head.weight))  # the eager path's bit-equality is back

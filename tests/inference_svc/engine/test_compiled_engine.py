@@ -23,6 +23,7 @@ from inference_svc.engine.detokenizer import IncrementalDetokenizer
 from inference_svc.engine.model_runner import ModelRunner, ScheduledSeq
 from inference_svc.engine.sequence import Sequence
 from inference_svc.errors import ModelLoadError
+from shared_model import cpu_kernels
 from shared_model.attention import CAUSAL
 from shared_model.bundle import load_bundle
 from shared_model.compiled import CompiledDecoder, compiler_available
@@ -99,6 +100,33 @@ def test_compiled_speculative_greedy_equals_compiled_plain(compiled_engine) -> N
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert sum(r.usage.draft_tokens for r in spec) > 0  # verify steps (T = K + 1 rows) did run
     assert compiled_engine.runner.compiled.eager_calls == 0
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX-512 VNNI and a C++ compiler")
+def test_compiled_verify_rows_are_bitwise_the_rows_of_plain_decode_steps(qwen3_dir, make_engine) -> None:
+    """Compiled on CPU, a verify step's K + 1 rows run the row kernel, whose arithmetic per row does not depend on
+    the row count (`shared_model.fuse`), and the decode attention, whose arithmetic per row is a plain decode's: so
+    each verify row's logits are bitwise those of decoding its token alone. In bf16, where torch's matmul of K + 1
+    rows rounds otherwise than one row's."""
+    engine = make_engine(qwen3_dir, dtype="bfloat16", compile="on", speculative="ngram", speculative_max_batch=0,
+                         speculative_verify_cost=0.0)  # fmt: skip
+    runner, run = engine.runner, engine.runner.run
+    checked: list[int] = []
+
+    def checked_run(batch):
+        out = run(batch)
+        if len(batch) == 1 and batch[0].draft:
+            b = batch[0]
+            for j in range(len(b.draft) + 1):  # each row alone, in place (it rewrites its own K/V slot)
+                alone = run([ScheduledSeq(b.seq, b.start + j, 1, draft=b.draft[:j])]).sample  # [1, vocab]
+                assert torch.equal(alone[0], out.sample[j]), f"verify row {j} of {len(b.draft) + 1}"
+            checked.append(len(b.draft))
+        return out
+
+    runner.run = checked_run
+    engine.generate([[5, 6, 7, 8] * 6], SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert checked and max(checked) > 1  # verify steps with drafts ran
+    assert runner.compiled is not None and runner.compiled.eager_calls == 0
 
 
 def test_compiled_decoder_logits_match_eager_within_tolerance(qwen3_dir) -> None:

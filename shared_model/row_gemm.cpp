@@ -1,0 +1,101 @@
+// A few activation rows times a weight, fp32 or bf16: y[m, n] = sum_k x[m, k] * w[n, k], summed in fp32 and rounded
+// once to the dtype. The compiled step's decode rows and verify rows (shared_model/fuse.py).
+//
+// Each output's arithmetic is the same whatever the number of rows M: two fp32 accumulators (columns c..c+15 and
+// c+16..c+31 of every 32), fused multiply-adds in column order, one final reduction. So a row's output is bitwise
+// the same alone (a batch-1 decode step) as among others (a verify step's K + 1 rows, a batch of decodes): a
+// speculative step scores its drafts exactly as plain decoding would.
+// Memory: four weight rows per pass. The first pair of activation rows streams them from memory while the next
+// pass's rows are prefetched (without it the loop waited on memory: 12 against 21 GB/s for bf16, one row of 3072 x 768
+// weights on 2 threads, benchmarks/gemv_probe.py); later pairs find them in L1/L2. bf16 widens to fp32 exactly by a
+// 16-bit shift (no AVX512_BF16 needed). Passes are split over torch's intra-op threads.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kRows = 4;  // weight rows per pass
+constexpr int kPair = 2;      // activation rows sharing each load of the weight
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // bf16 bits -> fp32, exact
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline void store(float* y, float v) { *y = v; }
+inline void store(uint16_t* y, float v) { *reinterpret_cast<at::BFloat16*>(y) = at::BFloat16(v); }
+
+// MR activation rows (x, x + k, ...) times kRows weight rows over all k columns; out[m * ldy + i] for i < rows.
+template <typename T, int MR>
+inline void dot_rows(const T* x, const T* const row[kRows], int64_t k, int64_t rows, const T* next, T* y,
+                     int64_t ldy) {
+  __m512 a[MR][kRows], b[MR][kRows];
+  for (int m = 0; m < MR; ++m)
+    for (int64_t i = 0; i < kRows; ++i) a[m][i] = b[m][i] = _mm512_setzero_ps();
+  constexpr int64_t kLines = 32 * sizeof(T) / 64;  // cache lines of one row's 32 columns
+  for (int64_t c = 0; c < k; c += 32) {
+    __m512 x0[MR], x1[MR];
+    for (int m = 0; m < MR; ++m) x0[m] = load16(x + m * k + c), x1[m] = load16(x + m * k + c + 16);
+    if (next != nullptr)  // a prefetch past the end never faults
+      for (int64_t i = 0; i < kRows; ++i)
+        for (int64_t l = 0; l < kLines; ++l)
+          _mm_prefetch(reinterpret_cast<const char*>(next + i * k + c) + 64 * l, _MM_HINT_T0);
+    for (int64_t i = 0; i < kRows; ++i) {
+      const __m512 w0 = load16(row[i] + c), w1 = load16(row[i] + c + 16);
+      for (int m = 0; m < MR; ++m) {
+        a[m][i] = _mm512_fmadd_ps(w0, x0[m], a[m][i]);
+        b[m][i] = _mm512_fmadd_ps(w1, x1[m], b[m][i]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int64_t i = 0; i < rows; ++i) store(y + m * ldy + i, _mm512_reduce_add_ps(_mm512_add_ps(a[m][i], b[m][i])));
+}
+
+template <typename T>
+void run(const T* xp, const T* wp, T* yp, int64_t m, int64_t n, int64_t k) {
+  at::parallel_for(0, (n + kRows - 1) / kRows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t pass = begin; pass < end; ++pass) {
+      const int64_t r0 = pass * kRows, rows = std::min(kRows, n - r0);
+      const T* row[kRows];
+      for (int64_t i = 0; i < kRows; ++i) row[i] = wp + (r0 + std::min(i, rows - 1)) * k;  // past the end: unused
+      const T* next = wp + std::min(r0 + kRows, n - 1) * k;
+      int64_t i = 0;
+      for (; i + kPair <= m; i += kPair)
+        dot_rows<T, kPair>(xp + i * k, row, k, rows, i == 0 ? next : nullptr, yp + i * n + r0, n);
+      if (i < m) dot_rows<T, 1>(xp + i * k, row, k, rows, i == 0 ? next : nullptr, yp + i * n + r0, n);
+    }
+  });
+}
+
+// x [M, K], w [N, K] contiguous, both fp32 or both bf16 (K a multiple of 32) -> [M, N] of the same dtype
+torch::Tensor row_gemm(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.is_cpu() && w.is_cpu(), "row_gemm: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.is_contiguous(), "row_gemm: x must be [M, K], w contiguous [N, K]");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "row_gemm: x and w must both be fp32 or both bf16");
+  const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
+  TORCH_CHECK(x.size(1) == k && k % 32 == 0, "row_gemm: shapes do not match (K must be a multiple of 32)");
+  const auto xc = x.contiguous();
+  auto y = torch::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  if (w.scalar_type() == at::kFloat) {
+    run<float>(xc.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), m, n, k);
+  } else {
+    const auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    run<uint16_t>(bits(xc), bits(w), bits(y), m, n, k);
+  }
+  return y;
+}
+
+}  // namespace
+
+// The schema beside int8_gemv's (TORCH_LIBRARY in int8_gemv.cpp); its fake kernel is registered from Python
+// (shared_model/cpu_kernels.py).
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) { m.def("row_gemm(Tensor x, Tensor w) -> Tensor"); }
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("row_gemm", &row_gemm); }
