@@ -27,7 +27,10 @@ from shared_model import cpu_kernels
 from shared_model.attention import CAUSAL
 from shared_model.bundle import load_bundle
 from shared_model.compiled import CompiledDecoder, compiler_available
+from shared_model.fuse import fuse_projections
+from shared_model.model import build_model
 from shared_model.quantize import fake_quantized
+from tests.conftest import tiny_config
 
 NEW_TOKENS = 16
 NEAR_TIE = 1e-4  # logit units: fp32 kernels that only reorder sums differ by ~1e-6 here
@@ -142,6 +145,25 @@ def test_compiled_decoder_logits_match_eager_within_tolerance(qwen3_dir) -> None
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(shorter, want[:, :9], atol=1e-5, rtol=1e-5)
     assert decoder.eager_calls == 0
+
+
+def test_two_compiled_decoders_of_one_architecture_each_run_their_own_weights() -> None:
+    """Dynamo's guards on module state are dropped (`shared_model.compiled`): two decoders of the same architecture
+    (a target and a same-shaped draft, two engines in one process) share the code object's cache, and each call
+    must still run its own graph over its own weights, alternating, with no recompile."""
+    models = [fuse_projections(build_model(tiny_config(), seed=seed).eval()) for seed in (0, 1)]
+    decoders = [CompiledDecoder(m) for m in models]
+    with torch.inference_mode():
+        ids = torch.randint(3, models[0].config.vocab_size, (1, 7))
+        pos = torch.arange(7)[None]
+        want = [m.hidden_states(ids, pos, CAUSAL) for m in models]
+        for d in decoders:
+            d.warm_up(lambda d=d: d.hidden_states(ids, pos, CAUSAL))
+        for _ in range(2):
+            for d, w in zip(decoders, want, strict=True):
+                torch.testing.assert_close(d.hidden_states(ids, pos, CAUSAL), w, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(want[0], want[1])
+    assert all(d.eager_calls == 0 for d in decoders)
 
 
 def test_compile_auto_leaves_a_small_model_eager(qwen3_dir, make_engine) -> None:
