@@ -20,12 +20,10 @@ namespace {
 
 constexpr int64_t kRows = 8;  // weight rows per pass over the activation
 
-torch::Tensor int8_gemv_fp32(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
-                             int64_t group) {
-  TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(), "int8_gemv: x must be fp32 [K]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(), "int8_gemv: w must be int8 [N, K]");
-  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "int8_gemv: scales must be fp32 [N]");
+// X: the activation's and the result's element type, S: the scales' (fp32 or a 16-bit float, read as fp32: exact).
+template <typename X, typename S>
+torch::Tensor int8_gemv_typed(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                              int64_t group) {
   const int64_t n = w.size(0), k = w.size(1);
   TORCH_CHECK(x.is_cpu() && w.is_cpu() && scales.is_cpu(), "int8_gemv: CPU tensors only");
   TORCH_CHECK(x.size(0) == k && scales.size(0) == n, "int8_gemv: shapes do not match");
@@ -38,13 +36,14 @@ torch::Tensor int8_gemv_fp32(const torch::Tensor& x, const torch::Tensor& w, con
   auto* xabs = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(abs_buffer.data()) + 63) & ~uintptr_t(63));
   std::vector<__mmask64> negative(k / 64);
   std::vector<float> group_scale(groups);
-  const float* xp = x.data_ptr<float>();
+  const X* xp = x.data_ptr<X>();
   for (int64_t g = 0; g < groups; ++g) {
     float amax = 0.f;
     bool finite = true;
     for (int64_t i = g * group; i < (g + 1) * group; ++i) {
-      finite = finite && std::isfinite(xp[i]);
-      amax = std::max(amax, std::fabs(xp[i]));
+      const float v = static_cast<float>(xp[i]);
+      finite = finite && std::isfinite(v);
+      amax = std::max(amax, std::fabs(v));
     }
     // A group holding NaN or Inf gets a NaN scale, so every output is NaN, as the float product would be (the
     // sampler then refuses the row). A group too small for its reciprocal counts as zero, as in the reference.
@@ -55,7 +54,7 @@ torch::Tensor int8_gemv_fp32(const torch::Tensor& x, const torch::Tensor& w, con
     for (int64_t i = g * group; i < (g + 1) * group; i += 64) {
       alignas(64) int8_t q[64];
       for (int j = 0; j < 64; ++j) {
-        const float r = std::nearbyint(xp[i + j] * inv);  // within [-127, 127]; 0 for a non-finite group
+        const float r = std::nearbyint(static_cast<float>(xp[i + j]) * inv);  // within [-127, 127]; 0 for a non-finite group
         q[j] = static_cast<int8_t>(std::isfinite(r) ? std::clamp(r, -127.f, 127.f) : 0.f);
       }
       const __m512i qv = _mm512_load_si512(q);
@@ -65,9 +64,9 @@ torch::Tensor int8_gemv_fp32(const torch::Tensor& x, const torch::Tensor& w, con
   }
 
   auto y = torch::empty({n}, x.options());
-  float* yp = y.data_ptr<float>();
+  X* yp = y.data_ptr<X>();
   const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
+  const S* sp = scales.data_ptr<S>();
   at::parallel_for(0, (n + kRows - 1) / kRows, 64 / kRows, [&](int64_t begin, int64_t end) {
     const __m512i zero = _mm512_setzero_si512();
     for (int64_t pass = begin; pass < end; ++pass) {
@@ -93,17 +92,38 @@ torch::Tensor int8_gemv_fp32(const torch::Tensor& x, const torch::Tensor& w, con
         const __m512 s = _mm512_set1_ps(group_scale[g]);
         for (int64_t i = 0; i < rows; ++i) acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), s, acc[i]);
       }
-      for (int64_t i = 0; i < rows; ++i) yp[r0 + i] = _mm512_reduce_add_ps(acc[i]) * sp[r0 + i];
+      for (int64_t i = 0; i < rows; ++i)  // rounded once to X (to nearest even, as Tensor.to)
+        yp[r0 + i] = static_cast<X>(_mm512_reduce_add_ps(acc[i]) * static_cast<float>(sp[r0 + i]));
     }
   });
   return y;
 }
 
-// The operator: x [K] and scales [N] in fp32 or a 16-bit float, converted here; the result [N] in x's dtype.
+template <typename X>
+torch::Tensor with_scales(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales, int64_t group) {
+  switch (scales.scalar_type()) {
+    case at::kFloat: return int8_gemv_typed<X, float>(x, w, scales, group);
+    case at::kBFloat16: return int8_gemv_typed<X, at::BFloat16>(x, w, scales, group);
+    case at::kHalf: return int8_gemv_typed<X, at::Half>(x, w, scales, group);
+    default: TORCH_CHECK(false, "int8_gemv: scales must be fp32, bf16 or fp16, got ", scales.scalar_type());
+  }
+}
+
+// The operator: x [K] and scales [N] in fp32 or a 16-bit float, read in place (no conversion copies: three fewer
+// small tensors a call); the result [N] in x's dtype, computed in fp32 and rounded once.
 torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales, int64_t group) {
   TORCH_CHECK(x.is_cpu() && w.is_cpu() && scales.is_cpu(), "int8_gemv: CPU tensors only");
-  const auto y = int8_gemv_fp32(x.to(at::kFloat).contiguous(), w, scales.to(at::kFloat).contiguous(), group);
-  return y.to(x.scalar_type());
+  TORCH_CHECK(x.dim() == 1, "int8_gemv: x must be [K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(), "int8_gemv: w must be int8 [N, K]");
+  TORCH_CHECK(scales.dim() == 1, "int8_gemv: scales must be [N]");
+  const auto xc = x.contiguous();
+  const auto sc = scales.contiguous();
+  switch (x.scalar_type()) {
+    case at::kFloat: return with_scales<float>(xc, w, sc, group);
+    case at::kBFloat16: return with_scales<at::BFloat16>(xc, w, sc, group);
+    case at::kHalf: return with_scales<at::Half>(xc, w, sc, group);
+    default: TORCH_CHECK(false, "int8_gemv: x must be fp32, bf16 or fp16, got ", x.scalar_type());
+  }
 }
 
 }  // namespace
