@@ -96,6 +96,24 @@ def test_torch_ops_store_and_decode_through_the_kernel() -> None:
     assert torch.equal(out, native.decode_attention(q, k_cache, v_cache, ctx, tables, 0.125))
 
 
+@needs_kernel
+def test_store_writes_strided_rows_casts_and_refuses_slots_outside_the_cache() -> None:
+    """K and V arrive as views of the merged q/k/v projection's output (rows strided past q); they are copied row by
+    row into a cache of their dtype, cast (through torch) into another, and a slot past the cache is refused."""
+    _, k_cache, v_cache, _, _ = _case(torch.float32, [16])
+    qkv = torch.randn(3, 8 + 4 + 4, 64)  # [T, q heads + k heads + v heads, D]
+    k, v = qkv[:, 8:12], qkv[:, 12:]  # non-contiguous [T, 4, 64] views
+    slots = torch.tensor([3, 17, 1000])
+    native.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(-1, 4, 64)[slots], k) and torch.equal(v_cache.view(-1, 4, 64)[slots], v)
+    bf16 = k_cache.bfloat16(), v_cache.bfloat16()
+    native.store_kv(2 * k, 2 * v, *bf16, slots)
+    assert torch.equal(bf16[0].view(-1, 4, 64)[slots], (2 * k).bfloat16())
+    assert torch.equal(bf16[1].view(-1, 4, 64)[slots], (2 * v).bfloat16())
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.store_kv(k, v, k_cache, v_cache, torch.tensor([0, 1, k_cache.shape[0] * 16]))
+
+
 def test_head_sizes_the_kernel_does_not_take_run_the_torch_ops() -> None:
     q, k_cache, v_cache, ctx, tables = _case(torch.float32, [16, 40], d=24)  # 24: not a multiple of 16
     out = torch_ops().decode_attention(q, k_cache, v_cache, ctx, tables, 0.2)
