@@ -20,7 +20,11 @@ Contract:
   those calls and the first is logged. So serving never stalls on a compile.
 - Numerics: the fused kernels may round differently from eager (the same maths in another order), so the compiled
   forward is not bit-equal to the eager one: it is checked against it by greedy-token equality and a logit
-  tolerance (tests/inference_svc/engine/test_compiled_engine.py). Inference only: run it under
+  tolerance (tests/inference_svc/engine/test_compiled_engine.py). Inductor's `emulate_precision_casts` is on: a
+  fused kernel rounds each op's result to its dtype (bf16) as eager would, instead of keeping it in fp32 up to the
+  kernel's end. Without it the T == 1 and T >= 2 graphs, fused differently, rounded a bf16 row differently: every
+  verify row of a 30M bf16 model differed from its decode row in the logits (up to 0.06), with it none does, as in
+  fp32 (ad-hoc check over 478 rows, 2026-12-02). Inference only: run it under
   `torch.inference_mode()`, with inputs made there too (dynamo's guards check the tensors' dispatch keys).
 - The op declares no mutated arguments although a paged backend writes its cache: those writes go to tensors that
   are not graph inputs and that the graph never reads, and the layers' calls stay in order because each layer's
@@ -60,8 +64,9 @@ from shared_model.model import CausalLM
 _DECODERS: weakref.WeakValueDictionary[int, CompiledDecoder] = weakref.WeakValueDictionary()
 """handle -> each live decoder (the custom op finds the backend of the call in flight there)."""
 _HANDLES = itertools.count()
-_GUARDS = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-"""No guards on module attributes (see the module docstring): checking them cost 0.3-0.6 ms a step."""
+_OPTIONS = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "emulate_precision_casts": True}
+"""No guards on module attributes (checking them cost 0.3-0.6 ms a step), and each op's result rounded to its dtype
+as eager rounds it, whatever the fusion (see the module docstring)."""
 _RECOMPILE = "Detected recompile"
 """The start of the RuntimeError dynamo raises under the 'fail_on_recompile' stance."""
 log = logging.getLogger(__name__)
@@ -138,7 +143,7 @@ class CompiledDecoder:
         # Every decoder's graphs are entries of the one code object CausalLM.hidden_states (a handle is a guarded
         # constant, so they never share one): room for a few engines' 2-3 graphs each in one process.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self._compiled = torch.compile(model.hidden_states, dynamic=None, fullgraph=True, options=_GUARDS)
+        self._compiled = torch.compile(model.hidden_states, dynamic=None, fullgraph=True, options=_OPTIONS)
         self.compile_seconds: float | None = None
         """Seconds `warm_up` took (None before it ran)."""
         self.eager_calls = 0

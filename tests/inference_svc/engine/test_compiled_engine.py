@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+import transformers
 
 from inference_svc.engine import Engine, EngineConfig, SamplingParams
 from inference_svc.engine import engine as engine_module
@@ -31,6 +32,8 @@ from shared_model.fuse import fuse_projections
 from shared_model.model import build_model
 from shared_model.quantize import fake_quantized
 from tests.conftest import tiny_config
+from tests.inference_svc.engine.conftest import _save_model
+from tests.inference_svc.engine.test_speculative_exactness import KnownContinuation
 
 NEW_TOKENS = 16
 NEAR_TIE = 1e-4  # logit units: fp32 kernels that only reorder sums differ by ~1e-6 here
@@ -105,14 +108,32 @@ def test_compiled_speculative_greedy_equals_compiled_plain(compiled_engine) -> N
     assert compiled_engine.runner.compiled.eager_calls == 0
 
 
+@pytest.fixture(scope="module")
+def wide_qwen3_dir(tmp_path_factory, small_tokenizer):
+    """A 4-layer qwen3 of the `mini` preset's widths (hidden 512, head_dim 64, GQA 8/4, vocab 8192, tied): there
+    inductor fuses the T == 1 graph's bf16 ops otherwise than the T >= 2 graph's (the tiny model's do not show it)."""
+    cfg = transformers.Qwen3Config(
+        vocab_size=8192, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=64, intermediate_size=1536, max_position_embeddings=512, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, rope_theta=10000.0, initializer_range=0.2,
+    )  # fmt: skip
+    torch.manual_seed(4)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    return _save_model(tmp_path_factory.mktemp("wide"), "qwen3-wide", model, small_tokenizer)
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX-512 VNNI and a C++ compiler")
-def test_compiled_verify_rows_are_bitwise_the_rows_of_plain_decode_steps(qwen3_dir, make_engine) -> None:
+@pytest.mark.parametrize("model", ["qwen3_dir", "wide_qwen3_dir"])
+def test_compiled_verify_rows_are_bitwise_the_rows_of_plain_decode_steps(model, make_engine, request) -> None:
     """Compiled on CPU, a verify step's K + 1 rows run the row kernel, whose arithmetic per row does not depend on
-    the row count (`shared_model.fuse`), and the decode attention, whose arithmetic per row is a plain decode's: so
-    each verify row's logits are bitwise those of decoding its token alone. In bf16, where torch's matmul of K + 1
-    rows rounds otherwise than one row's."""
-    engine = make_engine(qwen3_dir, dtype="bfloat16", compile="on", speculative="ngram", speculative_max_batch=0,
-                         speculative_verify_cost=0.0)  # fmt: skip
+    the row count (`shared_model.fuse`), the decode attention, whose arithmetic per row is a plain decode's, and
+    generated kernels that round each op's bf16 result as eager does (`shared_model.compiled`): so each verify
+    row's logits are bitwise those of decoding its token alone. In bf16, where torch's matmul of K + 1 rows, or
+    the T == 1 and T >= 2 graphs' different fusions, would round otherwise."""
+    # no prefix cache: the plain run's prompt would be cached for the speculative one, whose last prompt tokens
+    # would then run as a short chunk (the row kernel) where the plain run's ran in the prefill GEMM (bf16: other bits)
+    engine = make_engine(request.getfixturevalue(model), dtype="bfloat16", compile="on", speculative="ngram",
+                         speculative_max_batch=0, speculative_verify_cost=0.0, enable_prefix_caching=False)  # fmt: skip
     runner, run = engine.runner, engine.runner.run
     checked: list[int] = []
 
@@ -126,9 +147,14 @@ def test_compiled_verify_rows_are_bitwise_the_rows_of_plain_decode_steps(qwen3_d
             checked.append(len(b.draft))
         return out
 
+    prompt = [5, 6, 7, 8] * 6
+    plain = engine.generate([prompt], SamplingParams(max_new_tokens=NEW_TOKENS, num_speculative_tokens=0))
+    vocab = engine.model_config.vocab_size  # drafts that know the output, every 5th token wrong
+    engine.scheduler.speculator.proposer = KnownContinuation([prompt], [plain[0].token_ids], 5, vocab)
     runner.run = checked_run
-    engine.generate([[5, 6, 7, 8] * 6], SamplingParams(max_new_tokens=NEW_TOKENS))
+    spec = engine.generate([prompt], SamplingParams(max_new_tokens=NEW_TOKENS))
     assert checked and max(checked) > 1  # verify steps with drafts ran
+    assert spec[0].token_ids == plain[0].token_ids
     assert runner.compiled is not None and runner.compiled.eager_calls == 0
 
 
