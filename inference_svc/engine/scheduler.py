@@ -112,7 +112,9 @@ class Scheduler:
         batch: list[ScheduledSeq] = []
         preemptions_before = self.counters.num_preemptions
         # 1. decodes, oldest first (with drafts to verify when speculating)
-        speculate = self.speculator is not None and self.speculator.allows(sum(map(_is_decoding, self.running)))
+        # every request in the engine counts, decoding, prefilling or waiting: while others are being admitted,
+        # drafted rows would take the step's budget from their prefill chunks
+        speculate = self.speculator is not None and self.speculator.allows(len(self.running) + len(self.waiting))
         for seq in list(self.running):
             if budget == 0:
                 break

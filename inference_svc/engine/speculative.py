@@ -186,8 +186,9 @@ class Speculator:
     """What the scheduler asks before each decode: the drafts for one sequence (empty: decode plainly).
 
     Per request, `SamplingParams.num_speculative_tokens` (None: the engine's `num_speculative_tokens` when it was
-    started with a method, else 0) caps K; `speculative_max_batch` turns drafting off in a step whose decoding
-    sequences exceed it (a wide batch is compute-bound, so extra rows are no longer free).
+    started with a method, else 0) caps K; `speculative_max_batch` turns drafting off in a step while the engine
+    holds more requests than that (running or waiting: a wide batch is compute-bound, so extra rows are no longer
+    free, and while requests are being admitted drafted rows would take budget from their prefill).
     """
 
     def __init__(self, proposer: Proposer, policy: SpeculationPolicy, default_k: int, max_batch: int | None) -> None:
@@ -200,9 +201,9 @@ class Speculator:
         asked = seq.sampling.num_speculative_tokens
         return self.default_k if asked is None else asked
 
-    def allows(self, num_decoding: int) -> bool:
-        """Whether a step with this many decoding sequences drafts at all."""
-        return self.max_batch is None or num_decoding <= self.max_batch
+    def allows(self, num_requests: int) -> bool:
+        """Whether a step drafts at all while the engine holds this many requests (running or waiting)."""
+        return self.max_batch is None or num_requests <= self.max_batch
 
     def num_drafts(self, seq: Sequence, cap: int) -> int:
         """The policy's K for seq this step, at most cap (0: decode plainly). Call once per step and sequence."""

@@ -255,3 +255,29 @@ def test_verify_items_run_as_decode_queries_with_the_prefill_paths_logits(model_
     assert seen, "no verify step ran"
     assert all(queries == tokens for queries, tokens in seen)  # every verify token was a decode query
     assert max(tokens for _, tokens in seen) > len(prompts)  # and there were drafts among them
+
+
+def test_no_drafts_while_the_engine_holds_more_requests_than_the_cap(model_dir, make_engine) -> None:
+    """`speculative_max_batch` counts every request in the engine, running or waiting: under a cap of 2, no step
+    drafts while three requests are in (even in the first steps, when only some of them decode); once one has
+    finished, the others draft."""
+    prompts = _prompts(7, 512, 3)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    plain = _tokens(make_engine(model_dir), prompts, params)
+    spec = make_engine(model_dir, speculative="ngram", speculative_verify_cost=0.0, speculative_max_batch=2,
+                       max_num_batched_tokens=32, prefill_chunk_size=16)  # fmt: skip
+    spec.scheduler.speculator.proposer = KnownContinuation(prompts, plain, wrong_every=4)  # drafts whenever allowed
+    scheduler, schedule = spec.scheduler, spec.scheduler.schedule
+    steps: list[tuple[int, bool]] = []  # (requests in the engine, whether the step drafted)
+
+    def recording_schedule(now):
+        held = len(scheduler.running) + len(scheduler.waiting)
+        batch = schedule(now)
+        steps.append((held, any(b.draft for b in batch)))
+        return batch
+
+    scheduler.schedule = recording_schedule
+    assert _tokens(spec, prompts, params) == plain
+    assert not any(drafted for held, drafted in steps if held > 2)
+    assert any(drafted for held, drafted in steps if held <= 2)
+    assert any(held == 3 for held, _ in steps)
