@@ -143,7 +143,8 @@ class CompiledDecoder:
         # Every decoder's graphs are entries of the one code object CausalLM.hidden_states (a handle is a guarded
         # constant, so they never share one): room for a few engines' 2-3 graphs each in one process.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self._compiled = torch.compile(model.hidden_states, dynamic=None, fullgraph=True, options=_OPTIONS)
+        options = dict(_OPTIONS)  # a copy: torch.compile pops guard_filter_fn from the dict it is given
+        self._compiled = torch.compile(model.hidden_states, dynamic=None, fullgraph=True, options=options)
         self.compile_seconds: float | None = None
         """Seconds `warm_up` took (None before it ran)."""
         self.eager_calls = 0

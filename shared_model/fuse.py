@@ -38,9 +38,11 @@ from shared_model import cpu_kernels
 from shared_model.model import Attention, CausalLM, MergedGateUp, MergedQKV
 
 ROW_KERNEL_MAX_ROWS = 17
-"""Rows up to which the row kernel runs: a verify step of the most drafts the engine allows (16) plus its last
-token. On 3072 x 768 matrices, 2 threads, it beat `F.linear` by 1.1-1.6x in fp32 and 1.3-2.2x in bf16 up to 8
-rows, and ran even with it at 16-17 (benchmarks/gemv_probe.py --row-counts, docs/benchmarks.md §7)."""
+"""Rows of one call (all the rows of a step, every sequence's) up to which the row kernel runs: one sequence's verify
+of the most drafts the engine allows (16) plus its last token. On 3072 x 768 matrices, 2 threads, it ran 1.0-1.6x
+as fast as `F.linear` in fp32 and 1.3-1.7x in bf16 up to 8 rows, and even with it at 16-17 (benchmarks/gemv_probe.py
+--row-counts, docs/benchmarks.md §7). A step of more rows (several verify items, or decodes beside a prefill
+chunk) runs `F.linear` for all of them, which rounds otherwise."""
 
 
 def fuse_projections(model: CausalLM) -> CausalLM:

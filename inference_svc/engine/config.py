@@ -137,8 +137,9 @@ class EngineConfig:
     """Cost of one extra verified row relative to a whole decode step: the back-off's cost model speculates only
     while the expected tokens per step beat it (see `inference_svc.engine.speculative`)."""
     speculative_max_batch: int = 8
-    """No drafts while the engine holds more requests than this, running or waiting (a wide batch is compute-bound,
-    and drafted rows would take budget from the prefill of those being admitted); 0: no cap."""
+    """No drafts while the engine holds more requests than this, running or waiting (at most `max_num_seqs` count:
+    a wide batch is compute-bound, and drafted rows would take budget from the prefill of those being admitted);
+    0: no cap."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):

@@ -112,9 +112,10 @@ class Scheduler:
         batch: list[ScheduledSeq] = []
         preemptions_before = self.counters.num_preemptions
         # 1. decodes, oldest first (with drafts to verify when speculating)
-        # every request in the engine counts, decoding, prefilling or waiting: while others are being admitted,
-        # drafted rows would take the step's budget from their prefill chunks
-        speculate = self.speculator is not None and self.speculator.allows(len(self.running) + len(self.waiting))
+        # every request the engine batches or will admit counts, decoding, prefilling or waiting (up to max_num_seqs):
+        # while others are being admitted, drafted rows would take the step's budget from their prefill chunks
+        held = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        speculate = self.speculator is not None and self.speculator.allows(held)
         for seq in list(self.running):
             if budget == 0:
                 break

@@ -243,17 +243,16 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 }
 
 // src [T, Hkv, D] (any strides, D contiguous) copied row by row to cache [num_blocks, block_size, Hkv, D] of the same
-// dtype at slots[t]: no temporary tensors (index_copy_ and its cast cost a few microseconds each, per layer and step).
+// dtype at slots[t] (checked by the caller): no temporary tensors (index_copy_ and its cast cost a few microseconds
+// each, per layer and step).
 void copy_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots) {
-  const int64_t t = src.size(0), hkv = cache.size(2), d = cache.size(3), slots_total = cache.size(0) * cache.size(1);
+  const int64_t t = src.size(0), hkv = cache.size(2), d = cache.size(3);
   const int64_t elem = cache.element_size(), s0 = src.stride(0), s1 = src.stride(1);
   const auto* from = static_cast<const char*>(src.data_ptr());
   auto* to = static_cast<char*>(cache.data_ptr());
-  for (int64_t i = 0; i < t; ++i) {
-    TORCH_CHECK(slots[i] >= 0 && slots[i] < slots_total, "store_kv: slot ", slots[i], " out of range");
+  for (int64_t i = 0; i < t; ++i)
     for (int64_t h = 0; h < hkv; ++h)
       std::memcpy(to + ((slots[i] * hkv + h) * d) * elem, from + (i * s0 + h * s1) * elem, d * elem);
-  }
 }
 
 // k, v [T, Hkv, D] written at slot_mapping [T] int64 of both caches (cast to the cache's dtype), in one call.
@@ -264,10 +263,14 @@ void store_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_c
     return src.scalar_type() == cache.scalar_type() && src.dim() == 3 && src.size(1) == hkv && src.size(2) == d &&
            src.stride(2) == 1 && cache.is_contiguous();
   };
-  if (direct(k, k_cache) && direct(v, v_cache) && slot_mapping.scalar_type() == at::kLong &&
+  if (direct(k, k_cache) && direct(v, v_cache) && v_cache.sizes() == k_cache.sizes() &&
+      slot_mapping.scalar_type() == at::kLong &&
       slot_mapping.is_contiguous() && slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) &&
       v.size(0) == k.size(0)) {
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    const int64_t slots_total = k_cache.size(0) * k_cache.size(1);
+    for (int64_t i = 0; i < k.size(0); ++i)  // all checked before anything is written
+      TORCH_CHECK(slots[i] >= 0 && slots[i] < slots_total, "store_kv: slot ", slots[i], " out of range");
     copy_rows(k, k_cache, slots);
     copy_rows(v, v_cache, slots);
     return;

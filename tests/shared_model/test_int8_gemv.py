@@ -41,6 +41,21 @@ def test_kernel_matches_its_reference(n: int, k: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_activations_and_scales_are_read_in_place_with_one_rounding(dtype: torch.dtype) -> None:
+    """x and scales in a 16-bit float: exactly the fp32 computation over their (exact) fp32 values, rounded once."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(256, generator=g).to(dtype)
+    q = torch.randint(-127, 128, (40, 256), dtype=torch.int8, generator=g)
+    scales = (torch.rand(40, generator=g) / 100).to(dtype)
+    y = torch.ops.tandem_cpu.int8_gemv(x, q, scales, 128)
+    assert y.dtype == dtype
+    assert torch.equal(y, torch.ops.tandem_cpu.int8_gemv(x.float(), q, scales.float(), 128).to(dtype))
+    mixed = torch.ops.tandem_cpu.int8_gemv(x.float(), q, scales, 128)  # fp32 x, 16-bit scales
+    assert torch.equal(mixed, torch.ops.tandem_cpu.int8_gemv(x.float(), q, scales.float(), 128))
+
+
+@needs_kernel
 @pytest.mark.parametrize("compiled", [False, True])
 def test_int8_layer_runs_one_row_through_the_kernel(compiled: bool) -> None:
     g = torch.Generator().manual_seed(0)

@@ -24,6 +24,7 @@ from inference_svc.engine.detokenizer import IncrementalDetokenizer
 from inference_svc.engine.model_runner import ModelRunner, ScheduledSeq
 from inference_svc.engine.sequence import Sequence
 from inference_svc.errors import ModelLoadError
+from shared_model import compiled as compiled_module
 from shared_model import cpu_kernels
 from shared_model.attention import CAUSAL
 from shared_model.bundle import load_bundle
@@ -190,6 +191,7 @@ def test_two_compiled_decoders_of_one_architecture_each_run_their_own_weights() 
                 torch.testing.assert_close(d.hidden_states(ids, pos, CAUSAL), w, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(want[0], want[1])
     assert all(d.eager_calls == 0 for d in decoders)
+    assert "guard_filter_fn" in compiled_module._OPTIONS  # torch.compile pops it from the dict it gets: a copy each
 
 
 def test_compile_auto_leaves_a_small_model_eager(qwen3_dir, make_engine) -> None:

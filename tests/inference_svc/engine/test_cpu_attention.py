@@ -110,8 +110,10 @@ def test_store_writes_strided_rows_casts_and_refuses_slots_outside_the_cache() -
     native.store_kv(2 * k, 2 * v, *bf16, slots)
     assert torch.equal(bf16[0].view(-1, 4, 64)[slots], (2 * k).bfloat16())
     assert torch.equal(bf16[1].view(-1, 4, 64)[slots], (2 * v).bfloat16())
+    before = k_cache.clone()
     with pytest.raises(RuntimeError, match="out of range"):
-        native.store_kv(k, v, k_cache, v_cache, torch.tensor([0, 1, k_cache.shape[0] * 16]))
+        native.store_kv(3 * k, v, k_cache, v_cache, torch.tensor([0, 1, k_cache.shape[0] * 16]))
+    assert torch.equal(k_cache, before)  # nothing written
 
 
 def test_head_sizes_the_kernel_does_not_take_run_the_torch_ops() -> None:
