@@ -11,8 +11,9 @@ Contract:
 - Every projection it leaves (the merged ones, o_proj, down_proj, the LM head) is a `ServingLinear`: an
   `nn.Linear` sharing the same parameters (the state dict is unchanged) whose bias-free bf16 product of a single
   row on CPU, a batch-1 decode step, runs `torch.mv` instead of `F.linear`. There they return the same bits (checked
-  by tests/shared_model/test_fuse.py at decode shapes), and the GEMV reads the weight 1.6-2.4x faster than the
-  bf16 GEMM path (benchmarks/gemv_probe.py, docs/benchmarks.md §7). Everything else goes to `F.linear` unchanged.
+  by tests/shared_model/test_fuse.py at decode shapes); the GEMV read the weight 1.6-2.4x faster than the bf16
+  GEMM path when chosen (benchmarks/gemv_probe.py, docs/benchmarks.md §7), but 0.5x as fast in one probe on
+  2026-12-02 (6.6 against 12.3 GB/s): not re-measured since. Everything else goes to `F.linear` unchanged.
 - `set_row_kernels(model, True)` (the compiled step's choice, `shared_model.compiled`) makes up to
   `ROW_KERNEL_MAX_ROWS` bias-free fp32 or bf16 rows on CPU (decode steps, verify steps, small decode batches) run
   Tandem's `tandem_cpu::row_gemm` instead where it is built (`shared_model.cpu_kernels`): it reads the weight once
