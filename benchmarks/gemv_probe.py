@@ -14,7 +14,6 @@ adds F.linear against row_gemm at a few rows (verify steps, decode batches). The
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -43,7 +42,6 @@ def main(argv: list[str] | None = None) -> int:
     x16 = x32.bfloat16()
     int8 = [QuantizedLinear(w, None, "int8", 64, torch.bfloat16) for w in dense]
     int4 = [QuantizedLinear(w, None, "int4", 64, torch.bfloat16, row_kernels=False) for w in dense]
-    os.environ["TANDEM_INT4_GEMV"] = "1"  # the opt-in int4 kernel, for its layers below (read as they are built)
     int4_vnni = [QuantizedLinear(w, None, "int4", 64, torch.bfloat16) for w in dense] if int4_gemv.available(64) else []
     assert all(q._row_kernel for q in int4_vnni)
     bf16 = [w.bfloat16() for w in dense]

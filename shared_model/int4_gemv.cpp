@@ -4,12 +4,20 @@
 // Each activation row is rounded to int8 in the weight's groups (a = max|x_g| / 127, xq = nearbyint(x / a), as
 // shared_model/int4_gemv.py's reference does). Per group, with S = sum xq (an integer):
 //   sum_k w * xq * a = a * (s * (sum_k q * xq - 8 * S) + z * S)
-// The codes are the unsigned operand of vpdpbusd and xq the signed one; each group's dot products start from -8 * S
-// (in lane 0), so the integer part is exact, then are scaled in fp32 by s * a, taken 16 groups at a time from one
-// vector (lane g); the z * a * S terms go into lanes of the same accumulator. Codes are stored two per byte in
-// blocks of 64 inputs: byte i of a block holds input i in its low nibble and input 32 + i in its high nibble. Each
-// weight row is read once for all the activation rows (at most kMaxRows), several weight rows per pass for
-// independent chains. Weight rows are split over torch's intra-op threads.
+//
+// Layout: one 32-bit lane of a vector per (row, group). Rows are taken in blocks of P = 16 / gcd(G, 16), G groups a
+// row, so that a block holds P * G groups, a whole number of tiles of 16: flat index f = p * G + g (row p of the
+// block, its group g) is lane f % 16 of tile f / 16. A tile is group / 8 steps of 64 bytes; in step j, lane l holds
+// its group's inputs 4j..4j+3 in its low nibbles and group / 2 + 4j..+3 in its high nibbles (shared_model/
+// int4_gemv.py's `pack`). So each aligned 64-byte load gives 128 codes, two ANDs split them (low nibbles as they
+// are, high nibbles times 16, no shift), and two vpdpbusd (codes unsigned, activations signed) add each group's
+// products into that group's own lane: at the end of a tile every lane holds its group's exact integer dot
+// product, and one conversion and two FMAs apply the 16 groups' scales and zeros, read as stored in
+// [2, N, G] (scales, then zeros: a tile's 16 are contiguous), with no shuffle. The activation bytes are laid out
+// the same way once per call (tile t of a block pairs lane l with group (16t + l) % G).
+//
+// Each weight row is read once for all the activation rows (at most kMaxRows), several blocks per pass for
+// independent chains, the next pass's blocks prefetched meanwhile. Passes are split over torch's intra-op threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -17,19 +25,30 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kMaxRows = 4;  // activation rows per call: a decode batch (more rows take the dense path)
+constexpr int64_t kLanes = 16;   // groups per tile: one 32-bit lane each
 
+// Where a row's groups and a block's bytes lie.
+struct Shape {
+  int64_t k, group, groups;  // G = groups per row
+  int64_t block_rows;        // P = 16 / gcd(G, 16)
+  int64_t tiles;             // per block: P * G / 16
+  int64_t steps;             // per tile: group / 8
+};
+
+// One call's activation rows, laid out as a block's codes are.
 struct Activations {
-  int8_t* xq;          // [M, K], 64-byte aligned rows
-  float* scale;        // [M, Gp]: a (0 past the last group)
-  float* scaled_sum;   // [M, Gp]: a * S, S = sum of the group's xq
-  const __m512i* start;  // [M, G]: each group's dot products start from -8 * S (lane 0)
-  int64_t padded;      // Gp: the groups rounded up to 16
+  const int8_t* x;            // [M, tiles, steps, 2, 64]: each step's low-nibble, then high-nibble partners
+  const float* scale;         // [M, tiles, 16]: a of each lane's group
+  const float* sum;           // [M, tiles, 16]: a * S
+  const int32_t* eight_sums;  // [M, tiles, 16]: 8 * S
 };
 
 // 16 inputs as fp32
@@ -44,28 +63,30 @@ inline __m512 load_x(const at::Half* p) {
 
 // Per-thread buffers, reused from call to call (a call allocates nothing once they are large enough).
 struct Buffers {
-  std::vector<int8_t> xq;
-  std::vector<float> scale, scaled_sum;
-  std::vector<__m512i> start;
+  std::vector<int8_t> x, group_bytes;
+  std::vector<float> scale, sum;
+  std::vector<int32_t> eight_sums;
 };
 
 template <typename X>
-Activations quantize_rows(const X* x, int64_t m, int64_t k, int64_t group) {
+Activations quantize_rows(const X* x, int64_t m, const Shape& sh) {
   static thread_local Buffers buf;
-  const int64_t groups = k / group, padded = (groups + 15) / 16 * 16;
-  buf.xq.resize(m * k + 64);
-  buf.scale.assign(m * padded, 0.f);
-  buf.scaled_sum.assign(m * padded, 0.f);
-  buf.start.resize(m * groups);
-  Activations a{reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(buf.xq.data()) + 63) & ~uintptr_t(63)),
-                buf.scale.data(), buf.scaled_sum.data(), buf.start.data(), padded};
+  buf.x.resize(m * sh.tiles * sh.steps * 128 + 64);
+  buf.scale.resize(m * sh.tiles * kLanes);
+  buf.sum.resize(m * sh.tiles * kLanes);
+  buf.eight_sums.resize(m * sh.tiles * kLanes);
+  buf.group_bytes.resize(sh.groups * sh.group);
+  auto* xs = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(buf.x.data()) + 63) & ~uintptr_t(63));
   const __m512 zero = _mm512_setzero_ps();
+  const int64_t half = sh.group / 2;
+  std::vector<float> scale(sh.groups), scaled_sum(sh.groups);  // per group of the row
+  std::vector<int32_t> eight(sh.groups);
   for (int64_t r = 0; r < m; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const X* xg = x + r * k + g * group;
+    for (int64_t g = 0; g < sh.groups; ++g) {
+      const X* xg = x + r * sh.k + g * sh.group;
       __m512 amax = zero;
       __mmask16 bad = 0;
-      for (int64_t i = 0; i < group; i += 16) {
+      for (int64_t i = 0; i < sh.group; i += 16) {
         const __m512 v = load_x(xg + i);
         const __m512 nan_if_bad = _mm512_mul_ps(v, zero);  // NaN where v is NaN or +-Inf
         bad |= _mm512_cmp_ps_mask(nan_if_bad, nan_if_bad, _CMP_UNORD_Q);
@@ -75,11 +96,11 @@ Activations quantize_rows(const X* x, int64_t m, int64_t k, int64_t group) {
       // group too small for its reciprocal counts as zero, as in the reference
       const float s = _mm512_reduce_max_ps(amax) / 127.f;
       const bool finite = bad == 0, tiny = !(s >= std::numeric_limits<float>::min());
-      const float scale = finite ? (tiny ? 0.f : s) : std::numeric_limits<float>::quiet_NaN();
+      const float a = finite ? (tiny ? 0.f : s) : std::numeric_limits<float>::quiet_NaN();
       const __m512 inv = _mm512_set1_ps(finite && !tiny ? 1.f / s : 0.f);
       __m512i total = _mm512_setzero_si512();
-      int8_t* q = a.xq + r * k + g * group;
-      for (int64_t i = 0; i < group; i += 16) {
+      int8_t* q = buf.group_bytes.data() + g * sh.group;
+      for (int64_t i = 0; i < sh.group; i += 16) {
         // round half to even as the reference's torch.round; within [-127, 127] (0 for a non-finite group)
         __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(load_x(xg + i), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         if (!finite) v = zero;
@@ -88,116 +109,140 @@ Activations quantize_rows(const X* x, int64_t m, int64_t k, int64_t group) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(iv));
       }
       const int32_t sum = _mm512_reduce_add_epi32(total);
-      a.scale[r * padded + g] = scale;
-      a.scaled_sum[r * padded + g] = scale * static_cast<float>(sum);
-      buf.start[r * groups + g] = _mm512_maskz_set1_epi32(1, -8 * sum);  // lane 0; the others zero
+      scale[g] = a;
+      scaled_sum[g] = a * static_cast<float>(sum);
+      eight[g] = 8 * sum;
+    }
+    // lane l of tile t pairs with group (16t + l) % G, in every block
+    for (int64_t f = 0; f < sh.tiles * kLanes; ++f) {
+      const int64_t g = f % sh.groups, t = f / kLanes, lane = f % kLanes, at = (r * sh.tiles + t) * kLanes + lane;
+      buf.scale[at] = scale[g];
+      buf.sum[at] = scaled_sum[g];
+      buf.eight_sums[at] = eight[g];
+      const int8_t* q = buf.group_bytes.data() + g * sh.group;
+      int8_t* slot = xs + (r * sh.tiles + t) * sh.steps * 128 + lane * 4;
+      for (int64_t j = 0; j < sh.steps; ++j, slot += 128) {  // step j: inputs 4j.. (low), half + 4j.. (high)
+        std::memcpy(slot, q + 4 * j, 4);
+        std::memcpy(slot + 64, q + half + 4 * j, 4);
+      }
     }
   }
-  return a;
+  return Activations{xs, buf.scale.data(), buf.sum.data(), buf.eight_sums.data()};
 }
 
-// 32 bytes of codes -> the block's 64 codes in input order, one per byte
-inline __m512i unpack(const uint8_t* p) {
-  const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i shifted = _mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4);  // upper half: the high nibbles
-  return _mm512_and_si512(shifted, _mm512_set1_epi8(0x0F));
-}
-
-// 16 (or `count`) values of a row's scales or zeros as fp32
-inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
-  const __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
+// 16 consecutive scales or zeros as fp32
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
-inline __m512 load16(const at::Half* p, __mmask16 mask) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p)); }
+inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
-// M activation rows times R weight rows per pass (R * M accumulators in registers).
+// M activation rows times R blocks per pass (2 * R * M integer accumulators in registers).
 template <int M, int R, typename S>
-void rows_kernel(const Activations& a, const uint8_t* codes, const S* sz, float* y, int64_t n, int64_t k,
-                 int64_t group) {
-  const int64_t groups = k / group, blocks = group / 64;
-  at::parallel_for(0, (n + R - 1) / R, 16 / R, [&](int64_t begin, int64_t end) {
+void blocks_kernel(const Activations& a, const uint8_t* codes, const S* sz, float* y, int64_t n, const Shape& sh) {
+  const int64_t block_bytes = sh.block_rows * sh.k / 2, block_groups = sh.block_rows * sh.groups;
+  const int64_t blocks = n / sh.block_rows, act_stride = sh.tiles * sh.steps * 128;
+  const S* zeros = sz + n * sh.groups;  // [2, N, G]: the scales, then the zeros
+  const int64_t grain = std::max<int64_t>(1, 32 / (R * sh.block_rows));
+  at::parallel_for(0, (blocks + R - 1) / R, grain, [&](int64_t begin, int64_t end) {
+    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+    static thread_local std::vector<float> buffer;  // each block's per-(row, group) results: [R, M, tiles * 16]
+    buffer.resize(R * M * sh.tiles * kLanes);
+    auto lanes = [&](int i, int r) { return buffer.data() + (i * M + r) * sh.tiles * kLanes; };
     for (int64_t pass = begin; pass < end; ++pass) {
-      const int64_t r0 = pass * R, rows = std::min<int64_t>(R, n - r0);
-      __m512 acc[R][M];
-      for (int i = 0; i < R; ++i)
-        for (int r = 0; r < M; ++r) acc[i][r] = _mm512_setzero_ps();
-      for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-        const int64_t count = std::min<int64_t>(16, groups - g0);
-        const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
-        // per weight row: s * a for these 16 groups (one lane each), and z * a * S summed into the accumulator
-        __m512 sa[R][M];
-        for (int i = 0; i < R; ++i) {
-          const int64_t row = r0 + std::min<int64_t>(i, rows - 1);  // past the end: a copy of the last row, unused
-          const S* scales = sz + row * 2 * groups + g0;                // [N, 2, G]: scales, then zeros
-          const __m512 s = load16(scales, mask), z = load16(scales + groups, mask);
-          for (int r = 0; r < M; ++r) {
-            sa[i][r] = _mm512_mul_ps(s, _mm512_loadu_ps(&a.scale[r * a.padded + g0]));
-            acc[i][r] = _mm512_fmadd_ps(z, _mm512_loadu_ps(&a.scaled_sum[r * a.padded + g0]), acc[i][r]);
+      const int64_t b0 = pass * R, count = std::min<int64_t>(R, blocks - b0);
+      const uint8_t* w[R];
+      for (int i = 0; i < R; ++i)  // past the end: a copy of the last block, unused
+        w[i] = codes + (b0 + std::min<int64_t>(i, count - 1)) * block_bytes;
+      // the next pass's blocks, prefetched meanwhile (a prefetch past the end never faults)
+      const uint8_t* next = codes + std::min<int64_t>(b0 + R, blocks - 1) * block_bytes;
+      int64_t off = 0;  // bytes into each block
+      for (int64_t t = 0; t < sh.tiles; ++t) {
+        __m512i lo[R][M], hi[R][M];
+        for (int i = 0; i < R; ++i)
+          for (int r = 0; r < M; ++r) lo[i][r] = hi[i][r] = _mm512_setzero_si512();
+        const int8_t* xt = a.x + t * sh.steps * 128;
+        for (int64_t j = 0; j < sh.steps; ++j, off += 64, xt += 128) {
+          for (int i = 0; i < R; ++i)
+            _mm_prefetch(reinterpret_cast<const char*>(next + i * block_bytes + off), _MM_HINT_T0);
+          for (int i = 0; i < R; ++i) {
+            const __m512i v = _mm512_load_si512(w[i] + off);
+            const __m512i vl = _mm512_and_si512(v, low), vh = _mm512_and_si512(v, high);  // vh: 16 x the codes
+            for (int r = 0; r < M; ++r) {
+              lo[i][r] = _mm512_dpbusd_epi32(lo[i][r], vl, _mm512_load_si512(xt + r * act_stride));
+              hi[i][r] = _mm512_dpbusd_epi32(hi[i][r], vh, _mm512_load_si512(xt + r * act_stride + 64));
+            }
           }
         }
-        for (int64_t j = 0; j < count; ++j) {
-          const int64_t g = g0 + j;
-          const __m512i lane = _mm512_set1_epi32(static_cast<int>(j));
-          __m512i dot[R][M];
-          for (int i = 0; i < R; ++i)
-            for (int r = 0; r < M; ++r) dot[i][r] = a.start[r * groups + g];
-          for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t off = g * group + b * 64;
-            for (int i = 0; i < R; ++i) {
-              const int64_t row = r0 + std::min<int64_t>(i, rows - 1);
-              const __m512i w = unpack(codes + row * (k / 2) + off / 2);
-              for (int r = 0; r < M; ++r) {
-                dot[i][r] = _mm512_dpbusd_epi32(dot[i][r], w, _mm512_load_si512(a.xq + r * k + off));
-              }
-            }
+        // the tile's 16 (row, group) lanes: a * (s * (dot - 8 * S) + z * S)
+        for (int i = 0; i < R; ++i) {
+          const int64_t first = (b0 + std::min<int64_t>(i, count - 1)) * block_groups + t * kLanes;
+          const __m512 s = load16(sz + first), z = load16(zeros + first);
+          for (int r = 0; r < M; ++r) {
+            const int64_t at = (r * sh.tiles + t) * kLanes;
+            const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(lo[i][r], _mm512_srai_epi32(hi[i][r], 4)),
+                                                 _mm512_loadu_si512(a.eight_sums + at));
+            const __m512 sa = _mm512_mul_ps(s, _mm512_loadu_ps(a.scale + at));
+            const __m512 v = _mm512_fmadd_ps(z, _mm512_loadu_ps(a.sum + at), _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sa));
+            _mm512_storeu_ps(lanes(i, r) + t * kLanes, v);
           }
-          for (int i = 0; i < R; ++i)
-            for (int r = 0; r < M; ++r) {
-              const __m512 scale = _mm512_permutexvar_ps(lane, sa[i][r]);
-              acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][r]), scale, acc[i][r]);
-            }
         }
       }
-      for (int i = 0; i < rows; ++i)
-        for (int r = 0; r < M; ++r) y[r * n + r0 + i] = _mm512_reduce_add_ps(acc[i][r]);
+      // each row of each block: the sum of its G lanes
+      for (int i = 0; i < count; ++i)
+        for (int r = 0; r < M; ++r)
+          for (int64_t p = 0; p < sh.block_rows; ++p) {
+            const float* v = lanes(i, r) + p * sh.groups;
+            __m512 total = _mm512_setzero_ps();
+            for (int64_t g = 0; g < sh.groups; g += kLanes) {
+              const int64_t left = std::min<int64_t>(kLanes, sh.groups - g);
+              total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << left) - 1), v + g));
+            }
+            y[r * n + (b0 + i) * sh.block_rows + p] = _mm512_reduce_add_ps(total);
+          }
     }
   });
 }
 
 template <typename S>
-void dispatch_rows(const Activations& a, int64_t m, const uint8_t* codes, const S* sz, float* y, int64_t n, int64_t k,
-                   int64_t group) {
-  switch (m) {  // R * M <= 8: accumulators and dot products stay in registers
-    case 1: return rows_kernel<1, 4>(a, codes, sz, y, n, k, group);
-    case 2: return rows_kernel<2, 2>(a, codes, sz, y, n, k, group);
-    case 3: return rows_kernel<3, 2>(a, codes, sz, y, n, k, group);
-    default: return rows_kernel<4, 1>(a, codes, sz, y, n, k, group);
+void dispatch_rows(const Activations& a, int64_t m, const uint8_t* codes, const S* sz, float* y, int64_t n,
+                   const Shape& sh) {
+  switch (m) {  // 2 * R * M vectors of accumulators stay in registers
+    case 1: return blocks_kernel<1, 4>(a, codes, sz, y, n, sh);
+    case 2: return blocks_kernel<2, 2>(a, codes, sz, y, n, sh);
+    case 3: return blocks_kernel<3, 2>(a, codes, sz, y, n, sh);
+    default: return blocks_kernel<4, 1>(a, codes, sz, y, n, sh);
   }
 }
 
-// The operator: x [M, K] (M <= kMaxRows) in fp32 or a 16-bit float, codes uint8 [N, K / 2], scales_and_zeros
-// [N, 2, K / group] (each row's scales, then its zeros) in fp32, bf16 or fp16, read as stored; the result [M, N]
-// in x's dtype.
+// The operator: x [M, K] (M <= kMaxRows) in fp32 or a 16-bit float, codes uint8 [N, K / 2] in the blocked layout,
+// scales_and_zeros [2, N, K / group] (the scales, then the zeros) in fp32, bf16 or fp16, read as stored; the
+// result [M, N] in x's dtype.
 torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales_and_zeros,
                         int64_t group) {
   TORCH_CHECK(x.is_cpu() && codes.is_cpu() && scales_and_zeros.is_cpu(), "int4_gemv: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows, "int4_gemv: x must be [M, K] with M in 1..",
               kMaxRows);
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
-              "int4_gemv: codes must be uint8 [N, K / 2]");
+              "int4_gemv: codes must be uint8 [N, K / 2], contiguous");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(codes.data_ptr()) % 64 == 0, "int4_gemv: codes must be 64-byte aligned");
   const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
-  TORCH_CHECK(group > 0 && group % 64 == 0 && k % group == 0, "int4_gemv: group must be a multiple of 64 dividing K");
+  TORCH_CHECK(group > 0 && group % 32 == 0 && k % group == 0, "int4_gemv: group must be a multiple of 32 dividing K");
   TORCH_CHECK(codes.size(1) * 2 == k, "int4_gemv: shapes do not match (codes hold two inputs a byte)");
-  TORCH_CHECK(scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) == n && scales_and_zeros.size(1) == 2 &&
+  TORCH_CHECK(scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) == 2 && scales_and_zeros.size(1) == n &&
                   scales_and_zeros.size(2) == k / group && scales_and_zeros.is_contiguous(),
-              "int4_gemv: scales_and_zeros must be [N, 2, K / group], contiguous");
+              "int4_gemv: scales_and_zeros must be [2, N, K / group], contiguous");
+  const int64_t groups = k / group, block_rows = kLanes / std::gcd(groups, kLanes);
+  TORCH_CHECK(n % block_rows == 0, "int4_gemv: N (", n, ") must be a multiple of ", block_rows,
+              " = 16 / gcd(groups per row, 16)");
+  const Shape sh{k, group, groups, block_rows, block_rows * groups / kLanes, group / 8};
   const auto xc = x.contiguous();
   Activations a;
   switch (xc.scalar_type()) {
-    case at::kFloat: a = quantize_rows(xc.data_ptr<float>(), m, k, group); break;
-    case at::kBFloat16: a = quantize_rows(xc.data_ptr<at::BFloat16>(), m, k, group); break;
-    case at::kHalf: a = quantize_rows(xc.data_ptr<at::Half>(), m, k, group); break;
+    case at::kFloat: a = quantize_rows(xc.data_ptr<float>(), m, sh); break;
+    case at::kBFloat16: a = quantize_rows(xc.data_ptr<at::BFloat16>(), m, sh); break;
+    case at::kHalf: a = quantize_rows(xc.data_ptr<at::Half>(), m, sh); break;
     default: TORCH_CHECK(false, "int4_gemv: x must be fp32, bf16 or fp16");
   }
   static thread_local std::vector<float> out;
@@ -205,9 +250,9 @@ torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& codes, cons
   const auto* cp = codes.data_ptr<uint8_t>();
   float* yp = out.data();
   switch (scales_and_zeros.scalar_type()) {
-    case at::kFloat: dispatch_rows(a, m, cp, scales_and_zeros.data_ptr<float>(), yp, n, k, group); break;
-    case at::kBFloat16: dispatch_rows(a, m, cp, scales_and_zeros.data_ptr<at::BFloat16>(), yp, n, k, group); break;
-    case at::kHalf: dispatch_rows(a, m, cp, scales_and_zeros.data_ptr<at::Half>(), yp, n, k, group); break;
+    case at::kFloat: dispatch_rows(a, m, cp, scales_and_zeros.data_ptr<float>(), yp, n, sh); break;
+    case at::kBFloat16: dispatch_rows(a, m, cp, scales_and_zeros.data_ptr<at::BFloat16>(), yp, n, sh); break;
+    case at::kHalf: dispatch_rows(a, m, cp, scales_and_zeros.data_ptr<at::Half>(), yp, n, sh); break;
     default: TORCH_CHECK(false, "int4_gemv: scales_and_zeros must be fp32, bf16 or fp16");
   }
   auto y = torch::empty({m, n}, x.options());  // rounded once from the fp32 sums, in x's dtype

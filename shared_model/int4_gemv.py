@@ -2,9 +2,16 @@
 
 Contract:
 - Weight format: `shared_model.quantize`'s int4, w = (q - 8)·s + z per row and group of `group` inputs, q in 0..15.
-  The kernel's layout: `codes` uint8 `[N, K/2]` from `pack(q)` (per block of 64 inputs, byte i holds input i in
-  its low nibble and input 32 + i in its high nibble; `unpack` inverts it), and `scales_and_zeros` `[N, 2, K/group]`
-  (each row's scales, then its zeros) in the model's dtype (read as stored).
+  The kernel's layout (`pack(q, group)`, inverted by `unpack`): codes uint8 `[N, K/2]`, and `scales_and_zeros`
+  `[2, N, K/group]` (all the scales, then all the zeros) in the model's dtype, read as stored.
+  - One 32-bit vector lane per (row, group). Rows go in blocks of P = `block_rows(G)` = 16 / gcd(G, 16) (G groups
+    a row), so that a block's P·G groups fill whole tiles of 16 lanes: (row p of the block, group g) is lane
+    (p·G + g) % 16 of tile (p·G + g) / 16. Blocks are N/P consecutive runs of P·K/2 bytes (N a multiple of P:
+    `shared_model.quantize` asks 16).
+  - A tile is group/8 steps of 64 bytes. In step j, lane l's 4 bytes hold its group's inputs 4j..4j+3 in their
+    low nibbles and group/2 + 4j..+3 in their high nibbles.
+  So one aligned 64-byte load gives 128 codes, two ANDs split them, and two `vpdpbusd` add every group's products
+  into that group's own lane; a tile's 16 scales and zeros are 16 consecutive values of `scales_and_zeros`.
 - `int4_gemv(x, codes, scales_and_zeros, group)`: x `[M, K]` with M in 1..`MAX_ROWS` → `[M, N]` in x's dtype =
   quantize_activation(x) @ Wᵀ: each row is rounded to int8 in the weight's groups (one scale per group,
   max|x| / 127, as llama.cpp rounds activations for its Q4_0 dot products), the codes times the bytes run on
@@ -12,18 +19,18 @@ Contract:
   the tests hold the kernel to it. A row holding NaN or Inf gives NaN outputs.
 - It is the C++ operator `torch.ops.tandem_cpu.int4_gemv`, built with the other CPU kernels
   (`shared_model.cpu_kernels`), with a fake kernel for tracing. `available(group)`: whether it runs here for
-  that group size (a multiple of 64, and the kernels built).
-- `enabled()`: whether int4 layers use it, only with `TANDEM_INT4_GEMV=1`. Off by default, because it did not
-  pay where it matters: alone it is 1.4-2x faster than torch's kernel at the 82M model's shapes, but a compiled
-  int4 decode step was 8% slower with it (11.3 against 10.5 ms, same process, alternating requests; eager it
-  was 3% faster), and served int4 decode was slower too (docs/benchmarks.md §7). Why is not understood yet.
+  that group size (a multiple of 32, and the kernels built).
+- `enabled()`: whether int4 layers use it: yes where it is available, unless `TANDEM_INT4_GEMV=0`.
 - Why: torch's `_weight_int4pack_mm_for_cpu` converts the weights to floats and multiplies there, and read its
   int4 bytes at 11.7-14.3 GB/s on the 2-core VM, where llama.cpp's Q4_0 decode multiplies bytes
-  (docs/benchmarks.md §7).
+  (docs/benchmarks.md §7). This kernel's first layout (one row's groups of 64 inputs per vector, a shuffle and
+  a conversion per group) was no faster than torch's in a compiled step; the lane-per-group layout reads the
+  82M model's 48 int4 matrices in 1.8-2.2 ms against torch's 3.7-4.2 (2 threads, docs/benchmarks.md §7).
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -33,38 +40,57 @@ from shared_model.int8_gemv import quantize_activation
 
 MAX_ROWS = 4
 """Activation rows per call (the kernel reads each weight row once for all of them)."""
+LANES = 16
+"""Groups per tile of the layout: one 32-bit lane of an AVX-512 vector each."""
 
 
 def enabled() -> bool:
-    """Whether int4 layers run this kernel (`TANDEM_INT4_GEMV=1`; see the module docstring)."""
-    return os.environ.get("TANDEM_INT4_GEMV", "0") == "1"
+    """Whether int4 layers run this kernel where it is available (unless `TANDEM_INT4_GEMV=0`)."""
+    return os.environ.get("TANDEM_INT4_GEMV", "1") != "0"
 
 
 def available(group: int) -> bool:
     """Whether `int4_gemv` runs here for weights in groups of `group` inputs."""
-    return group % 64 == 0 and cpu_kernels.available()
+    return group % 32 == 0 and cpu_kernels.available()
 
 
-def pack(q: torch.Tensor) -> torch.Tensor:
-    """Codes uint8 `[N, K]` in 0..15 (K a multiple of 64) → the kernel's `[N, K/2]` layout."""
+def block_rows(groups: int) -> int:
+    """Rows per block of the layout for rows of `groups` groups: P = 16 / gcd(G, 16), so a block's P·G groups fill
+    whole tiles of 16 lanes."""
+    return LANES // math.gcd(groups, LANES)
+
+
+def pack(q: torch.Tensor, group: int) -> torch.Tensor:
+    """Codes uint8 `[N, K]` in 0..15 (K a multiple of `group`, itself of 32; N of `block_rows(K / group)`) → the
+    kernel's `[N, K/2]` layout (see the module docstring)."""
     n, k = q.shape
-    blocks = q.to(torch.uint8).view(n, k // 64, 2, 32)
-    return (blocks[:, :, 0] | blocks[:, :, 1] << 4).reshape(n, k // 2)
+    groups, steps, half = k // group, group // 8, group // 2
+    p = block_rows(groups)
+    if n % p:
+        raise ValueError(f"int4_gemv.pack: {n} rows are not a multiple of {p} (blocks of 16 / gcd({groups}, 16))")
+    flat = q.to(torch.uint8).reshape(n // p, p * groups, group)  # [blocks, P·G, group]: (row, group) pairs in order
+    lo = flat[..., :half].reshape(n // p, -1, LANES, steps, 4)  # [blocks, tiles, 16, steps, 4]
+    hi = flat[..., half:].reshape(n // p, -1, LANES, steps, 4)
+    return (lo | hi << 4).transpose(2, 3).reshape(n, k // 2)  # [blocks, tiles, steps, 16, 4]
 
 
-def unpack(codes: torch.Tensor) -> torch.Tensor:
+def unpack(codes: torch.Tensor, group: int) -> torch.Tensor:
     """`pack`'s inverse: `[N, K/2]` → codes uint8 `[N, K]`."""
-    n, half = codes.shape
-    blocks = codes.view(n, half // 32, 1, 32)
-    return torch.cat([blocks & 15, blocks >> 4], dim=2).reshape(n, 2 * half)
+    n, half_k = codes.shape
+    k = 2 * half_k
+    groups, steps = k // group, group // 8
+    p = block_rows(groups)
+    tiled = codes.reshape(n // p, -1, steps, LANES, 4).transpose(2, 3)  # [blocks, tiles, 16, steps, 4]
+    lo, hi = (tiled & 15).reshape(n // p, p * groups, -1), (tiled >> 4).reshape(n // p, p * groups, -1)
+    return torch.cat([lo, hi], dim=2).reshape(n, k)
 
 
 def dequantize(codes: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
     """The fp32 `[N, K]` weight the kernel multiplies by: (q - 8)·s + z with s and z as stored."""
-    q = unpack(codes).float()
+    q = unpack(codes, group).float()
     n, k = q.shape
-    sz = scales_and_zeros.float()[..., None]  # [N, 2, G, 1]
-    return ((q.view(n, k // group, group) - 8) * sz[:, 0] + sz[:, 1]).view(n, k)
+    sz = scales_and_zeros.float()[..., None]  # [2, N, G, 1]
+    return ((q.view(n, k // group, group) - 8) * sz[0] + sz[1]).view(n, k)
 
 
 def reference(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:

@@ -28,11 +28,11 @@ Contract:
     one scale each, and multiplies bytes by bytes, as llama.cpp's Q8_0 does. So on such CPUs an int8 layer's
     single-row output carries the activation's rounding too (at most half a step of max|x_g| / 127 per input);
     its reference (`fake_quantized`) applies the same rounding.
-  - Up to `int4_gemv.MAX_ROWS` rows of int4 on such a CPU, with groups of 64, 128 or 256, when
-    `TANDEM_INT4_GEMV=1` (off by default: see `shared_model.int4_gemv`) (`int4_row_kernel`):
+  - Up to `int4_gemv.MAX_ROWS` rows of int4 on such a CPU, with any of the group sizes, unless
+    `TANDEM_INT4_GEMV=0` (`int4_row_kernel`):
     `shared_model.int4_gemv`, which rounds each row to int8 in the weight's groups and multiplies the 4-bit codes
     by those bytes on `vpdpbusd`, as llama.cpp's Q4_0 does. Such a layer keeps only that kernel's layout (codes
-    `[N, K/2]`, scales and zeros `[N, 2, G]`), the same bytes as torch's; its reference models the rounding too.
+    `[N, K/2]`, scales and zeros `[2, N, G]`), the same bytes as torch's; its reference models the rounding too.
   - Otherwise up to `PACKED_MAX_ROWS` rows (decode steps): torch's packed weight-only kernels, which read the
     quantized bytes and nothing else: `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` on CPU,
     `_weight_int4pack_mm` on CUDA. Their cost grows with every row, so
@@ -185,9 +185,9 @@ class QuantizedLinear(nn.Module):
             # [G, N, 2]: each group's scale and zero for every output row, as torch's kernels take them
             sz = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
             self._row_kernel = row_kernels and int4_row_kernel(group_size, device)
-            if self._row_kernel:  # Tandem's layout only: [N, K/2] codes, [N, 2, G] scales and zeros
-                packed = int4_gemv.pack(q)
-                sz = torch.stack([scales, zeros], dim=1).contiguous()
+            if self._row_kernel:  # Tandem's layout only: [N, K/2] codes, [2, N, G] scales and zeros
+                packed = int4_gemv.pack(q, group_size)
+                sz = torch.stack([scales, zeros]).contiguous()  # [2, N, G]
             elif device.type == "cuda":  # tinygemm: bf16 only; two codes per byte, high nibble first
                 self.dtype = torch.bfloat16
                 pairs = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()

@@ -24,15 +24,20 @@ def _weights(n: int, k: int, group: int, seed: int = 0) -> tuple[torch.Tensor, t
     """(weight [N, K], codes [N, K/2] in the kernel's layout, scales_and_zeros [N, 2, G] fp32)."""
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
     q, scales, zeros = quantize_int4(weight, group)
-    return weight, int4_gemv.pack(q), torch.stack([scales, zeros], dim=1).contiguous()
+    return weight, int4_gemv.pack(q, group), torch.stack([scales, zeros]).contiguous()
 
 
-def test_pack_and_unpack_are_inverse_and_put_input_32_plus_i_in_the_high_nibble() -> None:
-    q = torch.randint(0, 16, (5, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    codes = int4_gemv.pack(q)
-    assert codes.shape == (5, 64) and codes.dtype == torch.uint8
-    assert torch.equal(int4_gemv.unpack(codes), q)
-    assert int(codes[2, 33]) == int(q[2, 65]) | int(q[2, 97]) << 4  # block 1, byte 1: inputs 64 + 1 and 64 + 33
+def test_pack_puts_each_row_and_group_in_its_own_lane_and_unpack_inverts_it() -> None:
+    q = torch.randint(0, 16, (16, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    codes = int4_gemv.pack(q, 64)
+    assert codes.shape == (16, 64) and codes.dtype == torch.uint8
+    assert torch.equal(int4_gemv.unpack(codes, 64), q)
+    # 2 groups a row: blocks of 8 rows, one tile of 16 lanes, 8 steps of 64 bytes (one codes row each). Block 1,
+    # step 1, lane 3 (row 8 + 1, group 1), byte 2: inputs 64 + 4 + 2 (low nibble) and 64 + 32 + 4 + 2 (high)
+    assert int(codes[8 + 1, 3 * 4 + 2]) == int(q[9, 70]) | int(q[9, 102]) << 4
+    assert int4_gemv.block_rows(12) == 4 and int4_gemv.block_rows(32) == 1  # 768 and 2048 inputs in groups of 64
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        int4_gemv.pack(q[:12], 64)
 
 
 def test_dequantize_matches_the_quantize_module() -> None:
@@ -43,9 +48,11 @@ def test_dequantize_matches_the_quantize_module() -> None:
 
 
 SHAPES = [
-    (16, 64, 64, 1), (48, 768, 64, 1), (96, 768, 128, 3), (2304, 768, 64, 4), (64, 2048, 256, 2), (17, 512, 64, 2),
+    (16, 64, 64, 1), (48, 768, 64, 1), (96, 768, 128, 3), (2304, 768, 64, 4), (64, 2048, 256, 2), (18, 512, 64, 2),
+    (32, 3072, 32, 3), (16, 11008, 64, 1),
 ]  # fmt: skip
-"""(N, K, group, rows): one block, the 82M model's shapes, several groups, N not a multiple of anything."""
+"""(N, K, group, rows): one block, the 82M model's shapes, several group sizes, blocks of 2 rows (8 groups a row),
+groups of 32, and Llama-2-7B's down projection (172 groups a row: blocks of 4 rows, 43 tiles)."""
 
 
 @needs_kernel
@@ -86,15 +93,17 @@ def test_the_op_refuses_what_it_cannot_run() -> None:
         op(torch.zeros(5, 128), codes, sz, 64)
     with pytest.raises(RuntimeError, match="shapes do not match"):
         op(torch.zeros(1, 256), codes, sz, 64)
-    with pytest.raises(RuntimeError, match="multiple of 64"):
-        op(torch.zeros(1, 128), codes, sz, 32)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(torch.zeros(1, 128), codes, sz, 48)
     with pytest.raises(RuntimeError, match="scales_and_zeros must be"):
         op(torch.zeros(1, 128), codes, sz[:, :, :1].contiguous(), 64)
-    assert not int4_gemv.available(32)  # groups of 32 keep torch's kernel
+    with pytest.raises(RuntimeError, match="must be a multiple of 8"):  # 2 groups a row: blocks of 8 rows
+        op(torch.zeros(1, 128), codes[:12], sz[:, :12].contiguous(), 64)
+    assert int4_gemv.available(32)
 
 
-def test_int4_layers_keep_torchs_kernel_unless_asked(monkeypatch) -> None:
-    monkeypatch.delenv("TANDEM_INT4_GEMV", raising=False)
+def test_int4_layers_keep_torchs_kernel_when_turned_off(monkeypatch) -> None:
+    monkeypatch.setenv("TANDEM_INT4_GEMV", "0")
     layer = QuantizedLinear(torch.randn(32, 128), None, "int4", 64, torch.bfloat16)
     assert not layer._row_kernel and activation_rounding("int4", 128, 64, torch.device("cpu")) == (0, 0)
 
@@ -102,7 +111,7 @@ def test_int4_layers_keep_torchs_kernel_unless_asked(monkeypatch) -> None:
 @needs_kernel
 @pytest.mark.parametrize("compiled", [False, True])
 def test_int4_layer_runs_decode_batches_through_the_kernel(compiled: bool, monkeypatch) -> None:
-    monkeypatch.setenv("TANDEM_INT4_GEMV", "1")  # opt-in (shared_model.int4_gemv)
+    monkeypatch.delenv("TANDEM_INT4_GEMV", raising=False)  # on by default where it runs (shared_model.int4_gemv)
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 256, generator=g)
     layer = QuantizedLinear(weight, None, "int4", 64, torch.bfloat16)
