@@ -11,7 +11,7 @@ Contract:
   (a few fp32 or bf16 rows times a weight of the same dtype, summed in fp32 with each row's arithmetic independent
   of the row count: the compiled step's decode and verify projections, `shared_model.fuse`).
 - `available()`: whether `extension()` is not None.
-- `build(name, sources)` is the same for another package's kernels (`inference_svc.kernels.cpu_attention`).
+- `build(name, sources)` is the same for another package's kernels (`inference_svc.kernels.cpu_attention`, `cpu_sampling`).
 - The build: torch's extension builder compiles `SOURCES` (beside this file) with `FLAGS` into
   `~/.cache/tandem/cpu_kernels/<hash>`, the hash covering the sources (paths and text), the flags, torch's and
   Python's versions and the compiler, so a later process loads it in about a second (the first build takes
@@ -177,11 +177,11 @@ def main() -> int:
     start = time.perf_counter()
     built = available()
     try:
-        from inference_svc.kernels import cpu_attention  # the serving half's kernels, where it is installed
+        from inference_svc.kernels import cpu_attention, cpu_sampling  # the serving half's, where it is installed
     except ImportError:
         pass
     else:
-        built = built and cpu_attention.extension() is not None
+        built = built and cpu_attention.extension() is not None and cpu_sampling.extension() is not None
     what = "ready" if built else "not built here: torch's kernels run (see the warnings above)"
     print(f"CPU kernels: {what} ({time.perf_counter() - start:.1f} s)")
     return 0

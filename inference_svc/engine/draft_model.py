@@ -108,8 +108,7 @@ class DraftModelProposer:
         if seq.sampling.greedy:
             return int(penalized[0].argmax()), None
         q = probabilities(penalized, [request])  # [1, V]
-        noise = self.sampler.exponential_noise(q.shape, [request]).to(q.device)
-        return int((q / noise)[0].argmax()), q[0]
+        return int(self.sampler.draw(q, [request])[0]), q[0]
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         """A seeded request's own draft generator (None: the engine's shared one)."""

@@ -86,9 +86,8 @@ def _sampled(
 
 
 def _draw(sampler: Sampler, weights: torch.Tensor, request: SampleRequest) -> int:
-    """One token from unnormalized weights [V] (the exponential race, as plain sampling draws)."""
-    noise = sampler.exponential_noise(torch.Size((1, weights.shape[0])), [request])[0].to(weights.device)
-    return int((weights / noise).argmax())
+    """One token from unnormalized weights [V], drawn as plain sampling draws."""
+    return int(sampler.draw(weights[None], [request])[0])
 
 
 def _with_logprobs(raw: torch.Tensor, tokens: list[int], k: int, wants: bool, top_k: int) -> Emitted:

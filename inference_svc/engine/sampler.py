@@ -9,14 +9,22 @@ Contract:
   tokens only, `presence·[count > 0] + frequency·count` subtracted) → clamp to the finite range → `min_tokens`
   (EOS, unless ignored, and the stop token ids set to -inf while fewer than min_tokens tokens were generated)
   → greedy argmax when temperature is 0 → temperature → top-k → top-p → min-p → draw.
+- Truncation keeps, per row, the tokens whose probability is at least a threshold (`truncation_thresholds`):
+  top-k's k-th largest probability, top-p's value where the running mass (descending, over what top-k keeps)
+  first reaches top_p of it, min-p's min_p times the largest; the largest of these. Ties at the boundary are all
+  kept, so the kept set never depends on an order among equal values. The kept probabilities are renormalized.
+  On the CPU the thresholds come from a C++ selection (`inference_svc.kernels.cpu_sampling`, O(V) a row), elsewhere
+  from a sort (`_thresholds_torch`), the same rule.
 - No valid parameter overflows: penalized logits are clamped to the finite float range, and temperature divides
   `logits - rowmax` (all <= 0) and is floored at fp32's smallest normal number, so a temperature of 1e-38 (or
   5e-324) gives probability 0 to every token but the best, never NaN.
 - A row of raw logits that is not finite (NaN or ±inf from the model) is never sampled from: it is reported in
   `Samples.failed` and its token is meaningless; the engine fails that request alone.
-- A draw is `argmax(p / E)` with E ~ Exp(1) (equivalent to sampling from p). E comes from the request's own
-  generator when it has a seed, so a seeded request draws the same numbers whatever the batch; unseeded rows share
-  one engine generator. Everything else is vectorized over rows.
+- A draw (`Sampler.draw`) inverts the row's cumulative distribution at one U[0, 1) number (a token of
+  probability 0 is never drawn). The number comes from the request's own generator when it has a seed, so a
+  seeded request draws the same numbers whatever the batch; unseeded rows share one engine generator. Plain
+  sampling, speculative verification and the draft model all draw this way. Everything else is vectorized over
+  rows.
 - Reads its inputs only; knows nothing about scheduling or text.
 """
 
@@ -30,6 +38,7 @@ import torch
 
 from inference_svc.engine.logprobs import token_logprobs
 from inference_svc.engine.types import SamplingParams, TokenLogprob
+from inference_svc.kernels import cpu_sampling
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,8 @@ class Sampler:
         top_k = max((r.params.top_logprobs for r in requests), default=0)
         chosen_lp = None
         top = None
-        finite = torch.isfinite(logits).all(dim=-1)  # [S]
+        # a row is finite iff its largest and smallest entries are (NaN propagates through both): two reductions
+        finite = torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))  # [S]
         failed: list[int] = []
         if not bool(finite.all()):
             failed = (~finite).nonzero()[:, 0].tolist()
@@ -121,23 +131,25 @@ class Sampler:
         return Samples(tokens.tolist(), chosen_lp, failed, top)
 
     def _sample_rows(self, logits: torch.Tensor, requests: Sequence[SampleRequest], greedy: list[bool]) -> torch.Tensor:
-        probs = probabilities(logits, requests)  # [S, V]
-        sampled = (probs / self.exponential_noise(probs.shape, requests).to(probs.device)).argmax(dim=-1)
+        sampled = self.draw(probabilities(logits, requests), requests)  # [S]
         if any(greedy):
             sampled = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), sampled)
         return sampled
 
-    def exponential_noise(self, shape: torch.Size, requests: Sequence[SampleRequest]) -> torch.Tensor:
-        """[S, V] Exp(1) draws on the CPU: a seeded request's row from its own generator, the others from the
-        engine's (CPU generators, so a seed gives the same draws on every device)."""
-        noise = torch.empty(shape)
+    def draw(self, weights: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
+        """One token per row of non-negative weights [S, V] (each row with some positive weight), drawn in
+        proportion to them: the first token whose cumulative weight reaches (1 - u)·total, u ~ U[0, 1) from the
+        row's request (see the module docstring). int64 [S]."""
+        u = torch.empty(len(requests), dtype=torch.float64)
         shared = [i for i, r in enumerate(requests) if r.generator is None]
         if shared:
-            noise[shared] = torch.empty(len(shared), shape[1]).exponential_(generator=self._generator)
+            u[shared] = torch.rand(len(shared), generator=self._generator, dtype=torch.float64)
         for i, r in enumerate(requests):
-            if r.generator is not None:  # seeded: this request's own stream, one row per draw
-                noise[i].exponential_(generator=r.generator)
-        return noise
+            if r.generator is not None:  # seeded: this request's own stream, one number per draw
+                u[i] = torch.rand(1, generator=r.generator, dtype=torch.float64)
+        cdf = weights.double().cumsum(dim=-1)  # [S, V]: fp64, so no positive weight is lost to rounding
+        point = (1.0 - u.to(cdf.device))[:, None] * cdf[:, -1:]  # in (0, total]: never a token of weight 0
+        return torch.searchsorted(cdf, point)[:, 0].clamp_(max=weights.shape[1] - 1)
 
     def uniform(self, n: int, request: SampleRequest) -> torch.Tensor:
         """[n] U[0, 1) draws from the request's generator (the engine's when it has no seed)."""
@@ -146,21 +158,50 @@ class Sampler:
 
 def probabilities(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
     """The distribution each row is sampled from: [S, V] penalized logits → temperature → top-k → top-p → min-p →
-    probabilities [S, V] (a greedy row is computed at temperature 1; callers take its argmax instead)."""
+    probabilities [S, V], renormalized (a greedy row is computed at temperature 1; callers take its argmax
+    instead)."""
     temps = torch.tensor([r.params.temperature if not r.params.greedy else 1.0 for r in requests])
     temps = temps.clamp_(min=torch.finfo(temps.dtype).tiny)  # 5e-324 would round to 0 in fp32: 0/0 = NaN
     # shift first: every entry is <= 0, so dividing by a tiny temperature gives -inf, never inf - inf = NaN
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temps.to(logits.device)[:, None]
-    top_k = [r.params.top_k for r in requests]
+    probs = torch.softmax(scaled, dim=-1)  # [S, V]
+    vocab = probs.shape[1]
+    top_k = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in requests]
     top_p = [r.params.top_p for r in requests]
     min_p = [r.params.min_p for r in requests]
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        scaled = _top_k_top_p(scaled, top_k, top_p)
-    probs = torch.softmax(scaled, dim=-1)  # [S, V]
-    if any(m > 0 for m in min_p):
-        floor = torch.tensor(min_p, device=probs.device)[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
+    if any(top_k) or any(p < 1.0 for p in top_p) or any(m > 0 for m in min_p):
+        tau = truncation_thresholds(probs, top_k, top_p, min_p)  # [S]
+        probs = probs.masked_fill_(probs < tau[:, None], 0.0)
+        probs = probs.div_(probs.sum(dim=-1, keepdim=True))
     return probs
+
+
+def truncation_thresholds(
+    probs: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
+) -> torch.Tensor:
+    """Each row's smallest kept probability under top-k (0: none), top-p (1: none) and min-p (0: none); probs
+    [S, V] fp32 → [S] (see the module docstring): the C++ selection on the CPU where it is built, else a sort."""
+    native = cpu_sampling.extension() if probs.device.type == "cpu" and probs.dtype == torch.float32 else None
+    if native is None:
+        return _thresholds_torch(probs, top_k, top_p, min_p)
+    k = torch.tensor(top_k, dtype=torch.int64)
+    p, m = torch.tensor(top_p, dtype=torch.float64), torch.tensor(min_p, dtype=torch.float64)
+    return native.truncation_thresholds(probs.contiguous(), k, p, m)
+
+
+def _thresholds_torch(probs: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """`truncation_thresholds` with a sort (any device)."""
+    dev, vocab = probs.device, probs.shape[1]
+    ordered = probs.sort(dim=-1, descending=True).values  # [S, V]
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=dev)[:, None]  # [S, 1]
+    tau = torch.where(k < vocab, ordered.gather(1, k - 1), torch.zeros_like(ordered[:, :1]))  # [S, 1]
+    kept = torch.where(ordered >= tau, ordered, torch.zeros_like(ordered)).double()  # what top-k keeps
+    running = kept.cumsum(dim=-1)  # [S, V]
+    target = torch.tensor(top_p, dtype=torch.float64, device=dev)[:, None] * running[:, -1:]
+    first = (running < target).sum(dim=-1, keepdim=True).clamp_(max=vocab - 1)  # where the running mass reaches it
+    tau_p = torch.where(target < running[:, -1:], ordered.gather(1, first), torch.zeros_like(tau))
+    tau_m = torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None] * ordered[:, :1]
+    return torch.maximum(torch.maximum(tau, tau_p), tau_m)[:, 0]
 
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
@@ -193,18 +234,3 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> 
             ids = torch.tensor(sorted(t for t in banned if t < logits.shape[1]), dtype=torch.int64, device=dev)
             logits[i, ids] = float("-inf")
     return logits
-
-
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k and top-p nucleus. logits: [S, V]."""
-    vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V]
-    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=logits.device)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    drop = ranks >= k[:, None]
-    p = torch.tensor(top_p, device=logits.device)[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability mass of strictly better tokens
-    drop |= mass_before >= p  # keep the smallest set whose mass reaches p (always at least the top token)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,106 @@
+"""Truncation thresholds (top-k, top-p, min-p) by the C++ selection against the sorted rule, and the inverse-CDF
+draw: what the sampler keeps and draws, on flat and peaked rows, ties, zeros and the engine's vocabulary size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference_svc.engine.sampler import Sampler, SampleRequest, _thresholds_torch, probabilities
+from inference_svc.engine.types import SamplingParams
+from inference_svc.kernels import cpu_sampling
+
+native = cpu_sampling.extension()
+needs_native = pytest.mark.skipif(native is None, reason="needs Tandem's CPU kernels (AVX-512 VNNI and a compiler)")
+
+
+def _rows(seed: int, vocab: int) -> torch.Tensor:
+    """Probability rows from flat to peaked, one with zeros (a masked vocabulary) and one with ties."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, vocab, generator=g) * torch.tensor([0.1, 1.0, 3.0, 8.0, 2.0, 1.0])[:, None]
+    logits[4, : vocab // 2] = float("-inf")  # half the vocabulary impossible
+    logits[5] = torch.randint(0, 4, (vocab,), generator=g).float()  # four values, each many times
+    return torch.softmax(logits, dim=-1)
+
+
+def _kept(probs: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    return probs >= tau[:, None]
+
+
+CASES = [
+    ([0] * 6, [0.95] * 6, [0.0] * 6),
+    ([0] * 6, [0.5, 0.9, 0.1, 0.999, 0.7, 0.6], [0.0] * 6),
+    ([40] * 6, [1.0] * 6, [0.0] * 6),
+    ([1, 2, 100, 5000, 8191, 3], [0.8] * 6, [0.0] * 6),
+    ([0] * 6, [1.0] * 6, [0.05, 0.1, 0.2, 0.5, 0.01, 0.3]),
+    ([64] * 6, [0.9] * 6, [0.02] * 6),
+]  # fmt: skip
+"""(top_k, top_p, min_p) per row: top-p alone, top-k alone, both, min-p alone, all three."""
+
+
+@needs_native
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(("top_k", "top_p", "min_p"), CASES)
+def test_the_selection_keeps_exactly_what_the_sorted_rule_keeps(seed, top_k, top_p, min_p) -> None:
+    probs = _rows(seed, 8192)
+    tau = native.truncation_thresholds(
+        probs, torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float64), torch.tensor(min_p, dtype=torch.float64)
+    )
+    expected = _thresholds_torch(probs, top_k, top_p, min_p)
+    assert torch.equal(_kept(probs, tau), _kept(probs, expected))
+
+
+def test_the_sorted_rule_keeps_the_smallest_set_reaching_top_p_and_every_tie_at_its_boundary() -> None:
+    probs = torch.tensor([[0.4, 0.2, 0.2, 0.1, 0.1, 0.0], [0.5, 0.25, 0.125, 0.0625, 0.0625, 0.0]])
+    # row 0: 0.4 + 0.2 reaches 0.5, and the other 0.2 is tied with it: both kept; row 1: 0.5 + 0.25 reaches 0.7
+    tau = _thresholds_torch(probs, [0, 0], [0.5, 0.7], [0.0, 0.0])
+    assert _kept(probs, tau).tolist() == [
+        [True, True, True, False, False, False],
+        [True, True, False, False, False, False],
+    ]
+    # top-k 1 keeps the best; min-p 0.3 keeps what has at least 0.3 x the best
+    assert _kept(probs, _thresholds_torch(probs, [1, 1], [1.0, 1.0], [0.0, 0.0]))[:, 0].all()
+    assert _kept(probs, _thresholds_torch(probs, [1, 1], [1.0, 1.0], [0.0, 0.0])).sum().item() == 2
+    assert _kept(probs, _thresholds_torch(probs, [0, 0], [1.0, 1.0], [0.3, 0.3])).sum(dim=1).tolist() == [3, 2]
+    if native is not None:
+        for k, p, m in (
+            ([0, 0], [0.5, 0.7], [0.0, 0.0]),
+            ([1, 1], [1.0, 1.0], [0.0, 0.0]),
+            ([0, 0], [1.0, 1.0], [0.3, 0.3]),
+        ):
+            got = native.truncation_thresholds(probs, torch.tensor(k), torch.tensor(p, dtype=torch.float64),
+                                               torch.tensor(m, dtype=torch.float64))  # fmt: skip
+            assert torch.equal(_kept(probs, got), _kept(probs, _thresholds_torch(probs, k, p, m)))
+
+
+def test_probabilities_are_renormalized_over_what_truncation_keeps() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    req = SampleRequest(SamplingParams(temperature=1.0, top_p=0.7, min_p=0.0), [], None)
+    probs = probabilities(logits, [req])
+    assert torch.allclose(probs, torch.tensor([[0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]]))
+    req = SampleRequest(SamplingParams(temperature=1.0, min_p=0.5), [], None)  # min-p too: a distribution
+    assert torch.allclose(probabilities(logits, [req]), torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+
+
+def test_a_draw_never_picks_a_token_of_weight_zero_and_follows_the_weights() -> None:
+    weights = torch.tensor([[0.0, 3.0, 0.0, 1.0, 0.0]]).repeat(20000, 1)
+    reqs = [SampleRequest(SamplingParams(temperature=1.0), [], None)] * 20000
+    tokens = Sampler(seed=5).draw(weights, reqs)
+    counts = torch.bincount(tokens, minlength=5)
+    assert counts[0] == counts[2] == counts[4] == 0
+    assert abs(counts[1].item() / 20000 - 0.75) < 0.02
+    edge = torch.tensor([[0.0, 0.0, 1e-30, 0.0]])  # the only positive weight, however small
+    assert Sampler(seed=0).draw(edge, reqs[:1]).tolist() == [2]
+
+
+def test_a_seeded_draw_repeats_and_ignores_the_batch() -> None:
+    weights = torch.softmax(torch.randn(3, 1000, generator=torch.Generator().manual_seed(2)), dim=-1)
+    seeded = [SampleRequest(SamplingParams(temperature=1.0, seed=7), [], torch.Generator().manual_seed(7))]
+    alone = Sampler().draw(weights[1:2], seeded)
+    shared = SampleRequest(SamplingParams(temperature=1.0), [], None)
+    again = [
+        shared,
+        SampleRequest(SamplingParams(temperature=1.0, seed=7), [], torch.Generator().manual_seed(7)),
+        shared,
+    ]
+    assert Sampler().draw(weights, again)[1] == alone[0]
