@@ -7,8 +7,9 @@ What it does:
   2. Scores the validation split of the training corpus (the documents `tandem train` held out) in windows of
      `--window` tokens: the model in bf16 with dense weights, then the same model with `quantize_weights(..., int8)`
      and `(..., int4)`, exactly as `tandem serve --quantization` prepares it.
-  3. Scores int8 and int4 again with every int8 layer's activation rows rounded as a batch-1 decode step rounds
-     its single row on a CPU with AVX-512 VNNI (`shared_model.int8_gemv`: int8 in groups of up to 256 inputs).
+  3. Scores int8 and int4 again with every layer's activation rows rounded as a decode step rounds them on a CPU
+     with AVX-512 VNNI (`shared_model.int8_gemv`: int8 in groups of up to 256 inputs; `shared_model.int4_gemv`:
+     int8 in the weight's groups).
      A window scored at once sees each row as decoding would see it token by token; the plain scoring runs the
      multi-row path, which does not round activations.
   4. Prints each perplexity and its ratio to dense bf16 against the goals (int8 within 0.5%, int4 within 3%),
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shared_model import int8_gemv
+from shared_model import int4_gemv, int8_gemv
 from shared_model.bundle import load_bundle
 from shared_model.corpus import CorpusConfig, load_corpus
 from shared_model.fuse import fuse_projections
@@ -73,14 +74,21 @@ def held_out_ids(bundle: Path, max_documents: int, limit: int) -> torch.Tensor:
 
 
 class RowRounded(torch.nn.Module):
-    """An int8 `QuantizedLinear` computed as `int8_gemv` computes one decode row, for every row: the activation
-    rounded to int8 per group, times the exact dequantized weight, in fp32."""
+    """A `QuantizedLinear` computed as its row kernel computes a decode row, for every row: the activation rounded
+    to int8 per group (`int8_gemv`: groups of up to 256 inputs; `int4_gemv`: the weight's groups), times the exact
+    dequantized weight, in fp32."""
 
     def __init__(self, layer: QuantizedLinear) -> None:
         super().__init__()
-        self.layer, self.group = layer, int8_gemv.activation_group(layer.in_features)
-        assert self.group is not None, "rows not a multiple of 64: the kernel would not run on this layer"
-        self.weight = dequantize_int8(layer.qweight, layer.scales, layer.dtype)  # fp32 [N, K]
+        self.layer = layer
+        if layer.kind == "int8":
+            self.group = int8_gemv.activation_group(layer.in_features)
+            assert self.group is not None, "rows not a multiple of 64: the kernel would not run on this layer"
+            self.weight = dequantize_int8(layer.qweight, layer.scales, layer.dtype)  # fp32 [N, K]
+        else:
+            assert layer._row_kernel, "this int4 layer keeps torch's kernel, which does not round activations"
+            self.group = layer.group_size
+            self.weight = int4_gemv.dequantize(layer.qweight, layer.scales_and_zeros, layer.group_size)  # fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).to(self.layer.dtype).float()  # [M, K]
@@ -92,10 +100,12 @@ class RowRounded(torch.nn.Module):
 
 
 def round_decode_rows(model: torch.nn.Module) -> torch.nn.Module:
-    """Every int8 layer of a `quantize_weights` model wrapped in `RowRounded` (in place)."""
+    """Every layer of a `quantize_weights` model whose decode rows a row kernel runs, wrapped in `RowRounded` (in
+    place): the int8 ones, and the int4 ones where `int4_gemv` runs."""
 
     def wrap(layer: torch.nn.Module) -> torch.nn.Module:
-        return RowRounded(layer) if isinstance(layer, QuantizedLinear) and layer.kind == "int8" else layer
+        rounded = isinstance(layer, QuantizedLinear) and (layer.kind == "int8" or layer._row_kernel)
+        return RowRounded(layer) if rounded else layer
 
     for block in model.model.layers:
         attn, mlp = block.self_attn, block.mlp
