@@ -64,8 +64,8 @@ inline __m512 load_x(const at::Half* p) {
 // Per-thread buffers, reused from call to call (a call allocates nothing once they are large enough).
 struct Buffers {
   std::vector<int8_t> x, group_bytes;
-  std::vector<float> scale, sum;
-  std::vector<int32_t> eight_sums;
+  std::vector<float> scale, sum, group_scale, group_sum;  // group_*: one row's, per group
+  std::vector<int32_t> eight_sums, group_eight_sums;
 };
 
 template <typename X>
@@ -79,8 +79,12 @@ Activations quantize_rows(const X* x, int64_t m, const Shape& sh) {
   auto* xs = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(buf.x.data()) + 63) & ~uintptr_t(63));
   const __m512 zero = _mm512_setzero_ps();
   const int64_t half = sh.group / 2;
-  std::vector<float> scale(sh.groups), scaled_sum(sh.groups);  // per group of the row
-  std::vector<int32_t> eight(sh.groups);
+  buf.group_scale.resize(sh.groups);
+  buf.group_sum.resize(sh.groups);
+  buf.group_eight_sums.resize(sh.groups);
+  float* scale = buf.group_scale.data();
+  float* scaled_sum = buf.group_sum.data();
+  int32_t* eight = buf.group_eight_sums.data();
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t g = 0; g < sh.groups; ++g) {
       const X* xg = x + r * sh.k + g * sh.group;
