@@ -11,7 +11,8 @@ Contract:
   (a few fp32 or bf16 rows times a weight of the same dtype, summed in fp32 with each row's arithmetic independent
   of the row count: the compiled step's decode and verify projections, `shared_model.fuse`).
 - `available()`: whether `extension()` is not None.
-- `build(name, sources)` is the same for another package's kernels (`inference_svc.kernels.cpu_attention`, `cpu_sampling`).
+- `build(name, sources)` is the same for another package's kernels (`inference_svc.kernels.cpu_attention`,
+  `inference_svc.kernels.cpu_sampling`).
 - The build: torch's extension builder compiles `SOURCES` (beside this file) with `FLAGS` into
   `~/.cache/tandem/cpu_kernels/<hash>`, the hash covering the sources (paths and text), the flags, torch's and
   Python's versions and the compiler, so a later process loads it in about a second (the first build takes
