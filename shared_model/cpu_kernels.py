@@ -170,6 +170,10 @@ def _register_fakes() -> None:
     def _(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], codes.shape[0]))
 
+    @torch.library.register_fake("tandem_cpu::int4_dequantize")
+    def _(codes: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
+        return scales_and_zeros.new_empty((codes.shape[0], 2 * codes.shape[1]))
+
 
 def main() -> int:
     """`python -m shared_model.cpu_kernels`: build every package's CPU kernels now (the bootstrap and the inference

@@ -268,11 +268,91 @@ torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& codes, cons
   return y;
 }
 
+// 16 fp32 values stored as S, rounded to nearest even (as Tensor.to): finite values only (weights are)
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store16(at::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+}
+
+// The weight the kernel multiplies by, [N, K] in scales_and_zeros' dtype: (q - 8) * s + z in fp32 (a product,
+// then a sum: no fused multiply-add, so that it is bitwise int4_gemv.py's `dequantize` rounded to that dtype), for
+// calls of more rows than kMaxRows (prefill chunks), which multiply it by the dense GEMM. Blocks are split over
+// torch's intra-op threads.
+template <typename S>
+void dequantize_blocks(const uint8_t* codes, const S* sz, S* out, int64_t n, const Shape& sh) {
+  const int64_t block_bytes = sh.block_rows * sh.k / 2, half = sh.group / 2;
+  const S* zeros = sz + n * sh.groups;
+  at::parallel_for(0, n / sh.block_rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* block = codes + b * block_bytes;
+      for (int64_t f = 0; f < sh.tiles * kLanes; ++f) {  // lane f % 16 of tile f / 16: (row p, group g)
+        const int64_t p = f / sh.groups, g = f % sh.groups, row = b * sh.block_rows + p;
+        const __m512 s = _mm512_set1_ps(static_cast<float>(sz[row * sh.groups + g]));
+        const __m512 z = _mm512_set1_ps(static_cast<float>(zeros[row * sh.groups + g]));
+        const __m512 eight = _mm512_set1_ps(8.f);
+        alignas(64) uint8_t bytes[256];  // the group's codes in input order
+        const uint8_t* lane = block + (f / kLanes) * sh.steps * 64 + (f % kLanes) * 4;
+        for (int64_t j = 0; j < sh.steps; ++j) {
+          for (int e = 0; e < 4; ++e) {
+            const uint8_t c = lane[j * 64 + e];
+            bytes[4 * j + e] = c & 15;
+            bytes[half + 4 * j + e] = c >> 4;
+          }
+        }
+        S* dst = out + row * sh.k + g * sh.group;
+        for (int64_t i = 0; i < sh.group; i += 16) {
+          const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + i));
+          const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q8));
+          __m512 product = _mm512_mul_ps(_mm512_sub_ps(q, eight), s);
+          asm("" : "+v"(product));  // keeps the compiler from fusing the product and the sum into one FMA
+          store16(dst + i, _mm512_add_ps(product, z));
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor int4_dequantize(const torch::Tensor& codes, const torch::Tensor& scales_and_zeros, int64_t group) {
+  TORCH_CHECK(codes.is_cpu() && scales_and_zeros.is_cpu(), "int4_dequantize: CPU tensors only");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "int4_dequantize: codes must be uint8 [N, K / 2], contiguous");
+  const int64_t n = codes.size(0), k = codes.size(1) * 2;
+  TORCH_CHECK(group > 0 && group % 32 == 0 && group <= 256 && k % group == 0,
+              "int4_dequantize: group must be a multiple of 32 (at most 256) dividing K");
+  const int64_t groups = k / group, block_rows = kLanes / std::gcd(groups, kLanes);
+  TORCH_CHECK(n % block_rows == 0, "int4_dequantize: N (", n, ") must be a multiple of ", block_rows);
+  TORCH_CHECK(scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) == 2 && scales_and_zeros.size(1) == n &&
+                  scales_and_zeros.size(2) == groups && scales_and_zeros.is_contiguous(),
+              "int4_dequantize: scales_and_zeros must be [2, N, K / group], contiguous");
+  const Shape sh{k, group, groups, block_rows, block_rows * groups / kLanes, group / 8};
+  auto out = torch::empty({n, k}, scales_and_zeros.options());
+  const auto* cp = codes.data_ptr<uint8_t>();
+  switch (scales_and_zeros.scalar_type()) {
+    case at::kFloat: dequantize_blocks(cp, scales_and_zeros.data_ptr<float>(), out.data_ptr<float>(), n, sh); break;
+    case at::kBFloat16:
+      dequantize_blocks(cp, scales_and_zeros.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), n, sh);
+      break;
+    case at::kHalf: dequantize_blocks(cp, scales_and_zeros.data_ptr<at::Half>(), out.data_ptr<at::Half>(), n, sh); break;
+    default: TORCH_CHECK(false, "int4_dequantize: scales_and_zeros must be fp32, bf16 or fp16");
+  }
+  return out;
+}
+
 }  // namespace
 
 // The schema beside int8_gemv's (TORCH_LIBRARY in int8_gemv.cpp); its fake kernel is registered from Python
 // (shared_model/cpu_kernels.py).
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("int4_gemv(Tensor x, Tensor codes, Tensor scales_and_zeros, int group) -> Tensor");
+  m.def("int4_dequantize(Tensor codes, Tensor scales_and_zeros, int group) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("int4_gemv", &int4_gemv); }
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("int4_gemv", &int4_gemv);
+  m.impl("int4_dequantize", &int4_dequantize);
+}

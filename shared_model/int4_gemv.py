@@ -17,6 +17,8 @@ Contract:
   max|x| / 127, as llama.cpp rounds activations for its Q4_0 dot products), the codes times the bytes run on
   `vpdpbusd` with exact integer sums per group, then scaled in fp32. `reference(...)` is the same in plain torch;
   the tests hold the kernel to it. A row holding NaN or Inf gives NaN outputs.
+- `torch.ops.tandem_cpu.int4_dequantize(codes, scales_and_zeros, group)`: the weight `[N, K]` in the scales'
+  dtype, bitwise `dequantize(...)` rounded to it (what a layer's calls of more rows, prefill chunks, multiply by).
 - It is the C++ operator `torch.ops.tandem_cpu.int4_gemv`, built with the other CPU kernels
   (`shared_model.cpu_kernels`), with a fake kernel for tracing. `available(group)`: whether it runs here for
   that group size (a multiple of 32, and the kernels built).

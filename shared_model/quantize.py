@@ -37,7 +37,8 @@ Contract:
     quantized bytes and nothing else: `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` on CPU,
     `_weight_int4pack_mm` on CUDA. Their cost grows with every row, so
   - more rows (prefill chunks): the matrix is dequantized into the compute dtype for this call and multiplied by
-    the dense GEMM. For int4 on CPU that unpacks torch's packed layout, which `QuantizedLinear` checks against the
+    the dense GEMM. For int4 in the row kernel's layout that is `int4_gemv`'s C++ `int4_dequantize`; otherwise,
+    for int4 on CPU, it unpacks torch's packed layout, which `QuantizedLinear` checks against the
     codes when it is built; where the layout is not the one expected (another CPU capability), it runs the packed
     kernel in slices of `PACKED_MAX_ROWS` rows instead: the same result, slower.
   - Where a device has no packed int8 kernel (some CUDA builds), every call dequantizes: correct, slower.
@@ -232,8 +233,8 @@ class QuantizedLinear(nn.Module):
         if self.kind == "int8":
             return self.qweight.to(self.dtype).mul_(self.scales[:, None])
         n, k, g = self.out_features, self.in_features, self.group_size
-        if self._row_kernel:  # Tandem's layout, unpacked in fp32 as the kernel computes
-            return int4_gemv.dequantize(self.qweight, self.scales_and_zeros, g).to(self.dtype)
+        if self._row_kernel:  # Tandem's layout, in C++: int4_gemv.dequantize's fp32 values, rounded to the dtype
+            return torch.ops.tandem_cpu.int4_dequantize(self.qweight, self.scales_and_zeros, g)
         if self.qweight.device.type == "cuda":  # tinygemm's tiled layout: let the kernel multiply the identity
             eye = torch.eye(k, dtype=self.dtype, device=self.qweight.device)
             return torch.ops.aten._weight_int4pack_mm(eye, self.qweight, g, self.scales_and_zeros).t()

@@ -72,6 +72,17 @@ def test_kernel_matches_its_reference(n: int, k: int, group: int, rows: int, dty
 
 
 @needs_kernel
+@pytest.mark.parametrize(("n", "k", "group", "rows"), SHAPES)
+def test_the_cpp_dequantize_is_bitwise_the_reference_rounded_to_the_stored_dtype(n, k, group, rows) -> None:
+    del rows
+    _, codes, sz = _weights(n, k, group)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        stored = sz.to(dtype)
+        w = torch.ops.tandem_cpu.int4_dequantize(codes, stored, group)  # what a prefill chunk multiplies by
+        assert w.dtype == dtype and torch.equal(w, int4_gemv.dequantize(codes, stored, group).to(dtype))
+
+
+@needs_kernel
 def test_nonfinite_rows_give_nan_and_tiny_groups_count_as_zero() -> None:
     _, codes, sz = _weights(16, 128, 64)
     x = torch.randn(2, 128)
@@ -99,6 +110,8 @@ def test_the_op_refuses_what_it_cannot_run() -> None:
         op(torch.zeros(1, 128), codes, sz[:, :, :1].contiguous(), 64)
     with pytest.raises(RuntimeError, match="must be a multiple of 8"):  # 2 groups a row: blocks of 8 rows
         op(torch.zeros(1, 128), codes[:12], sz[:, :12].contiguous(), 64)
+    with pytest.raises(RuntimeError, match="must be a multiple of 8"):
+        torch.ops.tandem_cpu.int4_dequantize(codes[:12], sz[:, :12].contiguous(), 64)
     assert int4_gemv.available(32)
 
 
