@@ -21,6 +21,9 @@ Contract:
 - `torch_ops()` runs decode attention and the K/V stores of an unscaled CPU cache through Tandem's C++ kernels
   where they are built (`inference_svc.kernels.cpu_attention`: the cache read in place, fp32 softmax and sums,
   one rounding to q's dtype); elsewhere, and for prefill chunks, the plain torch ops below.
+- A decode-only step over an unscaled cache calls the ops' `decode_step` once per layer where they have one (the
+  store, then decode attention, in one C++ call for `torch_ops()` on the CPU: the same results, without the
+  per-layer Python of two calls); where it returns None, the two ops run.
 - `torch_ops()` plans each step once (which blocks to gather, the length mask, whether a lone sequence's blocks
   are consecutive so its cache is read as a view): the plan is derived from the metadata tensors, kept for the
   tensors it was derived from (the same objects in every layer of a step), and replaced when new ones arrive.
@@ -64,10 +67,19 @@ class PagedAttention:
         self.ops = ops
         self.cache = cache
         self.meta = meta
+        # a decode-only step of an unscaled cache: the ops' one-call store and attention, where they have it
+        decode_only = meta.num_decode_tokens == int(meta.slot_mapping.shape[0])
+        self._decode_step = ops.decode_step if decode_only and cache.scales is None else None
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         # q: [1, T, Hq, D]; k, v: [1, T, Hkv, D]
         k_cache, v_cache = self.cache.layer(layer_idx)
+        if self._decode_step is not None:
+            m = self.meta
+            out = self._decode_step(q, k, v, k_cache, v_cache, m.slot_mapping, m.decode_context_lens,
+                                    m.decode_block_tables, scale)  # fmt: skip
+            if out is not None:
+                return out
         k_scales, v_scales = self.cache.layer_scales(layer_idx)  # [num_blocks, Hkv] fp32, or None
         q, k, v = q[0], k[0], v[0]
         m, ops = self.meta, self.ops
@@ -160,6 +172,24 @@ class _TorchOps:
         k_cache.view(-1, hkv, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, hkv, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
+    def decode_step(
+        self,
+        q: torch.Tensor,  # [1, T, Hq, D]
+        k: torch.Tensor,  # [1, T, Hkv, D]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """`store_kv` then `decode_attention` in one C++ call, where the C++ kernels take this cache; else None."""
+        native = self._kernels(k_cache)
+        if native is None or k_cache.dtype not in _NATIVE_DTYPES or q.shape[-1] % 16:
+            return None
+        return native.decode_step(q, k, v, k_cache, v_cache, slot_mapping, context_lens, block_tables, scale)
+
     def decode_attention(
         self,
         q: torch.Tensor,  # [S, Hq, D]
@@ -242,6 +272,7 @@ def torch_ops() -> AttentionOps:
         store_kv=ops.store_kv,
         prefill_attention=ops.prefill_attention,
         decode_attention=ops.decode_attention,
+        decode_step=ops.decode_step,
     )
 
 

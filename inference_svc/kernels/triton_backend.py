@@ -34,6 +34,10 @@ class AttentionOps:
     store_kv: Callable[..., None]
     prefill_attention: Callable[..., torch.Tensor]
     decode_attention: Callable[..., torch.Tensor]
+    decode_step: Callable[..., torch.Tensor | None] | None = None
+    """Optional: a decode-only step's store and decode attention for one layer in one call, (q, k, v [1, T, ...],
+    k_cache, v_cache, slot_mapping, context_lens, block_tables, scale) -> [1, T, Hq, D], or None where it does not
+    apply (the two ops then run); the same results as `store_kv` then `decode_attention`."""
 
 
 def triton_available() -> tuple[bool, str]:

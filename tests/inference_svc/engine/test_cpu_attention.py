@@ -97,6 +97,24 @@ def test_torch_ops_store_and_decode_through_the_kernel() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_in_one_call_is_the_store_then_the_attention_bit_for_bit(dtype: torch.dtype) -> None:
+    q, k_cache, v_cache, ctx, tables = _case(dtype, [16, 40])
+    q = q.to(dtype)
+    qkv = torch.randn(2, 12 + 4 + 4, 64).to(dtype)  # K and V as strided views of a merged projection, as served
+    k, v = qkv[:, 12:16], qkv[:, 16:]
+    slots = torch.tensor([int(tables[0, 0]) * 16 + 15, int(tables[1, 2]) * 16 + 7])
+    caches = k_cache.clone(), v_cache.clone()
+    out = torch_ops().decode_step(q[None], k[None], v[None], *caches, slots, ctx, tables, 0.125)
+    native.store_kv(k, v, k_cache, v_cache, slots)
+    want = native.decode_attention(q, k_cache, v_cache, ctx, tables, 0.125)
+    assert out is not None and out.shape == (1, *q.shape) and torch.equal(out[0], want)
+    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
+    fp8 = torch.zeros(64, 16, 4, 64, dtype=torch.float8_e4m3fn)  # a cache dtype the kernel does not read: None
+    assert torch_ops().decode_step(q[None], k[None], v[None], fp8, fp8.clone(), slots, ctx, tables, 0.125) is None
+
+
+@needs_kernel
 def test_store_writes_strided_rows_casts_and_refuses_slots_outside_the_cache() -> None:
     """K and V arrive as views of the merged q/k/v projection's output (rows strided past q); they are copied row by
     row into a cache of their dtype, cast (through torch) into another, and a slot past the cache is refused."""
