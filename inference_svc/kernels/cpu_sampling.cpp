@@ -74,7 +74,8 @@ float row_threshold(const float* p, int64_t vocab, int64_t top_k, double top_p, 
       if (p[i] > 0.f && p[i] >= tau) mass += p[i];
     tau = std::max(tau, radix_select(p, vocab, tau, true, top_p * mass));
   }
-  if (min_p > 0.0) tau = std::max(tau, static_cast<float>(min_p * *std::max_element(p, p + vocab)));
+  // min_p rounded to fp32, then an fp32 product: the sorted rule's arithmetic, so both keep the same boundary token
+  if (min_p > 0.0) tau = std::max(tau, static_cast<float>(min_p) * *std::max_element(p, p + vocab));
   return tau;
 }
 

@@ -73,6 +73,22 @@ def test_the_sorted_rule_keeps_the_smallest_set_reaching_top_p_and_every_tie_at_
             assert torch.equal(_kept(probs, got), _kept(probs, _thresholds_torch(probs, k, p, m)))
 
 
+@needs_native
+def test_min_p_rounds_its_threshold_as_the_sorted_rule_does() -> None:
+    # 0.3 x 0.7 in fp64 (0.21) and in fp32 (0.3f x 0.7f) differ by a float step: the token between is kept by both
+    # rules or by neither
+    probs = torch.tensor([[0.7, 0.20999999, 0.05, 0.04]])
+    args = ([0], [1.0], [0.3])
+    want = _thresholds_torch(probs, *args)
+    got = native.truncation_thresholds(
+        probs,
+        torch.tensor(args[0]),
+        torch.tensor(args[1], dtype=torch.float64),
+        torch.tensor(args[2], dtype=torch.float64),
+    )
+    assert torch.equal(got, want)
+
+
 def test_probabilities_are_renormalized_over_what_truncation_keeps() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     req = SampleRequest(SamplingParams(temperature=1.0, top_p=0.7, min_p=0.0), [], None)
