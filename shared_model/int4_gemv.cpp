@@ -220,27 +220,33 @@ void dispatch_rows(const Activations& a, int64_t m, const uint8_t* codes, const 
   }
 }
 
+// The layout of codes uint8 [N, K / 2] and scales_and_zeros [2, N, K / group] for `op`, every shape rule checked.
+Shape checked_layout(const char* op, const torch::Tensor& codes, const torch::Tensor& scales_and_zeros, int64_t group) {
+  TORCH_CHECK(codes.is_cpu() && scales_and_zeros.is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(), op,
+              ": codes must be uint8 [N, K / 2], contiguous");
+  const int64_t n = codes.size(0), k = codes.size(1) * 2;
+  TORCH_CHECK(group > 0 && group % 32 == 0 && k % group == 0, op, ": group must be a multiple of 32 dividing K");
+  const int64_t groups = k / group, block_rows = kLanes / std::gcd(groups, kLanes);
+  TORCH_CHECK(scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) == 2 && scales_and_zeros.size(1) == n &&
+                  scales_and_zeros.size(2) == groups && scales_and_zeros.is_contiguous(),
+              op, ": scales_and_zeros must be [2, N, K / group], contiguous");
+  TORCH_CHECK(n % block_rows == 0, op, ": N (", n, ") must be a multiple of ", block_rows,
+              " = 16 / gcd(groups per row, 16)");
+  return Shape{k, group, groups, block_rows, block_rows * groups / kLanes, group / 8};
+}
+
 // The operator: x [M, K] (M <= kMaxRows) in fp32 or a 16-bit float, codes uint8 [N, K / 2] in the blocked layout,
 // scales_and_zeros [2, N, K / group] (the scales, then the zeros) in fp32, bf16 or fp16, read as stored; the
 // result [M, N] in x's dtype.
 torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales_and_zeros,
                         int64_t group) {
-  TORCH_CHECK(x.is_cpu() && codes.is_cpu() && scales_and_zeros.is_cpu(), "int4_gemv: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows, "int4_gemv: x must be [M, K] with M in 1..",
-              kMaxRows);
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
-              "int4_gemv: codes must be uint8 [N, K / 2], contiguous");
+  TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows,
+              "int4_gemv: x must be a CPU tensor [M, K] with M in 1..", kMaxRows);
+  const Shape sh = checked_layout("int4_gemv", codes, scales_and_zeros, group);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(codes.data_ptr()) % 64 == 0, "int4_gemv: codes must be 64-byte aligned");
-  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
-  TORCH_CHECK(group > 0 && group % 32 == 0 && k % group == 0, "int4_gemv: group must be a multiple of 32 dividing K");
-  TORCH_CHECK(codes.size(1) * 2 == k, "int4_gemv: shapes do not match (codes hold two inputs a byte)");
-  TORCH_CHECK(scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) == 2 && scales_and_zeros.size(1) == n &&
-                  scales_and_zeros.size(2) == k / group && scales_and_zeros.is_contiguous(),
-              "int4_gemv: scales_and_zeros must be [2, N, K / group], contiguous");
-  const int64_t groups = k / group, block_rows = kLanes / std::gcd(groups, kLanes);
-  TORCH_CHECK(n % block_rows == 0, "int4_gemv: N (", n, ") must be a multiple of ", block_rows,
-              " = 16 / gcd(groups per row, 16)");
-  const Shape sh{k, group, groups, block_rows, block_rows * groups / kLanes, group / 8};
+  TORCH_CHECK(x.size(1) == sh.k, "int4_gemv: shapes do not match (x has ", x.size(1), " inputs, the codes ", sh.k, ")");
+  const int64_t m = x.size(0), n = codes.size(0);
   const auto xc = x.contiguous();
   Activations a;
   switch (xc.scalar_type()) {
@@ -319,18 +325,9 @@ void dequantize_blocks(const uint8_t* codes, const S* sz, S* out, int64_t n, con
 }
 
 torch::Tensor int4_dequantize(const torch::Tensor& codes, const torch::Tensor& scales_and_zeros, int64_t group) {
-  TORCH_CHECK(codes.is_cpu() && scales_and_zeros.is_cpu(), "int4_dequantize: CPU tensors only");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
-              "int4_dequantize: codes must be uint8 [N, K / 2], contiguous");
-  const int64_t n = codes.size(0), k = codes.size(1) * 2;
-  TORCH_CHECK(group > 0 && group % 32 == 0 && group <= 256 && k % group == 0,
-              "int4_dequantize: group must be a multiple of 32 (at most 256) dividing K");
-  const int64_t groups = k / group, block_rows = kLanes / std::gcd(groups, kLanes);
-  TORCH_CHECK(n % block_rows == 0, "int4_dequantize: N (", n, ") must be a multiple of ", block_rows);
-  TORCH_CHECK(scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) == 2 && scales_and_zeros.size(1) == n &&
-                  scales_and_zeros.size(2) == groups && scales_and_zeros.is_contiguous(),
-              "int4_dequantize: scales_and_zeros must be [2, N, K / group], contiguous");
-  const Shape sh{k, group, groups, block_rows, block_rows * groups / kLanes, group / 8};
+  const Shape sh = checked_layout("int4_dequantize", codes, scales_and_zeros, group);
+  TORCH_CHECK(group <= 256, "int4_dequantize: group must be at most 256");
+  const int64_t n = codes.size(0), k = sh.k;
   auto out = torch::empty({n, k}, scales_and_zeros.options());
   const auto* cp = codes.data_ptr<uint8_t>();
   switch (scales_and_zeros.scalar_type()) {
