@@ -1,4 +1,4 @@
-"""Sampling's truncation thresholds on the CPU (C++, `cpu_sampling.cpp`), used by `inference_svc.engine.sampler`.
+"""Sampling on the CPU (C++, `cpu_sampling.cpp`): truncation thresholds and a one-call sampler, for `engine.sampler`.
 
 Contract:
 - `extension()`: the built module, or None where Tandem's CPU kernels cannot run (`shared_model.cpu_kernels`: the
@@ -7,6 +7,10 @@ Contract:
   min_p fp64 `[S]` (1 and 0: none) → fp32 `[S]`, each row's smallest kept probability under top-k, then top-p over
   what top-k keeps, then min-p (ties at the boundary all kept); the rule of `sampler._thresholds_torch`, by
   selection instead of a sort (O(V) per row).
+- `sample_rows(logits, temperature, greedy, top_k, top_p, min_p, u)`: logits fp32 `[S, V]` and Python lists of
+  one entry per row → (tokens, the rows whose logits are not all finite), as lists: `sampler.probabilities` then
+  `Sampler.draw` (argmax for a greedy row) in one call, the same tokens as that torch path (the sampler's tests hold
+  it to them). Lists, not tensors: building five small tensors cost more than the call.
 - Why: torch's CPU sort of one row of 8,192 logits took about 0.5 ms (64 rows: 18 ms), most of a sampled decode
   step's sampling time (2026-12-02).
 """

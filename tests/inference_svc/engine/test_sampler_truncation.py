@@ -120,3 +120,54 @@ def test_a_seeded_draw_repeats_and_ignores_the_batch() -> None:
         shared,
     ]
     assert Sampler().draw(weights, again)[1] == alone[0]
+
+
+def _mixed_batch(trial: int) -> tuple[torch.Tensor, list[SamplingParams]]:
+    """Rows of every scale, one with a masked vocabulary and one with a NaN; greedy, tiny-temperature, seeded and
+    unseeded rows, each truncation alone and together."""
+    g = torch.Generator().manual_seed(trial)
+    rows, vocab = 1 + trial % 5, (7, 100, 8192)[trial % 3]
+    logits = torch.randn(rows, vocab, generator=g) * (0.1, 1.0, 5.0, 30.0)[trial % 4]
+    if trial % 7 == 0:
+        logits[0, ::3] = float("-inf")  # not finite: the sampler fails the row
+    if trial % 11 == 0 and rows > 1:
+        logits[1, 2] = float("nan")
+    params = [
+        SamplingParams(
+            temperature=(0.0, 0.5, 1.0, 1e-30, 2.0)[(trial + i) % 5],
+            top_k=(0, 1, 5, 50)[(trial + 2 * i) % 4],
+            top_p=(1.0, 0.9, 0.5)[(trial + i) % 3],
+            min_p=(0.0, 0.05)[(trial + i) % 2],
+            seed=None if (trial + i) % 2 else trial + i,
+        )
+        for i in range(rows)
+    ]
+    return logits, params
+
+
+def _three_steps(logits: torch.Tensor, params: list[SamplingParams], monkeypatch, native_on: bool) -> list:
+    """Tokens (failed rows as -1) and failed rows of three sampling steps of a fresh sampler."""
+    import inference_svc.engine.sampler as sampler_module
+
+    with monkeypatch.context() as m:
+        if not native_on:
+            m.setattr(sampler_module, "_native", lambda logits: None)
+        sampler = Sampler(seed=3)
+        requests = [
+            SampleRequest(p, [1], None if p.seed is None else torch.Generator().manual_seed(p.seed)) for p in params
+        ]
+        steps = [sampler.sample(logits, requests) for _ in range(3)]
+    return [([-1 if j in s.failed else t for j, t in enumerate(s.tokens)], s.failed) for s in steps]
+
+
+@needs_native
+@pytest.mark.parametrize("trial", range(24))
+def test_the_one_call_sampler_draws_the_tokens_of_the_torch_path(trial, monkeypatch) -> None:
+    logits, params = _mixed_batch(trial)
+    assert _three_steps(logits, params, monkeypatch, True) == _three_steps(logits, params, monkeypatch, False)
+
+
+@needs_native
+def test_the_one_call_sampler_refuses_per_row_lists_of_the_wrong_length() -> None:
+    with pytest.raises(RuntimeError, match="every per-row list needs 2 entries, got 1"):
+        native.sample_rows(torch.zeros(2, 8), [1.0], [False, False], [0, 0], [1.0, 1.0], [0.0, 0.0], [0.5, 0.5])
