@@ -19,8 +19,7 @@ Contract:
   penalties, biases or min_tokens is sampled by one C++ call (`cpu_sampling.sample_rows`): the same ATen operations
   for the probabilities, the same threshold and the same draw, so the same tokens as the torch path (tested),
   without a Python call per operation (one row of 8,192: 0.21 against 0.50-0.52 ms, 2026-12-02, ad-hoc loop, a slow
-  hour of the machine). Every other
-  batch takes the torch path.
+  hour of the machine). Every other batch takes the torch path.
 - No valid parameter overflows: penalized logits are clamped to the finite float range, and temperature divides
   `logits - rowmax` (all <= 0) and is floored at fp32's smallest normal number, so a temperature of 1e-38 (or
   5e-324) gives probability 0 to every token but the best, never NaN.
