@@ -10,6 +10,9 @@ Contract:
   current call. So any `AttentionBackend` works unchanged (its plans, host-side logic and cache writes are never
   traced), and the graph does not depend on the context length, block tables or which backend runs.
   The op returns a contiguous tensor of q's shape and dtype (what the decoder expects of a backend).
+  `CompiledDecoder(model, attention_op=op)` has the graph call `op` instead: an operator of the same schema, with a
+  fake kernel, that passes to `tandem::attention` every call it does not serve itself (the engine's C++ decode
+  attention, `inference_svc.kernels.cpu_attention.GraphAttention`, serves decode-only steps without Python).
 - Shapes: the token axis is dynamic, so one graph serves every T >= 2 (prefill chunks, verify steps, batched decodes)
   and one T == 1 (a lone decode; torch specialises size 1). A model that branches on T has one graph per branch: a
   quantized projection takes its packed kernel up to `PACKED_MAX_ROWS` rows, so T in 2..4 and T >= 5 are two graphs; a
@@ -18,6 +21,8 @@ Contract:
   code never compiles again: a call whose shapes or guards no graph covers is refused by dynamo at its guard check (the
   'fail_on_recompile' stance), before anything ran, and runs the same decoder eagerly instead; `eager_calls` counts
   those calls and the first is logged. So serving never stalls on a compile.
+- Wrapper: no size, stride or alignment asserts (`_OPTIONS`), and on the CPU a C++ wrapper around the generated
+  kernels (`_CPU_OPTIONS`); both measured, see there.
 - Numerics: the fused kernels may round differently from eager (the same maths in another order), so the compiled
   forward is not bit-equal to the eager one: it is checked against it by greedy-token equality and a logit
   tolerance (tests/inference_svc/engine/test_compiled_engine.py). Inductor's `emulate_precision_casts` is on: a
@@ -77,6 +82,11 @@ checked) and the outputs of the opaque ops: `tandem::attention` (whose implement
 shape and returns it contiguous in q's dtype, as its fake kernel promises) and Tandem's packed GEMV operators (fresh
 contiguous results). On the 82M int4 model the asserts cost 0.19-0.32 ms of a 3.2-3.7 ms step (2 threads; an ad-hoc
 A/B with two engines in one process, alternating 12 requests each way, 10/12 and 11/12 pairs faster without)."""
+_CPU_OPTIONS = {"cpp_wrapper": True}
+"""On the CPU, a C++ wrapper around the generated kernels instead of a Python one: each kernel and opaque-op call of
+the graph no longer pays for Python. On the 82M int4 model it took 0.17-0.32 ms off a 3.1-3.6 ms step (2 threads;
+the same A/B, 11/12 pairs faster both ways round) and added about 25 s to a cold compile (77 s against 52 s). Not
+on CUDA, where CUDA graphs remove the launch cost and nothing here measured it."""
 _RECOMPILE = "Detected recompile"
 """The start of the RuntimeError dynamo raises under the 'fail_on_recompile' stance."""
 log = logging.getLogger(__name__)
@@ -112,11 +122,12 @@ def _(handle: int, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 class _OpaqueBackend:
     """The backend the compiled graph sees: one custom-op call per layer, resolved to the real backend at run time."""
 
-    def __init__(self, handle: int) -> None:
+    def __init__(self, handle: int, op: Callable[..., torch.Tensor]) -> None:
         self.handle = handle
+        self.op = op
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        return torch.ops.tandem.attention(self.handle, layer_idx, q, k, v, scale)
+        return self.op(self.handle, layer_idx, q, k, v, scale)
 
 
 def compiler_available(device: torch.device) -> tuple[bool, str]:
@@ -142,18 +153,20 @@ def compiler_available(device: torch.device) -> tuple[bool, str]:
 class CompiledDecoder:
     """`CausalLM.hidden_states` compiled by inductor, attention left to the caller's backend (see the module doc)."""
 
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: CausalLM, attention_op: Callable[..., torch.Tensor] | None = None) -> None:
         self.model = model
         self.row_kernels = set_row_kernels(model, True)
         """Projections whose few-row products run Tandem's row kernel (`shared_model.fuse.set_row_kernels`)."""
         self.handle = next(_HANDLES)
         _DECODERS[self.handle] = self
         self.current_backend: AttentionBackend | None = None
-        self._opaque = _OpaqueBackend(self.handle)
+        self._opaque = _OpaqueBackend(self.handle, attention_op or torch.ops.tandem.attention)
         # Every decoder's graphs are entries of the one code object CausalLM.hidden_states (a handle is a guarded
         # constant, so they never share one): room for a few engines' 2-3 graphs each in one process.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         options = dict(_OPTIONS)  # a copy: torch.compile pops guard_filter_fn from the dict it is given
+        if next(model.parameters()).device.type == "cpu":
+            options.update(_CPU_OPTIONS)
         self._compiled = torch.compile(model.hidden_states, dynamic=None, fullgraph=True, options=options)
         self.compile_seconds: float | None = None
         """Seconds `warm_up` took (None before it ran)."""

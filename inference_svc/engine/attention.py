@@ -44,7 +44,14 @@ from inference_svc.kernels import cpu_attention
 from inference_svc.kernels.kv_quant import as_bytes, store_scaled
 from inference_svc.kernels.triton_backend import AttentionOps
 
-__all__ = ["AttentionMetadata", "KVCache", "PagedAttention", "paged_attention_factory", "torch_ops"]
+__all__ = [
+    "AttentionMetadata",
+    "KVCache",
+    "PagedAttention",
+    "PagedAttentionFactory",
+    "paged_attention_factory",
+    "torch_ops",
+]
 
 
 @dataclass(frozen=True)
@@ -118,9 +125,19 @@ class PagedAttention:
         return out[None]  # [1, T, Hq, D]
 
 
-def paged_attention_factory(ops: AttentionOps) -> Callable[[KVCache, AttentionMetadata], PagedAttention]:
+@dataclass(frozen=True)
+class PagedAttentionFactory:
     """What the model runner calls once per step: (cache, metadata) -> that step's backend over `ops`."""
-    return lambda cache, meta: PagedAttention(ops, cache, meta)
+
+    ops: AttentionOps
+
+    def __call__(self, cache: KVCache, meta: AttentionMetadata) -> PagedAttention:
+        return PagedAttention(self.ops, cache, meta)
+
+
+def paged_attention_factory(ops: AttentionOps) -> Callable[[KVCache, AttentionMetadata], PagedAttention]:
+    """The per-step backend over `ops` (a `PagedAttentionFactory`: the runner can tell which ops it holds)."""
+    return PagedAttentionFactory(ops)
 
 
 # ---------------------------------------------------------------------------------------- the torch ops (CPU path)
@@ -186,7 +203,7 @@ class _TorchOps:
     ) -> torch.Tensor | None:
         """`store_kv` then `decode_attention` in one C++ call, where the C++ kernels take this cache; else None."""
         native = self._kernels(k_cache)
-        if native is None or k_cache.dtype not in _NATIVE_DTYPES or q.shape[-1] % 16:
+        if native is None or not cpu_attention.reads(k_cache, q.shape[-1]):
             return None
         return native.decode_step(q, k, v, k_cache, v_cache, slot_mapping, context_lens, block_tables, scale)
 
@@ -204,7 +221,7 @@ class _TorchOps:
     ) -> torch.Tensor:
         del num_splits  # a kernel tuning knob
         native = self._kernels(k_cache)
-        if native is not None and k_scales is None and k_cache.dtype in _NATIVE_DTYPES and q.shape[-1] % 16 == 0:
+        if native is not None and k_scales is None and cpu_attention.reads(k_cache, q.shape[-1]):
             return native.decode_attention(q.contiguous(), k_cache, v_cache, context_lens, block_tables, scale)
         key = self._decode_key
         if key is None or key[0] is not context_lens or key[1] is not block_tables:
@@ -258,9 +275,6 @@ class _TorchOps:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-"""Cache dtypes the C++ decode kernel reads (fp8/int8 caches, with scales, take the torch ops; so do head sizes
-that are not a multiple of 16)."""
 _UNBUILT = object()
 
 

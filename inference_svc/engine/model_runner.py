@@ -16,7 +16,11 @@ Contract:
   token is a prompt token, and that `Sequence.prompt_logprobs` does not hold yet, also go through the LM head
   (in pieces of `logprobs.ROWS_PER_PIECE` rows) and come back reduced to `TokenLogprob`s in `StepLogits.prompt`:
   never a [prompt, vocab] tensor.
-- Runs under `torch.inference_mode()`; no autograd state, no global state.
+- A compiled runner over the default (torch) ops gives its graph the C++ attention operator where it can
+  (`inference_svc.kernels.cpu_attention.GraphAttention`): a decode-only step's layers then store K/V and attend
+  in C++ from inside the graph, with the same kernel and results as the Python backend, which serves the rest.
+- Runs under `torch.inference_mode()`; no autograd state and no global state but that operator's binding of the
+  cache (released with the runner).
 """
 
 from __future__ import annotations
@@ -30,10 +34,17 @@ from typing import NamedTuple
 
 import torch
 
-from inference_svc.engine.attention import AttentionMetadata, KVCache, paged_attention_factory, torch_ops
+from inference_svc.engine.attention import (
+    AttentionMetadata,
+    KVCache,
+    PagedAttentionFactory,
+    paged_attention_factory,
+    torch_ops,
+)
 from inference_svc.engine.logprobs import ROWS_PER_PIECE, token_logprobs
 from inference_svc.engine.sequence import Sequence
 from inference_svc.engine.types import MAX_SPECULATIVE_TOKENS, TokenLogprob
+from inference_svc.kernels.cpu_attention import GraphAttention
 from shared_model.compiled import CompiledDecoder
 from shared_model.config import ModelConfig
 from shared_model.model import CausalLM
@@ -126,9 +137,6 @@ class ModelRunner:
         compiled: bool = False,
     ) -> None:
         self.model = model
-        self.compiled = CompiledDecoder(model) if compiled else None
-        """The compiled forward (None: eager); the engine warms it up before serving."""
-        self._hidden_states = model.hidden_states if self.compiled is None else self.compiled.hidden_states
         self.computes_prompt_logprobs = prompt_logprobs
         """False for a draft model's runner: the target's logits are the ones reported."""
         self.config = model_config
@@ -141,6 +149,17 @@ class ModelRunner:
             model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim,
             kv_dtype or dtype, device,
         )  # fmt: skip
+        # the torch ops' compiled decode steps attend in C++ from inside the graph, where they can
+        factory = self.backend_factory
+        torch_backend = isinstance(factory, PagedAttentionFactory) and factory.ops.name == "torch"
+        graph_op = GraphAttention.operator(self.cache) if compiled and torch_backend else None
+        self.compiled = CompiledDecoder(model, attention_op=graph_op) if compiled else None
+        """The compiled forward (None: eager); the engine warms it up before serving."""
+        self._hidden_states = model.hidden_states if self.compiled is None else self.compiled.hidden_states
+        self.graph_attention = (
+            GraphAttention.bind(self.compiled.handle, self.cache) if self.compiled and graph_op is not None else None
+        )
+        """The compiled graph's C++ attention over this cache (None: every layer's call goes through the backend)."""
         self.peak_workspace_bytes = 0
         # the prefill fields of a decode-only step (read-only constants, as `_prepare` would build them)
         self._no_prefill_cu = torch.zeros(1, dtype=torch.int32, device=device)
@@ -160,7 +179,13 @@ class ModelRunner:
         else:
             input_ids, positions, meta, sample_rows, prompt_rows = self._prepare(batch)
         backend = self.backend_factory(self.cache, meta)
-        hidden = self._hidden_states(input_ids[None], positions[None], backend)[0]  # [T, H]
+        graph = self.graph_attention
+        in_graph = graph is not None and graph.begin(meta)  # a decode-only step: its layers attend in C++
+        try:
+            hidden = self._hidden_states(input_ids[None], positions[None], backend)[0]  # [T, H]
+        finally:
+            if in_graph:
+                graph.end()
         in_order = len(sample_rows) == hidden.shape[0] and sample_rows == list(range(hidden.shape[0]))
         rows = hidden if in_order else hidden[sample_rows]  # [R, H], the sampling items' rows in batch order
         logits = self.model.logits(rows).float()  # [S_sample, vocab]
@@ -289,6 +314,7 @@ class ModelRunner:
         if self.compiled is not None:
             self.compiled.release_row_kernels()
         self.compiled = None
+        self.graph_attention = None  # its caches unbound
         self._hidden_states = self.model.hidden_states
 
     @torch.inference_mode()

@@ -24,6 +24,7 @@ from inference_svc.engine.detokenizer import IncrementalDetokenizer
 from inference_svc.engine.model_runner import ModelRunner, ScheduledSeq
 from inference_svc.engine.sequence import Sequence
 from inference_svc.errors import ModelLoadError
+from inference_svc.kernels import cpu_attention
 from shared_model import compiled as compiled_module
 from shared_model import cpu_kernels
 from shared_model.attention import CAUSAL
@@ -107,6 +108,39 @@ def test_compiled_speculative_greedy_equals_compiled_plain(compiled_engine) -> N
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert sum(r.usage.draft_tokens for r in spec) > 0  # verify steps (T = K + 1 rows) did run
     assert compiled_engine.runner.compiled.eager_calls == 0
+
+
+@pytest.mark.skipif(cpu_attention.extension() is None, reason="needs Tandem's C++ CPU kernels")
+def test_compiled_decode_steps_attend_in_cpp_with_the_python_backends_results(qwen3_dir, make_engine) -> None:
+    """The graph's C++ attention (`GraphAttention`) serves exactly the decode-only steps, every layer of them, and
+    gives bitwise the logits of the same graph whose calls all go to the Python backend (`tandem::attention`)."""
+    engine = make_engine(qwen3_dir, compile="on", enable_prefix_caching=False)  # both runs: the same steps
+    runner, run = engine.runner, engine.runner.run
+    assert runner.graph_attention is not None
+    steps: list[tuple[bool, torch.Tensor]] = []
+
+    def recorded(batch):
+        out = run(batch)
+        steps.append((all(b.is_decode for b in batch), out.sample.clone()))
+        return out
+
+    runner.run = recorded
+    prompts = [[5, 6, 7, 8] * 5, list(range(10, 47))]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    before = runner.graph_attention.calls()
+    in_cpp = engine.generate(prompts, params)
+    decode_steps = sum(decode for decode, _ in steps)
+    assert 0 < decode_steps < len(steps)  # prefill steps too, which must not run there
+    assert runner.graph_attention.calls() - before == decode_steps * engine.model_config.num_layers
+    first, steps[:] = list(steps), []
+    graph, runner.graph_attention = runner.graph_attention, None  # no open step: every call goes to Python
+    in_python = engine.generate(prompts, params)
+    assert graph.calls() - before == decode_steps * engine.model_config.num_layers  # none ran in C++ this time
+    assert [r.token_ids for r in in_python] == [r.token_ids for r in in_cpp]
+    assert len(steps) == len(first)
+    for i, ((decode, a), (_, b)) in enumerate(zip(first, steps, strict=True)):
+        assert torch.equal(a, b), f"step {i} ({'decode' if decode else 'prefill'}) differs"
+    assert runner.compiled is not None and runner.compiled.eager_calls == 0
 
 
 @pytest.fixture(scope="module")
