@@ -191,7 +191,7 @@ void decode_kernel(const Q* q, const C* kc, const C* vc, const int32_t* lens, co
 template <typename Q>
 void dispatch_cache(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& lens,
                     const torch::Tensor& tables, torch::Tensor& out, float scale) {
-  const int64_t s = q.size(0), hq = q.size(1), d = q.size(2), bs = kc.size(1), hkv = kc.size(2);
+  const int64_t s = q.size(-3), hq = q.size(-2), d = q.size(-1), bs = kc.size(1), hkv = kc.size(2);
   const auto* qp = q.data_ptr<Q>();
   auto* op = out.data_ptr<Q>();
   const auto* lp = lens.data_ptr<int32_t>();
@@ -208,18 +208,20 @@ void dispatch_cache(const torch::Tensor& q, const torch::Tensor& kc, const torch
   }
 }
 
-// q [S, Hq, D]; caches [num_blocks, block_size, Hkv, D] (fp32, bf16 or fp16, both the same); context_lens [S] int32
-// (each >= 1, the token being decoded included); block_tables [S, max_blocks] int32 -> [S, Hq, D] in q's dtype.
+// q [S, Hq, D] (or [1, S, Hq, D]); caches [num_blocks, block_size, Hkv, D] (fp32, bf16 or fp16, both the same);
+// context_lens [S] int32 (each >= 1, the token being decoded included); block_tables [S, max_blocks] int32 -> q's
+// shape and dtype.
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                const torch::Tensor& context_lens, const torch::Tensor& block_tables, double scale) {
   TORCH_CHECK(q.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu(), "decode_attention: CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "decode_attention: q must be contiguous [S, Hq, D]");
+  TORCH_CHECK((q.dim() == 3 || (q.dim() == 4 && q.size(0) == 1)) && q.is_contiguous(),
+              "decode_attention: q must be contiguous [S, Hq, D] or [1, S, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
               "decode_attention: caches must be contiguous [num_blocks, block_size, Hkv, D] of one dtype");
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf, "decode_attention: cache dtype ", kv);
-  const int64_t s = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
+  const int64_t s = q.size(-3), hq = q.size(-2), d = q.size(-1), hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && d % 16 == 0, "decode_attention: head_dim must match and be a multiple of 16");
   TORCH_CHECK(hkv > 0 && hq % hkv == 0, "decode_attention: query heads must be a multiple of KV heads");
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == s && context_lens.scalar_type() == at::kInt &&
@@ -246,12 +248,12 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   return out;
 }
 
-// src [T, Hkv, D] (any strides, D contiguous) copied row by row to cache [num_blocks, block_size, Hkv, D] of the same
+// src [T, Hkv, D] or [1, T, Hkv, D] (any strides, D contiguous) copied row by row to cache [num_blocks, block_size, Hkv, D] of the same
 // dtype at slots[t] (checked by the caller): no temporary tensors (index_copy_ and its cast cost a few microseconds
 // each, per layer and step).
 void copy_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots) {
-  const int64_t t = src.size(0), hkv = cache.size(2), d = cache.size(3);
-  const int64_t elem = cache.element_size(), s0 = src.stride(0), s1 = src.stride(1);
+  const int64_t t = src.size(-3), hkv = cache.size(2), d = cache.size(3);
+  const int64_t elem = cache.element_size(), s0 = src.stride(-3), s1 = src.stride(-2);
   const auto* from = static_cast<const char*>(src.data_ptr());
   auto* to = static_cast<char*>(cache.data_ptr());
   for (int64_t i = 0; i < t; ++i)
@@ -259,41 +261,43 @@ void copy_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* sl
       std::memcpy(to + ((slots[i] * hkv + h) * d) * elem, from + (i * s0 + h * s1) * elem, d * elem);
 }
 
-// k, v [T, Hkv, D] written at slot_mapping [T] int64 of both caches (cast to the cache's dtype), in one call.
+// k, v [T, Hkv, D] (or [1, T, Hkv, D]) written at slot_mapping [T] int64 of both caches (cast to the cache's dtype),
+// in one call.
 void store_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
               const torch::Tensor& slot_mapping) {
   const int64_t hkv = k_cache.size(2), d = k_cache.size(3);
   const auto direct = [&](const torch::Tensor& src, const torch::Tensor& cache) {
-    return src.scalar_type() == cache.scalar_type() && src.dim() == 3 && src.size(1) == hkv && src.size(2) == d &&
-           src.stride(2) == 1 && cache.is_contiguous();
+    return src.scalar_type() == cache.scalar_type() && (src.dim() == 3 || (src.dim() == 4 && src.size(0) == 1)) &&
+           src.size(-2) == hkv && src.size(-1) == d && src.stride(-1) == 1 && cache.is_contiguous();
   };
   if (direct(k, k_cache) && direct(v, v_cache) && v_cache.sizes() == k_cache.sizes() &&
       slot_mapping.scalar_type() == at::kLong &&
-      slot_mapping.is_contiguous() && slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) &&
-      v.size(0) == k.size(0)) {
+      slot_mapping.is_contiguous() && slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(-3) &&
+      v.size(-3) == k.size(-3) && v.dim() == k.dim()) {
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     const int64_t slots_total = k_cache.size(0) * k_cache.size(1);
-    for (int64_t i = 0; i < k.size(0); ++i)  // all checked before anything is written
+    for (int64_t i = 0; i < k.size(-3); ++i)  // all checked before anything is written
       TORCH_CHECK(slots[i] >= 0 && slots[i] < slots_total, "store_kv: slot ", slots[i], " out of range");
     copy_rows(k, k_cache, slots);
     copy_rows(v, v_cache, slots);
     return;
   }
   auto kf = k_cache.view({-1, hkv, d}), vf = v_cache.view({-1, hkv, d});  // a cast, or unusual strides
-  kf.index_copy_(0, slot_mapping, k.to(k_cache.scalar_type()));
-  vf.index_copy_(0, slot_mapping, v.to(v_cache.scalar_type()));
+  kf.index_copy_(0, slot_mapping, k.reshape({-1, hkv, d}).to(k_cache.scalar_type()));
+  vf.index_copy_(0, slot_mapping, v.reshape({-1, hkv, d}).to(v_cache.scalar_type()));
 }
 
 // A decode-only step's attention for one layer, in one call: k, v [1, T, Hkv, D] stored at slot_mapping, then q
 // [1, T, Hq, D] over the cache -> [1, T, Hq, D] (store_kv, then decode_attention: the same checks and results). It
-// spares the per-layer Python of the two calls and their views (about 12 layers a step).
+// spares the per-layer Python of the two calls and their views (about 12 layers a step), and takes the 4-d tensors
+// as they are: a select or unsqueeze per tensor cost 1.5-2 us each, 5 a layer.
 torch::Tensor decode_step(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
                           torch::Tensor& v_cache, const torch::Tensor& slot_mapping, const torch::Tensor& context_lens,
                           const torch::Tensor& block_tables, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == 1 && k.size(0) == 1 && v.size(0) == 1,
               "decode_step: q, k and v must be [1, T, heads, D]");
-  store_kv(k[0], v[0], k_cache, v_cache, slot_mapping);
-  return decode_attention(q[0].contiguous(), k_cache, v_cache, context_lens, block_tables, scale).unsqueeze(0);
+  store_kv(k, v, k_cache, v_cache, slot_mapping);
+  return decode_attention(q.contiguous(), k_cache, v_cache, context_lens, block_tables, scale);
 }
 
 // ------------------------------------------------------------------------- the compiled graph's attention operator
