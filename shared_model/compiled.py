@@ -86,7 +86,7 @@ _CPU_OPTIONS = {"cpp_wrapper": True}
 """On the CPU, a C++ wrapper around the generated kernels instead of a Python one: each kernel and opaque-op call of
 the graph no longer pays for Python. On the 82M int4 model it took 0.17-0.32 ms off a 3.1-3.6 ms step (2 threads;
 the same A/B, 11/12 pairs faster both ways round) and added about 25 s to a cold compile (77 s against 52 s). Not
-on CUDA, where CUDA graphs remove the launch cost and nothing here measured it."""
+on CUDA: nothing here has measured it there."""
 _RECOMPILE = "Detected recompile"
 """The start of the RuntimeError dynamo raises under the 'fail_on_recompile' stance."""
 log = logging.getLogger(__name__)

@@ -65,9 +65,6 @@ def reads(cache: torch.Tensor, head_dim: int) -> bool:
 class GraphAttention:
     """One compiled decoder's `tandem_paged::attention`, bound to its KV cache (see the module docstring)."""
 
-    op = None
-    """`torch.ops.tandem_paged.attention` once the kernels are built (the `attention_op` a decoder is given)."""
-
     def __init__(self, native: Any, handle: int, cache: KVCache) -> None:
         self._native = native
         self.handle = handle

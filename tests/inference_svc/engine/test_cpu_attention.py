@@ -139,3 +139,57 @@ def test_head_sizes_the_kernel_does_not_take_run_the_torch_ops() -> None:
     out = torch_ops().decode_attention(q, k_cache, v_cache, ctx, tables, 0.2)
     want = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), ctx, tables, 0.2)
     assert (out.double() - want).abs().max() <= 1e-5
+
+
+def _meta(slots: list[int], lens: list[int], tables: torch.Tensor, prefill_tokens: int = 0):
+    """A step of decode queries at `slots`, then one prefill chunk of `prefill_tokens` (none: a decode-only step)."""
+    from inference_svc.engine.attention import AttentionMetadata
+
+    chunks = 1 if prefill_tokens else 0
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots + [0] * prefill_tokens), num_decode_tokens=len(slots),
+        decode_context_lens=torch.tensor(lens, dtype=torch.int32), decode_block_tables=tables,
+        cu_seqlens_q=torch.tensor([0, prefill_tokens][: chunks + 1], dtype=torch.int32),
+        prefill_context_lens=torch.full((chunks,), prefill_tokens, dtype=torch.int32),
+        prefill_block_tables=torch.zeros(chunks, 1, dtype=torch.int32),
+    )  # fmt: skip
+
+
+@needs_kernel
+def test_graph_attention_serves_only_caches_its_kernel_reads() -> None:
+    from inference_svc.engine.kv_cache import KVCache
+
+    cpu = torch.device("cpu")
+    assert cpu_attention.GraphAttention.operator(KVCache.allocate(2, 4, 16, 2, 16, torch.bfloat16, cpu)) is not None
+    assert cpu_attention.GraphAttention.operator(KVCache.allocate(2, 4, 16, 2, 16, torch.int8, cpu)) is None  # scaled
+    assert cpu_attention.GraphAttention.operator(KVCache.allocate(2, 4, 16, 2, 24, torch.float32, cpu)) is None
+
+
+@needs_kernel
+def test_graph_attention_is_the_decode_step_over_its_bound_layer_and_only_inside_a_decode_step() -> None:
+    """The graph's operator, between begin and end of a decode-only step, is `decode_step` over the bound cache's
+    layer, bit for bit; it refuses a layer outside the cache; a step with prefill tokens is not opened."""
+    from inference_svc.engine.kv_cache import KVCache
+
+    cache = KVCache.allocate(2, 64, 16, 4, 64, torch.float32, torch.device("cpu"))
+    q, k_cache, v_cache, ctx, tables = _case(torch.float32, [16, 40])
+    cache.data[1, 0].copy_(k_cache)
+    cache.data[1, 1].copy_(v_cache)
+    k, v = torch.randn(2, 4, 64), torch.randn(2, 4, 64)
+    slots = [int(tables[0, 0]) * 16 + 15, int(tables[1, 2]) * 16 + 7]
+    handle = 10**9  # no compiled decoder has it
+    graph = cpu_attention.GraphAttention.bind(handle, cache)
+    assert graph is not None
+    assert not graph.begin(_meta(slots, ctx.tolist(), tables, prefill_tokens=3))
+    assert graph.begin(_meta(slots, ctx.tolist(), tables))
+    try:
+        out = torch.ops.tandem_paged.attention(handle, 1, q[None], k[None], v[None], 0.125)
+        with pytest.raises(RuntimeError, match="layer 2 out of range"):
+            torch.ops.tandem_paged.attention(handle, 2, q[None], k[None], v[None], 0.125)
+    finally:
+        graph.end()
+    want = native.decode_step(q[None], k[None], v[None], k_cache, v_cache, torch.tensor(slots), ctx, tables, 0.125)
+    assert torch.equal(out, want)
+    assert torch.equal(cache.data[1, 0], k_cache) and torch.equal(cache.data[1, 1], v_cache)  # stored the same
+    assert not cache.data[0].any()  # layer 0 untouched
+    assert graph.calls() == 1
