@@ -77,11 +77,13 @@ _OPTIONS = {
 }
 """No guards on module attributes (checking them cost 0.3-0.6 ms a step), each op's result rounded to its dtype as
 eager rounds it, whatever the fusion (see the module docstring), and no size, stride or alignment asserts in the
-generated wrapper. Those asserts re-check, at every call, the graph's inputs (which dynamo's guards have just
-checked) and the outputs of the opaque ops: `tandem::attention` (whose implementation refuses a result of another
-shape and returns it contiguous in q's dtype, as its fake kernel promises) and Tandem's packed GEMV operators (fresh
-contiguous results). On the 82M int4 model the asserts cost 0.19-0.32 ms of a 3.2-3.7 ms step (2 threads; an ad-hoc
-A/B with two engines in one process, alternating 12 requests each way, 10/12 and 11/12 pairs faster without)."""
+generated wrapper. Those asserts re-check, at every call, the graph's inputs (the activations, which dynamo's guards
+have just checked, and the parameters, which no guard checks: a served model's are never replaced after warm-up, the
+invariant the dropped module guards rely on too) and the outputs of the opaque ops: `tandem::attention` (whose
+implementation refuses a result of another shape and returns it contiguous in q's dtype, as its fake kernel
+promises) and Tandem's packed GEMV operators (fresh contiguous results). On the 82M int4 model the asserts cost
+0.19-0.32 ms of a 3.2-3.7 ms step (2 threads; an ad-hoc A/B with two engines in one process, alternating 12
+requests each way, 10/12 and 11/12 pairs faster without)."""
 _CPU_OPTIONS = {"cpp_wrapper": True}
 """On the CPU, a C++ wrapper around the generated kernels instead of a Python one: each kernel and opaque-op call of
 the graph no longer pays for Python. On the 82M int4 model it took 0.17-0.32 ms off a 3.1-3.6 ms step (2 threads;

@@ -49,6 +49,7 @@ __all__ = [
     "KVCache",
     "PagedAttention",
     "PagedAttentionFactory",
+    "is_torch_ops",
     "paged_attention_factory",
     "torch_ops",
 ]
@@ -276,6 +277,11 @@ class _TorchOps:
 
 
 _UNBUILT = object()
+
+
+def is_torch_ops(ops: AttentionOps) -> bool:
+    """Whether `ops` are `torch_ops()` as made (their decode step that of the CPU path, not replaced or wrapped)."""
+    return isinstance(getattr(ops.decode_step, "__self__", None), _TorchOps)
 
 
 def torch_ops() -> AttentionOps:

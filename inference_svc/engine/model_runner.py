@@ -38,6 +38,7 @@ from inference_svc.engine.attention import (
     AttentionMetadata,
     KVCache,
     PagedAttentionFactory,
+    is_torch_ops,
     paged_attention_factory,
     torch_ops,
 )
@@ -151,7 +152,7 @@ class ModelRunner:
         )  # fmt: skip
         # the torch ops' compiled decode steps attend in C++ from inside the graph, where they can
         factory = self.backend_factory
-        torch_backend = isinstance(factory, PagedAttentionFactory) and factory.ops.name == "torch"
+        torch_backend = isinstance(factory, PagedAttentionFactory) and is_torch_ops(factory.ops)
         graph_op = GraphAttention.operator(self.cache) if compiled and torch_backend else None
         self.compiled = CompiledDecoder(model, attention_op=graph_op) if compiled else None
         """The compiled forward (None: eager); the engine warms it up before serving."""

@@ -282,9 +282,15 @@ void store_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_c
     copy_rows(v, v_cache, slots);
     return;
   }
-  auto kf = k_cache.view({-1, hkv, d}), vf = v_cache.view({-1, hkv, d});  // a cast, or unusual strides
-  kf.index_copy_(0, slot_mapping, k.reshape({-1, hkv, d}).to(k_cache.scalar_type()));
-  vf.index_copy_(0, slot_mapping, v.reshape({-1, hkv, d}).to(v_cache.scalar_type()));
+  // a cast, or unusual strides: the rows as [T, Hkv, D] (a leading 1 dropped, nothing else reinterpreted)
+  const auto rows = [&](const torch::Tensor& src) {
+    TORCH_CHECK((src.dim() == 3 || (src.dim() == 4 && src.size(0) == 1)) && src.size(-2) == hkv && src.size(-1) == d,
+                "store_kv: k and v must be [T, Hkv, D] or [1, T, Hkv, D] with the cache's Hkv and D, got ", src.sizes());
+    return src.dim() == 4 ? src[0] : src;
+  };
+  auto kf = k_cache.view({-1, hkv, d}), vf = v_cache.view({-1, hkv, d});
+  kf.index_copy_(0, slot_mapping, rows(k).to(k_cache.scalar_type()));
+  vf.index_copy_(0, slot_mapping, rows(v).to(v_cache.scalar_type()));
 }
 
 // A decode-only step's attention for one layer, in one call: k, v [1, T, Hkv, D] stored at slot_mapping, then q
@@ -304,8 +310,9 @@ torch::Tensor decode_step(const torch::Tensor& q, const torch::Tensor& k, const 
 // `tandem_paged::attention(handle, layer, q, k, v, scale)` has the schema of shared_model/compiled.py's
 // `tandem::attention` and is what a compiled decoder's graph calls instead, so that a decode step's attention runs
 // without Python: while a decode-only step of decoder `handle` is open (`begin_decode`), each layer's call is
-// `decode_step` over that layer's bound caches (`bind_caches`) and the step's metadata; any other call (prefill,
-// mixed or verify steps, no open step, another decoder) is passed to `tandem::attention`, whose Python backend
+// `decode_step` over that layer's bound caches (`bind_caches`) and the step's metadata (a step all of whose tokens
+// are decode queries: plain decodes, verify items, short chunks run as queries); any other call (a step with prefill
+// chunks, no open step, another decoder) is passed to `tandem::attention`, whose Python backend
 // handles every step. One engine thread drives a decoder; the table is locked for the decoders of other threads.
 struct GraphContext {
   std::vector<torch::Tensor> k_caches, v_caches;  // per layer, bound for the decoder's life
@@ -326,8 +333,8 @@ void bind_caches(int64_t handle, std::vector<torch::Tensor> k_caches, std::vecto
                     k_caches[i].scalar_type() == v_caches[i].scalar_type(),
                 "bind_caches: layer ", i, "'s caches must be CPU tensors [num_blocks, block_size, Hkv, D] alike");
   std::lock_guard<std::mutex> lock(graph_mutex);
+  TORCH_CHECK(graph_contexts().count(handle) == 0, "bind_caches: decoder ", handle, " already has caches bound");
   auto& ctx = graph_contexts()[handle];
-  ctx = GraphContext{};
   ctx.k_caches = std::move(k_caches);
   ctx.v_caches = std::move(v_caches);
 }

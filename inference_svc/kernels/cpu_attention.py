@@ -16,7 +16,8 @@ Contract:
   few hundred cached tokens.
 - `GraphAttention.bind(handle, cache)`: the C++ operator `torch.ops.tandem_paged.attention`, which a compiled
   decoder's graph calls in place of `tandem::attention` (`shared_model.compiled.CompiledDecoder(attention_op=)`),
-  bound to that decoder's KV cache. Between `begin(meta)` and `end()` of a decode-only step, each layer's call
+  bound to that decoder's KV cache (once per decoder: a second binding is refused). Between `begin(meta)` and
+  `end()` of a decode-only step (every token a decode query: plain decodes, verify items), each layer's call
   runs `decode_step` over the bound caches in C++: the same function, so the same results, as the Python backend
   would call, without the per-layer Python (the custom op's dispatch into Python and the backend's own code,
   about 30 µs a layer in the profiler, 2026-12-03). Every other call goes to `tandem::attention`. `calls()`

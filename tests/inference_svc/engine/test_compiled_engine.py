@@ -116,24 +116,34 @@ def test_compiled_decode_steps_attend_in_cpp_with_the_python_backends_results(qw
     gives bitwise the logits of the same graph whose calls all go to the Python backend (`tandem::attention`)."""
     engine = make_engine(qwen3_dir, compile="on", enable_prefix_caching=False)  # both runs: the same steps
     runner, run = engine.runner, engine.runner.run
-    assert runner.graph_attention is not None
+    graph = runner.graph_attention
+    assert graph is not None
     steps: list[tuple[bool, torch.Tensor]] = []
+    opened: list[bool] = []  # whether each step's attention was opened in C++ (every token a decode query)
+    begin = graph.begin
+
+    def counted_begin(meta) -> bool:
+        opened.append(begin(meta))
+        return opened[-1]
 
     def recorded(batch):
         out = run(batch)
-        steps.append((all(b.is_decode for b in batch), out.sample.clone()))
+        decode = bool(opened) and opened.pop()
+        steps.append((decode, out.sample.clone()))
         return out
 
+    graph.begin = counted_begin
     runner.run = recorded
     prompts = [[5, 6, 7, 8] * 5, list(range(10, 47))]
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
-    before = runner.graph_attention.calls()
+    before = graph.calls()
     in_cpp = engine.generate(prompts, params)
     decode_steps = sum(decode for decode, _ in steps)
-    assert 0 < decode_steps < len(steps)  # prefill steps too, which must not run there
-    assert runner.graph_attention.calls() - before == decode_steps * engine.model_config.num_layers
+    assert decode_steps >= len(prompts) * (NEW_TOKENS - 1) // 2  # the decodes ran there (two batched a step at most)
+    assert decode_steps < len(steps)  # prefill steps too, which must not
+    assert graph.calls() - before == decode_steps * engine.model_config.num_layers
     first, steps[:] = list(steps), []
-    graph, runner.graph_attention = runner.graph_attention, None  # no open step: every call goes to Python
+    runner.graph_attention = None  # no open step: every call goes to Python
     in_python = engine.generate(prompts, params)
     assert graph.calls() - before == decode_steps * engine.model_config.num_layers  # none ran in C++ this time
     assert [r.token_ids for r in in_python] == [r.token_ids for r in in_cpp]

@@ -193,3 +193,21 @@ def test_graph_attention_is_the_decode_step_over_its_bound_layer_and_only_inside
     assert torch.equal(cache.data[1, 0], k_cache) and torch.equal(cache.data[1, 1], v_cache)  # stored the same
     assert not cache.data[0].any()  # layer 0 untouched
     assert graph.calls() == 1
+
+
+@needs_kernel
+def test_store_refuses_rows_of_another_shape_on_its_casting_path_and_a_second_binding_is_refused() -> None:
+    from inference_svc.engine.kv_cache import KVCache
+
+    k_cache, v_cache = torch.zeros(4, 16, 4, 64, dtype=torch.bfloat16), torch.zeros(4, 16, 4, 64, dtype=torch.bfloat16)
+    rows = torch.randn(2, 2, 128)  # fp32 into a bf16 cache (the casting path): as many elements, other heads
+    with pytest.raises(RuntimeError, match=r"must be \[T, Hkv, D\]"):
+        native.store_kv(rows, rows, k_cache, v_cache, torch.tensor([1, 2]))
+    assert not k_cache.any() and not v_cache.any()
+    native.store_kv(rows.view(1, 2, 4, 64), rows.view(1, 2, 4, 64), k_cache, v_cache, torch.tensor([1, 2]))
+    assert torch.equal(k_cache.view(-1, 4, 64)[1:3], rows.view(2, 4, 64).to(torch.bfloat16))
+    cache = KVCache.allocate(1, 4, 16, 4, 64, torch.float32, torch.device("cpu"))
+    graph = cpu_attention.GraphAttention.bind(10**9 + 1, cache)
+    with pytest.raises(RuntimeError, match="already has caches bound"):
+        cpu_attention.GraphAttention.bind(10**9 + 1, cache)
+    del graph
