@@ -28,6 +28,8 @@ Contract:
   by DeepSpeed in every mixed mode.
 - Checkpoints are DeepSpeed's sharded directories; after every save, rank 0 writes `tandem_manifest.json` (files,
   sizes, SHA-256) so that export can tell a complete checkpoint from a partial or corrupt one.
+- Before DeepSpeed builds any op, build locks left by a process killed mid-build are removed
+  (`lt_plugins.op_builds`): torch's builder would wait on them for ever.
 - Nothing here knows about shared_model.
 """
 
@@ -51,6 +53,7 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 
 from lt_plugins.checkpoint_io import write_manifest
 from lt_plugins.errors import PrecisionError, StrategyError, TrainingConfigError, one_line
+from lt_plugins.op_builds import drop_stale_build_locks
 
 
 @dataclass(frozen=True)
@@ -542,6 +545,7 @@ class ZeroStrategy(DeepSpeedStrategy):
         return isinstance(self.accelerator, CPUAccelerator)
 
     def setup_environment(self) -> None:
+        drop_stale_build_locks()  # before DeepSpeed builds its ops: a dead builder's lock would hang it
         precision = getattr(self.precision_plugin, "precision", "32-true")
         if self._on_cpu:
             if precision in ("16-mixed", "16-true"):
