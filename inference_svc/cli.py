@@ -25,7 +25,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from inference_svc.dataclass_flags import FlagSpec, add_flags, from_args
-from inference_svc.engine.config import ATTENTION_BACKENDS, COMPILE_MODES, KV_CACHE_DTYPES, EngineConfig
+from inference_svc.engine.config import (
+    ATTENTION_BACKENDS,
+    COMPILE_MODES,
+    CPU_KERNEL_MODES,
+    INT4_KERNELS,
+    KV_CACHE_DTYPES,
+    EngineConfig,
+)
 from inference_svc.errors import InferenceError
 from inference_svc.generate_cli import stream_completion
 from inference_svc.settings import AdmissionLimits, ServerSettings, host_port
@@ -46,6 +53,8 @@ ENGINE_FLAGS = FlagSpec(
         "attention_backend": ATTENTION_BACKENDS,
         "kv_cache_dtype": KV_CACHE_DTYPES,
         "compile": COMPILE_MODES,
+        "cpu_kernels": CPU_KERNEL_MODES,
+        "int4_kernel": INT4_KERNELS,
         "quantization": QUANTIZATIONS,
         "quantization_group_size": INT4_GROUP_SIZES,
     },

@@ -11,7 +11,8 @@ Contract:
   `disable_created_metrics()` is process-global, so instead `render()` drops them from this registry's output
   alone (`registry` itself, read directly, still has them).
 - `tandem_build_info` is 1, labelled with the `version` of the installed `tandem` distribution and `torch_version`
-  (each "unknown" when its metadata is missing). The weights' dtype and quantization are labels of
+  (each "unknown" when its metadata is missing). `tandem_load_choice` is 1 for each lever of the engine's load plan
+  (`inference_svc.executor`), labelled `lever` and `value`. The weights' dtype and quantization are labels of
   `tandem_model_weight_bytes`; the stored K/V dtype (`--kv-cache-dtype`, resolved) labels
   `tandem_kv_cache_bytes` (the pool) and `tandem_kv_bytes_per_token` (`EngineInfo`'s, which are the shared
   ledger's `kv_bytes_per_block` / `kv_bytes_per_token`, fp8/int8 scales included: GetModelInfo reports the same).
@@ -269,6 +270,12 @@ class ServiceMetrics:
             registry=r,
         )
         self.build_info.labels(**self._model, version=_version("tandem"), torch_version=_version("torch")).set(1)
+        self.load_choice = Gauge(
+            "tandem_load_choice",
+            "Always 1: one series per serving lever, labelled with the value the executor chose at load.",
+            (*m, "lever", "value"),
+            registry=r,
+        )
         self._last: dict[str, float] = {}
 
     # ------------------------------------------------------------------ per request
@@ -324,6 +331,8 @@ class ServiceMetrics:
         self.kv_cache_bytes.labels(**kv).set(info.kv_cache_bytes)
         self.kv_bytes_per_token.labels(**kv).set(info.kv_bytes_per_token)
         self.compile_seconds.set(info.compile_seconds)
+        for choice in info.load_plan:
+            self.load_choice.labels(**self._model, lever=choice.lever, value=choice.value).set(1)
 
     def observe_admission(self, requests: int, tokens: int) -> None:
         self.admission_queue.set(requests)

@@ -199,6 +199,7 @@ def model_info_to_proto(
         draft_model=info.draft_model_path.name if info.draft_model_path is not None else "",
         compiled=info.compiled,
         compile_seconds=info.compile_seconds,
+        load_plan=[pb.LoadChoice(lever=c.lever, value=c.value, reason=c.reason) for c in info.load_plan],
     )
 
 

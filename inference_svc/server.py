@@ -645,7 +645,9 @@ class TandemServer:
                 thread.close()  # nothing was started: no engine loop, no tokenizer process
                 return
             self.metrics.observe_stats(engine.stats())
-            self.metrics.observe_model(engine.info())
+            info = engine.info()
+            self.metrics.observe_model(info)
+            log.info("load plan: %s", info.load_plan.summary())
             await async_engine.start()
         except BaseException:
             thread.close()

@@ -43,9 +43,9 @@ Contract:
   parameter and attribute of the model's modules) are dropped: checking them cost 0.3-0.6 ms a step on the 82M
   model, 2026-12-02 (torch's profiler, "TorchDynamo Cache Lookup"; 70 us without). A served model's modules do not
   change after it was prepared, merged and quantized: the one attribute the graph reads that may change,
-  `ServingLinear.row_kernel`, is only reset when the compiled forward is dropped or while the eager forward runs
-  outside it (`eager_hidden_states`). The guards that remain check the inputs' shapes, dtypes and the backend's
-  handle, which tells the graphs of two decoders (a target and its draft model) apart.
+  `ServingLinear.row_kernel`, is set once here and only reset when the compiled forward is dropped (a failed
+  compile, `release_row_kernels`), after which no graph runs. The guards that remain check the inputs' shapes,
+  dtypes and the backend's handle, which tells the graphs of two decoders (a target and its draft model) apart.
 - One decoder at a time per process runs calls through its graphs: the 'fail_on_recompile' stance is dynamo's
   process-wide state, so a second decoder compiling while another is inside a call would be refused as a
   recompile. The engine is single-threaded, and a server holds one engine.
@@ -155,9 +155,12 @@ def compiler_available(device: torch.device) -> tuple[bool, str]:
 class CompiledDecoder:
     """`CausalLM.hidden_states` compiled by inductor, attention left to the caller's backend (see the module doc)."""
 
-    def __init__(self, model: CausalLM, attention_op: Callable[..., torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, model: CausalLM, attention_op: Callable[..., torch.Tensor] | None = None, row_kernels: bool = True
+    ) -> None:
+        """`row_kernels=False`: the projections keep `torch.mv` / `F.linear` (the caller's choice of kernels)."""
         self.model = model
-        self.row_kernels = set_row_kernels(model, True)
+        self.row_kernels = set_row_kernels(model, row_kernels)
         """Projections whose few-row products run Tandem's row kernel (`shared_model.fuse.set_row_kernels`)."""
         self.handle = next(_HANDLES)
         _DECODERS[self.handle] = self
@@ -202,17 +205,6 @@ class CompiledDecoder:
             return self.model.hidden_states(input_ids, positions, backend)
         finally:
             self.current_backend = None
-
-    def eager_hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
-    ) -> torch.Tensor:
-        """The eager forward as it runs once this compiled one is dropped (`torch.mv`, not the row kernels): what
-        the engine's `auto` probe times against the compiled one."""
-        set_row_kernels(self.model, False)
-        try:
-            return self.model.hidden_states(input_ids, positions, backend)
-        finally:
-            set_row_kernels(self.model, self.row_kernels > 0)
 
     def release_row_kernels(self) -> None:
         """Give the model back its eager projections (`torch.mv`, bit-equal to `F.linear`): when this compiled

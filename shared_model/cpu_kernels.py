@@ -3,8 +3,10 @@
 Contract:
 - `extension()` is the built extension module, or None where the kernels cannot run here: anything but x86-64
   Linux, a CPU without the avx512f, avx512bw, avx512vl and avx512_vnni flags, no C++ compiler ($CXX, else c++)
-  or no ninja, a failed build, or `TANDEM_CPU_KERNELS=0` (`TANDEM_INT8_GEMV=0`, the older name, too). Why it is
-  None is logged once. Callers then run torch's kernels, which compute the same thing, slower.
+  or no ninja, or a failed build. Why it is None is logged once. Callers then run torch's kernels, which compute
+  the same thing, slower. Whether a served model uses them is the serving executor's recorded choice
+  (`EngineConfig.cpu_kernels`, `inference_svc.executor.prepare`), passed to each module: no switch is read here.
+- `status()`: (whether they run here, one sentence saying why or why not), for that record.
 - Once loaded, the operators of the `tandem_cpu` library exist (`torch.ops.tandem_cpu.*`), each with a fake
   kernel for tracing (registered here), so a compiled step calls them through the dispatcher with no Python
   wrapper: `int8_gemv` (`shared_model.int8_gemv`), `int4_gemv` (`shared_model.int4_gemv`) and `row_gemm`
@@ -56,10 +58,6 @@ def _cpu_flags() -> set[str]:
     return set(line.split(":", 1)[-1].split())
 
 
-def _turned_off() -> bool:
-    return "0" in (os.environ.get("TANDEM_CPU_KERNELS", "1"), os.environ.get("TANDEM_INT8_GEMV", "1"))
-
-
 def extension() -> Any | None:
     """The built extension of `SOURCES`, or None (logged once) where it cannot run or be built."""
     return build("tandem_cpu_kernels", tuple(SOURCES), _register_fakes)
@@ -78,18 +76,12 @@ _BUILD_LOCK = threading.Lock()
 
 @functools.cache
 def _build(name: str, sources: tuple[Path, ...], on_load: Callable[[], None] | None) -> Any | None:
-    if _turned_off():
-        return None
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        log.info("Tandem's CPU kernels not used: the CPU lacks %s", ", ".join(missing))
+    why_not = _unsupported()
+    if why_not is not None:
+        log.info("Tandem's CPU kernels not used: %s; using torch's kernels", why_not)
         return None
     compiler = shutil.which(os.environ.get("CXX", "c++"))
-    if compiler is None:
-        log.warning("Tandem's CPU kernels not built: no C++ compiler (set CXX); using torch's kernels")
-        return None
+    assert compiler is not None  # `_unsupported` checked it
     # the sources' paths too: torch's builder rebuilds when its build file names other paths (another checkout)
     key = [name, *(f"{s}\0{s.read_text()}" for s in sources), *FLAGS, torch.__version__, sys.version]
     key.append(os.path.realpath(compiler))
@@ -104,6 +96,29 @@ def _build(name: str, sources: tuple[Path, ...], on_load: Callable[[], None] | N
     except Exception as exc:  # a failed build must not stop serving: torch's kernels are correct, only slower
         log.warning("Tandem's CPU kernels could not be built (%s: %s); using torch's kernels", type(exc).__name__, exc)
         return None
+
+
+def _unsupported() -> str | None:
+    """Why the kernels cannot be built or run on this machine (a phrase), or None when they can."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"they need x86-64 Linux, this is {platform.machine()} {platform.system()}"
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler ($CXX, else c++)"
+    return None
+
+
+def status() -> tuple[bool, str]:
+    """(Whether the kernels run here, why or why not): builds them on first call, as `available()` does."""
+    why_not = _unsupported()
+    if why_not is not None:
+        return False, why_not
+    if extension() is None:
+        return False, "they could not be built here (ninja missing or a failed build: see the log)"
+    flags = ", ".join(f for f in ("amx_tile", "avx512_bf16") if f in _cpu_flags())
+    return True, f"built for this CPU (AVX-512 BW/VL/VNNI{', ' + flags if flags else ''})"
 
 
 def _compile(name: str, sources: tuple[Path, ...], build: Path) -> Any | None:

@@ -100,6 +100,16 @@ class ServingLinear(nn.Linear):
             and w.is_contiguous() and w.shape[1] % 32 == 0 and cpu_kernels.available()
         )  # fmt: skip
 
+    def method(self) -> tuple[str, str]:
+        """(The method this projection runs, its row-count table in words): what `forward` does, for the load plan."""
+        if self.row_kernel:
+            n = ROW_KERNEL_MAX_ROWS
+            return "row_gemm", f"1-{n} rows: tandem_cpu::row_gemm (the same bits at any row count); more: F.linear"
+        w = self.weight
+        if self.bias is None and w.dtype == torch.bfloat16 and w.device.type == "cpu":
+            return "mv+linear", "1 bf16 row: torch.mv (bit-equal to F.linear); more: F.linear"
+        return "linear", "F.linear at every row count"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if self.row_kernel and x.dtype == self.weight.dtype and rows <= ROW_KERNEL_MAX_ROWS:

@@ -22,7 +22,8 @@ Contract:
 - It is the C++ operator `torch.ops.tandem_cpu.int4_gemv`, built with the other CPU kernels
   (`shared_model.cpu_kernels`), with a fake kernel for tracing. `available(group)`: whether it runs here for
   that group size (a multiple of 32, and the kernels built).
-- `enabled()`: whether int4 layers use it: yes where it is available, unless `TANDEM_INT4_GEMV=0`.
+- Whether int4 layers use it is their builder's choice (`shared_model.quantize`'s `row_kernels`, which serving takes
+  from `EngineConfig.int4_kernel`).
 - Why: torch's `_weight_int4pack_mm_for_cpu` converts the weights to floats and multiplies there, and read its
   int4 bytes at 11.7-14.3 GB/s on the 2-core VM, where llama.cpp's Q4_0 decode multiplies bytes
   (docs/benchmarks.md §7). This kernel's first layout (one row's groups of 64 inputs per vector, a shuffle and
@@ -33,7 +34,6 @@ Contract:
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -44,11 +44,6 @@ MAX_ROWS = 4
 """Activation rows per call (the kernel reads each weight row once for all of them)."""
 LANES = 16
 """Groups per tile of the layout: one 32-bit lane of an AVX-512 vector each."""
-
-
-def enabled() -> bool:
-    """Whether int4 layers run this kernel where it is available (unless `TANDEM_INT4_GEMV=0`)."""
-    return os.environ.get("TANDEM_INT4_GEMV", "1") != "0"
 
 
 def available(group: int) -> bool:

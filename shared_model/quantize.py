@@ -28,8 +28,7 @@ Contract:
     one scale each, and multiplies bytes by bytes, as llama.cpp's Q8_0 does. So on such CPUs an int8 layer's
     single-row output carries the activation's rounding too (at most half a step of max|x_g| / 127 per input);
     its reference (`fake_quantized`) applies the same rounding.
-  - Up to `int4_gemv.MAX_ROWS` rows of int4 on such a CPU, with any of the group sizes, unless
-    `TANDEM_INT4_GEMV=0` (`int4_row_kernel`):
+  - Up to `int4_gemv.MAX_ROWS` rows of int4 on such a CPU, with any of the group sizes (`int4_row_kernel`):
     `shared_model.int4_gemv`, which rounds each row to int8 in the weight's groups and multiplies the 4-bit codes
     by those bytes on `vpdpbusd`, as llama.cpp's Q4_0 does. Such a layer keeps only that kernel's layout (codes
     `[N, K/2]`, scales and zeros `[2, N, G]`), the same bytes as torch's; its reference models the rounding too.
@@ -42,6 +41,10 @@ Contract:
     codes when it is built; where the layout is not the one expected (another CPU capability), it runs the packed
     kernel in slices of `PACKED_MAX_ROWS` rows instead: the same result, slower.
   - Where a device has no packed int8 kernel (some CUDA builds), every call dequantizes: correct, slower.
+- `row_kernels=False` (`quantize_weights`, `QuantizedLinear`, `fake_quantized`): torch's kernels and layouts only,
+  even where Tandem's row kernels run (`int4_row_kernels=False`: for the int4 layers alone); the caller's choice
+  (serving: `inference_svc.executor.prepare`).
+  `QuantizedLinear.method()` names the method a layer runs and its row-count table, for that record.
 - `serving_weight_bytes(model)` is what the weights occupy as served: every distinct tensor storage reachable
   from the model, the merged projections' included (shared storage counted once).
 """
@@ -133,12 +136,16 @@ def int8_row_kernel(in_features: int, device: torch.device) -> bool:
 def int4_row_kernel(group_size: int, device: torch.device) -> bool:
     """Whether an int4 layer in groups of `group_size` on `device` runs up to `int4_gemv.MAX_ROWS` activation rows
     through `shared_model.int4_gemv` (activations rounded to int8 in the weight's groups), stored in its layout."""
-    return device.type == "cpu" and int4_gemv.enabled() and int4_gemv.available(group_size)
+    return device.type == "cpu" and int4_gemv.available(group_size)
 
 
-def activation_rounding(kind: str, in_features: int, group_size: int, device: torch.device) -> tuple[int, int]:
+def activation_rounding(
+    kind: str, in_features: int, group_size: int, device: torch.device, row_kernels: bool = True
+) -> tuple[int, int]:
     """(inputs per activation scale, most rows) of the calls whose activations a `kind` layer's row kernel
-    rounds to int8 on `device`; (0, 0) where no row kernel runs."""
+    rounds to int8 on `device`; (0, 0) where no row kernel runs (or `row_kernels` is False)."""
+    if not row_kernels:
+        return 0, 0
     if kind == "int8" and int8_row_kernel(in_features, device):
         return int8_gemv.activation_group(in_features) or 0, 1
     if kind == "int4" and int4_row_kernel(group_size, device):
@@ -219,6 +226,26 @@ class QuantizedLinear(nn.Module):
             y = y + self.bias
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)  # [..., N]
 
+    def method(self) -> tuple[str, str]:
+        """(The method this layer runs, its row-count table in words): what `forward` does, for the load plan."""
+        m = PACKED_MAX_ROWS
+        cuda = self.qweight.device.type == "cuda"
+        if self.kind == "int8":
+            if self._row_kernel:
+                table = f"1 row: tandem_cpu::int8_gemv (int8 activations); 2-{m}: packed int8; more: dequantize + GEMM"
+                return "int8_gemv", table
+            if not self._packed_kernel:
+                return "int8_dequantize", "every call: dequantize + GEMM (no packed int8 kernel for this device)"
+            return "int8_packed", f"1-{m} rows: _weight_int8pack_mm; more: dequantize + GEMM"
+        if self._row_kernel:
+            rows = int4_gemv.MAX_ROWS
+            return "int4_gemv", f"1-{rows} rows: tandem_cpu::int4_gemv (int8 activations); more: C++ dequantize + GEMM"
+        if cuda:
+            return "int4_tinygemm", f"1-{m} rows: _weight_int4pack_mm; more: dequantize + GEMM"
+        if self._int4_block_rows:
+            return "int4_packed", f"1-{m} rows: _weight_int4pack_mm_for_cpu; more: unpack + GEMM"
+        return "int4_packed", f"every call: _weight_int4pack_mm_for_cpu in slices of {m} rows (layout not unpackable)"
+
     def _packed(self, x2: torch.Tensor) -> torch.Tensor:
         if self.kind == "int8":
             if self._packed_kernel:
@@ -272,32 +299,43 @@ def _cpu_int4_layout(packed: torch.Tensor, codes: torch.Tensor) -> int:
 
 
 # ------------------------------------------------------------------------------------ the model transform
-def quantize_weights(model: CausalLM, kind: str, group_size: int = DEFAULT_GROUP_SIZE) -> CausalLM:
-    """Quantize `model`'s projections in place (see the module docstring); returns `model`. "none": unchanged."""
+def quantize_weights(
+    model: CausalLM,
+    kind: str,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    row_kernels: bool = True,
+    int4_row_kernels: bool = True,
+) -> CausalLM:
+    """Quantize `model`'s projections in place (see the module docstring); returns `model`. "none": unchanged.
+    `row_kernels=False`: torch's kernels and layouts only (the LM head's int8 too); `int4_row_kernels=False`: the
+    same for the int4 layers alone (torch's packed int4 kernel and layout; the LM head keeps its int8 kernel)."""
     if kind == "none":
         return model
     _check_model(model, kind, group_size)
     fuse_projections(model)
     dtype = model.model.embed_tokens.weight.dtype
+    head_row_kernels = row_kernels
+    row_kernels = row_kernels and (kind != "int4" or int4_row_kernels)
     with torch.no_grad():
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             assert attn.merged is not None and mlp.merged_gate_up is not None
-            attn.merged = dataclasses.replace(attn.merged, proj=_quantized(attn.merged.proj, kind, group_size, dtype))
+            qkv, gate_up = attn.merged.proj, mlp.merged_gate_up.proj
+            attn.merged = dataclasses.replace(attn.merged, proj=_quantized(qkv, kind, group_size, dtype, row_kernels))
             mlp.merged_gate_up = dataclasses.replace(
-                mlp.merged_gate_up, proj=_quantized(mlp.merged_gate_up.proj, kind, group_size, dtype)
+                mlp.merged_gate_up, proj=_quantized(gate_up, kind, group_size, dtype, row_kernels)
             )
-            attn.o_proj = _quantized(attn.o_proj, kind, group_size, dtype)
-            mlp.down_proj = _quantized(mlp.down_proj, kind, group_size, dtype)
+            attn.o_proj = _quantized(attn.o_proj, kind, group_size, dtype, row_kernels)
+            mlp.down_proj = _quantized(mlp.down_proj, kind, group_size, dtype, row_kernels)
             attn.q_proj = attn.k_proj = attn.v_proj = None  # views of the full-precision merged matrix: freed
             mlp.gate_proj = mlp.up_proj = None
-        model.lm_head = _quantized(model.lm_head, "int8", group_size, dtype)
+        model.lm_head = _quantized(model.lm_head, "int8", group_size, dtype, head_row_kernels)
     return model
 
 
-def _quantized(linear: nn.Module, kind: str, group_size: int, dtype: torch.dtype) -> QuantizedLinear:
+def _quantized(linear: nn.Module, kind: str, group_size: int, dtype: torch.dtype, row_kernels: bool) -> QuantizedLinear:
     assert isinstance(linear, nn.Linear), f"expected an nn.Linear to quantize, got {type(linear).__name__}"
-    return QuantizedLinear(linear.weight, linear.bias, kind, group_size, dtype)
+    return QuantizedLinear(linear.weight, linear.bias, kind, group_size, dtype, row_kernels)
 
 
 def _check_model(model: CausalLM, kind: str, group_size: int) -> None:
@@ -345,7 +383,13 @@ class DequantizedLinear(nn.Module):
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
 
-def fake_quantized(model: CausalLM, kind: str, group_size: int = DEFAULT_GROUP_SIZE) -> CausalLM:
+def fake_quantized(
+    model: CausalLM,
+    kind: str,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    row_kernels: bool = True,
+    int4_row_kernels: bool = True,
+) -> CausalLM:
     """A copy of `model` (plain, unmerged) whose quantized projections are `DequantizedLinear`s holding the
     same codes' values: the reference that `quantize_weights`' kernels are checked against (the codes of a row do
     not depend on the rows merged beside it, so the unmerged copy quantizes to the same values)."""
@@ -356,7 +400,8 @@ def fake_quantized(model: CausalLM, kind: str, group_size: int = DEFAULT_GROUP_S
     stored = compute_dtype(ref.model.embed_tokens.weight.dtype)  # scales, zeros and activations are rounded to this
 
     def reference(linear: nn.Linear, as_kind: str) -> DequantizedLinear:
-        rounding = activation_rounding(as_kind, linear.in_features, group_size, linear.weight.device)
+        allowed = row_kernels and (as_kind != "int4" or int4_row_kernels)
+        rounding = activation_rounding(as_kind, linear.in_features, group_size, linear.weight.device, allowed)
         if as_kind == "int8":
             w = dequantize_int8(*quantize_int8(linear.weight), stored)
             return DequantizedLinear(w, linear.bias, stored, rounding)

@@ -151,8 +151,8 @@ class _TorchOps:
     (cached prefix + the chunk, stored first) as a view where its blocks are consecutive, else by one gather.
     """
 
-    def __init__(self) -> None:
-        self._native: Any = _UNBUILT
+    def __init__(self, native: bool) -> None:
+        self._native: Any = _UNBUILT if native else None
         """The C++ decode kernels (`cpu_attention.extension()`, built at the first CPU call), or None: torch ops."""
         self._decode_key: tuple[torch.Tensor, torch.Tensor] | None = None
         self._decode_plan: _DecodePlan | None = None
@@ -284,9 +284,10 @@ def is_torch_ops(ops: AttentionOps) -> bool:
     return isinstance(getattr(ops.decode_step, "__self__", None), _TorchOps)
 
 
-def torch_ops() -> AttentionOps:
-    """The CPU (and fallback) ops as an `AttentionOps`; each call makes its own plan memo (one per engine)."""
-    ops = _TorchOps()
+def torch_ops(native: bool = True) -> AttentionOps:
+    """The CPU (and fallback) ops as an `AttentionOps`; each call makes its own plan memo (one per engine).
+    `native=False`: torch ops only, even where the C++ decode kernels run (the load plan's `cpu_kernels`)."""
+    ops = _TorchOps(native)
     return AttentionOps(
         name="torch",
         store_kv=ops.store_kv,

@@ -26,9 +26,8 @@ DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 DEFAULT_CPU_KV_BYTES = 256 * 1024**2
 SPECULATIVE_METHODS = ("off", "ngram")
 COMPILE_MODES = ("auto", "on", "off")
-COMPILE_AUTO_MIN_PARAMS = 2_000_000
-"""`compile='auto'` compiles on CPU from this many parameters up: below it a step costs well under a millisecond
-and the warm-up compile (tens of seconds) is not paid back by a short-lived server (a test's, a demo's)."""
+CPU_KERNEL_MODES = ("auto", "off")
+INT4_KERNELS = ("auto", "torch")
 
 _UNITS = {
     "": 1,
@@ -119,8 +118,14 @@ class EngineConfig:
     """Inputs per int4 scale and zero: 32, 64, 128 or 256."""
     compile: str = "auto"
     """Compiled decode step (torch.compile, inductor) around the eager paged attention: 'on', 'off' or 'auto'
-    (compiled for a CPU model of at least 2M parameters when a C++ compiler is present, and kept if a decode step
-    measured faster than eager at start-up). Compiled before health says SERVING; never recompiled while serving."""
+    (compiled for a CPU model of at least 2M parameters when a C++ compiler is present: a rule, never a timing).
+    Compiled before health says SERVING; never recompiled while serving."""
+    cpu_kernels: str = "auto"
+    """Tandem's C++ CPU kernels (row GEMM, int8/int4 GEMV, decode attention, sampling): 'auto' (where the CPU has
+    AVX-512 BW/VL/VNNI and a C++ compiler is present) or 'off' (torch's kernels everywhere)."""
+    int4_kernel: str = "auto"
+    """int4 layers' kernel: 'auto' (Tandem's int4 GEMV and its layout where the CPU kernels run, activations rounded
+    to int8 per group as llama.cpp's Q4_0) or 'torch' (torch's packed int4 kernel and layout)."""
     threads: int | None = None
     """CPU threads for the model's ops (torch intra-op threads); None: torch's default, one per core."""
     speculative: str = "off"
@@ -167,6 +172,10 @@ class EngineConfig:
             raise EngineConfigError(
                 "attention_backend", f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.cpu_kernels not in CPU_KERNEL_MODES:
+            raise EngineConfigError("cpu_kernels", f"must be one of {CPU_KERNEL_MODES}, got {self.cpu_kernels!r}")
+        if self.int4_kernel not in INT4_KERNELS:
+            raise EngineConfigError("int4_kernel", f"must be one of {INT4_KERNELS}, got {self.int4_kernel!r}")
         if self.compile not in COMPILE_MODES:
             raise EngineConfigError("compile", f"must be one of {', '.join(COMPILE_MODES)}; got {self.compile!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

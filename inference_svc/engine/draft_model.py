@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from inference_svc.engine.model_runner import ModelRunner, ScheduledSeq
-from inference_svc.engine.sampler import Sampler, SampleRequest, apply_penalties, probabilities
+from inference_svc.engine.sampler import Sampler, SampleRequest, apply_penalties
 from inference_svc.engine.sequence import Sequence
 from inference_svc.engine.speculative import Draft
 
@@ -107,7 +107,7 @@ class DraftModelProposer:
         penalized = apply_penalties(logits, [request])
         if seq.sampling.greedy:
             return int(penalized[0].argmax()), None
-        q = probabilities(penalized, [request])  # [1, V]
+        q = self.sampler.probabilities(penalized, [request])  # [1, V]
         return int(self.sampler.draw(q, [request])[0]), q[0]
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:

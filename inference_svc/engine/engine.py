@@ -17,14 +17,14 @@ Contract:
 - Speculative decoding (`config.speculative`, or per request `SamplingParams.num_speculative_tokens`): the
   scheduler's `Speculator` drafts by prompt lookup or with the draft model; a verify item's K + 1 rows go to
   `rejection.verify`, the others to the sampler, and usage reports drafts, kept drafts and steps.
-- Load-time transforms, in order: merged projections (`shared_model.fuse`), then `config.quantization`
-  (`shared_model.quantize`); a model that cannot take the quantization is refused (`ModelLoadError` naming the
-  weight). `config.threads`, when set, sizes torch's process-wide intra-op thread pool.
-- Compiled step (`config.compile`, resolved by `_resolve_compile`): the runners trace the decoder with
-  `shared_model.compiled`, and the constructor warms them up before it returns (a prefill chunk, a lone decode
+- Load-time transforms, in order, each choice recorded in `load_plan` (`inference_svc.executor.prepare`): the CPU
+  kernels, merged projections, the quantization (a model that cannot take it is refused, `ModelLoadError` naming
+  the weight), each projection's linear method, the attention backend, the sampler, the compiled step.
+  `config.threads`, when set, sizes torch's process-wide intra-op thread pool.
+- Compiled step (`config.compile`, decided by a rule in `executor.choose_compile`): the runners trace the decoder
+  with `shared_model.compiled`, and the constructor warms them up before it returns (a prefill chunk, a lone decode
   and a batched decode of throwaway sequences over free blocks, which are zeroed afterwards), so the first request
-  never waits on a compile; under 'auto' it keeps the compiled forward only if a batch-1 decode step measured
-  faster with it (`ModelRunner.probe`); `info()` reports whether steps run compiled and how long the compile took.
+  never waits on a compile; `info()` reports whether steps run compiled, how long the compile took, and the plan.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ from pathlib import Path
 import torch
 
 from inference_svc.engine.block_manager import BlockManager
-from inference_svc.engine.config import COMPILE_AUTO_MIN_PARAMS, DEFAULT_CPU_KV_BYTES, EngineConfig
+from inference_svc.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from inference_svc.engine.detokenizer import IncrementalDetokenizer
 from inference_svc.engine.draft_model import DraftModelProposer
 from inference_svc.engine.kv_cache import ledger_dtype_name, resolve_kv_dtype
-from inference_svc.engine.model_runner import BackendFactory, ModelRunner, ScheduledSeq
+from inference_svc.engine.model_runner import ModelRunner, ScheduledSeq
 from inference_svc.engine.rejection import verify
 from inference_svc.engine.sampler import Emitted, Sampler, SampleRequest
 from inference_svc.engine.scheduler import Scheduler, StepEvent
@@ -60,18 +60,16 @@ from inference_svc.engine.types import (
     Usage,
 )
 from inference_svc.errors import InvalidRequestError, ModelLoadError, RequestFailedError
+from inference_svc.executor import prepare as executor  # a module: it imports the engine's config in turn
+from inference_svc.executor.plan import LoadPlan
 from shared_model import ledger
 from shared_model.bundle import Bundle, load_bundle, parse_dtype
-from shared_model.compiled import compiler_available
 from shared_model.config import ModelConfig
-from shared_model.fuse import ROW_KERNEL_MAX_ROWS, fuse_projections
-from shared_model.model import CausalLM
-from shared_model.quantize import QuantizationError, quantize_weights, serving_weight_bytes
+from shared_model.fuse import ROW_KERNEL_MAX_ROWS
+from shared_model.quantize import serving_weight_bytes
 from shared_model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-AUTO_PROBE_STEPS = 8
-"""`compile='auto'`: runs of each probed step shape, eagerly and compiled (interleaved, medians), after the compile."""
 
 
 @dataclass(frozen=True)
@@ -143,15 +141,7 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, block_size: int 
 class Engine:
     """Paged-KV continuous-batching inference over one model."""
 
-    def __init__(
-        self,
-        bundle: Bundle,
-        config: EngineConfig,
-        device: torch.device,
-        backend_name: str,
-        backend: BackendFactory,
-        draft: Bundle | None = None,
-    ) -> None:
+    def __init__(self, bundle: Bundle, config: EngineConfig, device: torch.device, draft: Bundle | None = None) -> None:
         if bundle.tokenizer is None:
             raise ModelLoadError(f"{bundle.path}: the model folder has no tokenizer.json")
         self.config = config
@@ -162,13 +152,17 @@ class Engine:
         self.tokenizer: Tokenizer = bundle.tokenizer
         self.device = device
         self.dtype = bundle.dtype
-        self.attention_backend = backend_name
         self.model_path = bundle.path
-        model = _prepared(bundle, config)
+        # the load-time transforms, in order, each choice recorded (inference_svc.executor.prepare)
+        native, cpu_choice = executor.choose_cpu_kernels(config, device)
+        prepared = executor.prepare(bundle, config, native)
+        model = prepared.model
         draft_model = None
         if draft is not None:
             _check_draft(bundle, draft)
-            draft_model = _prepared(draft, config)
+            draft_model = executor.prepare(draft, config, native).model
+        self.attention_backend, backend, attention_choice = executor.choose_attention(config, device, native)
+        compile_step, compile_choice = executor.choose_compile(config, device, model)
         self.draft_path = None if draft is None else draft.path
         self.weight_bytes = serving_weight_bytes(model)
         self.draft_weight_bytes = 0 if draft_model is None else serving_weight_bytes(draft_model)
@@ -194,17 +188,16 @@ class Engine:
             num_blocks * bs,
         )
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        compile_step = _resolve_compile(config.compile, device, model)
         self.runner = ModelRunner(
             model, self.model_config, num_blocks, bs, self.dtype, device, backend, kv_dtype=self.kv_dtype,
-            compiled=compile_step,
+            compiled=compile_step, native=native,
         )  # fmt: skip
         self.draft_runner = None
         if draft is not None and draft_model is not None:
             self.draft_runner = ModelRunner(draft_model, draft.config, num_blocks, bs, draft.dtype, device, backend,
                                             prompt_logprobs=False, kv_dtype=self.kv_dtype,
-                                            compiled=compile_step)  # fmt: skip
-        self.sampler = Sampler()
+                                            compiled=compile_step, native=native)  # fmt: skip
+        self.sampler = Sampler(native=native)
         self._eos_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_id} if self.tokenizer.eos_id is not None else set()
         )
@@ -216,8 +209,19 @@ class Engine:
         self.compile_seconds = 0.0
         """Seconds the start-up compile took, target and draft together (0 when nothing was compiled)."""
         if compile_step:
-            self.compile_seconds = sum(self._warm_up(r) for r in (self.runner, self.draft_runner) if r is not None)
-            log.info("compiled the decode step in %.1f s", self.compile_seconds)
+            try:
+                self.compile_seconds = sum(self._warm_up(r) for r in (self.runner, self.draft_runner) if r is not None)
+                log.info("compiled the decode step in %.1f s", self.compile_seconds)
+            except _CompileFailed as failed:
+                compile_choice = executor.compile_failed(failed.__cause__ or failed)
+                for r in (self.runner, self.draft_runner):
+                    if r is not None:
+                        r.drop_compiled()
+        self.load_plan = LoadPlan((
+            cpu_choice, *prepared.choices, *executor.linear_choices(model), attention_choice,
+            executor.sampler_choice(native, device), compile_choice,
+        ))  # fmt: skip
+        """Every lever's choice and reason, in the order made (`inference_svc.executor`); fixed from here on."""
 
     @property
     def compiled(self) -> bool:
@@ -229,19 +233,14 @@ class Engine:
 
         The compile runs a prefill chunk longer than `ROW_KERNEL_MAX_ROWS` where the pool allows, a lone decode and a
         decode of two sequences (T >= 2, T == 1, and the small T a model branches on); a 5-row chunk (a verify step's
-        shape) must then be covered already (were it not, `CompiledDecoder` logs it and runs it eagerly). Under 'auto'
-        it then times a batch-1 decode step (and, when the engine speculates by default, a verify step's K + 1 rows)
-        both ways and drops the compiled forward unless it was faster here: a machine's cores, threads and kernels
-        decide, not a rule. Under 'auto' a compile that fails is logged and the runner stays eager; under 'on' it is a
-        `ModelLoadError`."""
+        shape) must then be covered already (were it not, `CompiledDecoder` logs it and runs it eagerly). A compile
+        that fails is a `ModelLoadError` under 'on'; under 'auto' it raises `_CompileFailed`, and the engine records
+        that and runs every step eagerly. No timing decides anything here (`inference_svc.executor.prepare`)."""
         assert runner.compiled is not None
         bs = self.config.block_size
         n = min(max(2 * bs, ROW_KERNEL_MAX_ROWS + 1), (self.block_manager.num_blocks // 2) * bs - 1)  # 2 x (n + 1) fit
         if n < 6:
-            log.warning("compile: the KV pool is too small to warm up on (%d blocks); running eagerly",
-                        self.block_manager.num_blocks)  # fmt: skip
-            runner.drop_compiled()
-            return 0.0
+            raise _CompileFailed(f"the KV pool is too small to warm up on ({self.block_manager.num_blocks} blocks)")
         per_seq = -(-(n + 1) // bs)
         seqs = [
             Sequence(f"compile-warm-up-{i}", -1, [0] * n, n, SamplingParams(), 0.0,
@@ -261,33 +260,15 @@ class Engine:
         try:
             seconds = runner.compiled.warm_up(run)
             runner.run([ScheduledSeq(seqs[0], n - 4, 5)])  # a verify-shaped chunk: covered, or logged and counted
-            if self.config.compile == "auto":
-                self._probe(runner, seqs[0], n)
         except Exception as exc:
             if self.config.compile == "on":
                 raise ModelLoadError(f"compile: compiling the decode step failed: {exc}") from exc
             log.warning("compile auto: compiling the decode step failed (%s); running eagerly", exc)
-            runner.drop_compiled()
-            seconds = 0.0
+            raise _CompileFailed(str(exc)) from exc
         finally:
             runner.peak_workspace_bytes = peak
             runner.zero_blocks(sorted(b for s in seqs for b in s.block_table))
         return seconds
-
-    def _probe(self, runner: ModelRunner, seq: Sequence, n: int) -> None:
-        """'auto': keep `runner`'s compiled forward only if it measured faster (see `_warm_up`)."""
-        probes = [[ScheduledSeq(seq, n, 1)]]  # a lone decode: the T == 1 graph
-        what = "a batch-1 decode step"
-        if self.config.speculative != "off":  # a verify step's shape, K + 1 rows: a T >= 2 graph
-            k = min(self.config.num_speculative_tokens, n - 1)
-            probes.append([ScheduledSeq(seq, n - k, k + 1)])
-            what += f" and a {k + 1}-row verify step"
-        eager, compiled = runner.probe(probes, steps=AUTO_PROBE_STEPS)
-        keep = compiled < eager
-        log.info("compile auto: %s took %.2f ms eagerly and %.2f ms compiled: running %s",
-                 what, eager * 1e3, compiled * 1e3, "compiled" if keep else "eagerly")  # fmt: skip
-        if not keep:
-            runner.drop_compiled()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -307,10 +288,9 @@ class Engine:
             except Exception as exc:
                 where = f"speculative: cannot load the draft model from {config.speculative}"
                 raise ModelLoadError(f"{where}: {exc}") from exc
-        backend_name, backend = _resolve_backend(config.attention_backend, device)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        return cls(bundle, config, device, backend_name, backend, draft)
+        return cls(bundle, config, device, draft)
 
     def _speculator(self) -> Speculator:
         """Always built: a request may ask for speculation on an engine that does not speculate by default (it
@@ -541,6 +521,7 @@ class Engine:
             draft_weight_bytes=self.draft_weight_bytes,
             compiled=self.compiled,
             compile_seconds=self.compile_seconds,
+            load_plan=self.load_plan,
         )
 
     # ------------------------------------------------------------------ offline use
@@ -607,14 +588,6 @@ def _timing(seq: Sequence) -> Timing:
                   total_ms=ms(seq.finish_time))  # fmt: skip
 
 
-def _prepared(bundle: Bundle, config: EngineConfig) -> CausalLM:
-    """The bundle's model after the load-time transforms: merged projections, then the weight format asked for."""
-    try:
-        return quantize_weights(fuse_projections(bundle.model), config.quantization, config.quantization_group_size)
-    except QuantizationError as exc:
-        raise ModelLoadError(f"{bundle.path}: quantization {config.quantization}: {exc}") from exc
-
-
 def _check_draft(target: Bundle, draft: Bundle) -> None:
     """A draft model must speak the target's vocabulary: the same ids for the same tokens."""
     where = f"speculative: the draft model {draft.path}"
@@ -632,24 +605,6 @@ def _check_draft(target: Bundle, draft: Bundle) -> None:
                 f"{where} has a different tokenizer (first difference at token id {first}): a draft model must "
                 "share the target's tokenizer"
             )
-
-
-def _resolve_compile(mode: str, device: torch.device, model: CausalLM) -> bool:
-    """`EngineConfig.compile` → whether to compile: 'auto' on CPU from `COMPILE_AUTO_MIN_PARAMS` parameters when
-    inductor can build kernels here; 'on' wherever it can (else `ModelLoadError` with the reason)."""
-    if mode == "off":
-        return False
-    ok, why = compiler_available(device)
-    if mode == "on":
-        if not ok:
-            raise ModelLoadError(f"compile: cannot compile the decode step here: {why}")
-        return True
-    params = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())  # quantized too
-    if device.type != "cpu" or params < COMPILE_AUTO_MIN_PARAMS:
-        return False
-    if not ok:
-        log.info("compile auto: running eagerly, %s", why)
-    return ok
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -670,21 +625,5 @@ def _kv_budget(config: EngineConfig, device: torch.device, weight_bytes: int) ->
     return DEFAULT_CPU_KV_BYTES
 
 
-def _resolve_backend(name: str, device: torch.device) -> tuple[str, BackendFactory]:
-    """'auto' → triton on CUDA when its kernels load, else torch. Explicit 'triton' fails loudly when unusable."""
-    from inference_svc.engine.attention import paged_attention_factory, torch_ops
-
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return "torch", paged_attention_factory(torch_ops())
-    try:
-        from inference_svc.engine.triton_attention import triton_backend_factory
-    except ImportError as exc:
-        if name == "triton":
-            raise ModelLoadError(f"attention_backend: triton is not available ({exc})") from exc
-        return "torch", paged_attention_factory(torch_ops())
-    factory, reason = triton_backend_factory(device)
-    if factory is None:
-        if name == "triton":
-            raise ModelLoadError(f"attention_backend: triton is not available ({reason})")
-        return "torch", paged_attention_factory(torch_ops())
-    return "triton", factory
+class _CompileFailed(Exception):
+    """An 'auto' compile that failed at warm-up (the engine records it and runs eagerly)."""

@@ -25,8 +25,6 @@ Contract:
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -136,7 +134,10 @@ class ModelRunner:
         prompt_logprobs: bool = True,
         kv_dtype: torch.dtype | None = None,
         compiled: bool = False,
+        native: bool = True,
     ) -> None:
+        """`native`: the load plan's `cpu_kernels` choice (Tandem's C++ kernels: the compiled step's row GEMM and
+        in-graph decode attention); False keeps torch's."""
         self.model = model
         self.computes_prompt_logprobs = prompt_logprobs
         """False for a draft model's runner: the target's logits are the ones reported."""
@@ -153,8 +154,8 @@ class ModelRunner:
         # the torch ops' compiled decode steps attend in C++ from inside the graph, where they can
         factory = self.backend_factory
         torch_backend = isinstance(factory, PagedAttentionFactory) and is_torch_ops(factory.ops)
-        graph_op = GraphAttention.operator(self.cache) if compiled and torch_backend else None
-        self.compiled = CompiledDecoder(model, attention_op=graph_op) if compiled else None
+        graph_op = GraphAttention.operator(self.cache) if compiled and torch_backend and native else None
+        self.compiled = CompiledDecoder(model, attention_op=graph_op, row_kernels=native) if compiled else None
         """The compiled forward (None: eager); the engine warms it up before serving."""
         self._hidden_states = model.hidden_states if self.compiled is None else self.compiled.hidden_states
         self.graph_attention = (
@@ -288,27 +289,6 @@ class ModelRunner:
             prefill_block_tables=self._no_prefill_tables,
         )
         return input_ids, positions, meta, list(range(len(batch)))
-
-    def probe(self, batches: Seq[Seq[ScheduledSeq]], steps: int) -> tuple[float, float]:
-        """Seconds of one run of each batch, eagerly and compiled: (eager, compiled), each the sum over the batches
-        of the median of `steps` runs, the two forwards interleaved.
-
-        For `EngineConfig.compile='auto'`; the batches must be re-runnable (they rewrite the same cache slots)."""
-        assert self.compiled is not None
-        compiled_forward = self._hidden_states
-        times: dict[tuple[bool, int], list[float]] = {}
-        try:
-            for _ in range(steps):
-                for i, batch in enumerate(batches):
-                    for compiled in (False, True):
-                        self._hidden_states = compiled_forward if compiled else self.compiled.eager_hidden_states
-                        start = time.perf_counter()
-                        self.run(batch)
-                        times.setdefault((compiled, i), []).append(time.perf_counter() - start)
-        finally:
-            self._hidden_states = compiled_forward
-        total = {c: sum(statistics.median(times[c, i]) for i in range(len(batches))) for c in (False, True)}
-        return total[False], total[True]
 
     def drop_compiled(self) -> None:
         """Run every step eagerly from now on."""

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from inference_svc.engine.logprobs import token_logprobs
-from inference_svc.engine.sampler import Emitted, Sampler, SampleRequest, apply_penalties, probabilities
+from inference_svc.engine.sampler import Emitted, Sampler, SampleRequest, apply_penalties
 
 
 def verify(
@@ -67,7 +67,7 @@ def _sampled(
     drafts: Sequence[int],
     draft_probs: torch.Tensor | None,
 ) -> list[int]:
-    probs = probabilities(penalized, requests)  # [K+1, V]
+    probs = sampler.probabilities(penalized, requests)  # [K+1, V]
     k = len(drafts)
     uniforms = sampler.uniform(k, requests[0]).tolist() if k else []
     for i, d in enumerate(drafts):

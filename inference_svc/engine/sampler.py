@@ -102,7 +102,10 @@ class Emitted:
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, native: bool = True) -> None:
+        """`native=False`: torch's sort and per-op sampling even where the C++ kernels run (the load plan's
+        `cpu_kernels`); the same tokens either way."""
+        self.native = native
         self._generator = torch.Generator()
         if seed is not None:
             self._generator.manual_seed(seed)
@@ -116,7 +119,7 @@ class Sampler:
         chosen_lp = None
         top = None
         greedy = [r.params.greedy for r in requests]
-        native = _native(logits)
+        native = _native(logits, self.native)
         if native is not None and not all(greedy) and not any(r.params.penalized for r in requests):
             token_list, failed = native.sample_rows(
                 logits,
@@ -155,7 +158,7 @@ class Sampler:
         logits = apply_penalties(raw, requests)
         if all(greedy):
             return logits.argmax(dim=-1), failed, raw
-        sampled = self.draw(probabilities(logits, requests), requests)  # [S]
+        sampled = self.draw(self.probabilities(logits, requests), requests)  # [S]
         if any(greedy):
             sampled = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), sampled)
         return sampled, failed, raw
@@ -183,14 +186,20 @@ class Sampler:
         point = (1.0 - u.to(cdf.device))[:, None] * cdf[:, -1:]  # in (0, total]: never a token of weight 0
         return torch.searchsorted(cdf, point)[:, 0].clamp_(max=weights.shape[1] - 1)
 
+    def probabilities(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
+        """`probabilities` with this sampler's kernels."""
+        return probabilities(logits, requests, self.native)
+
     def uniform(self, n: int, request: SampleRequest) -> torch.Tensor:
         """[n] U[0, 1) draws from the request's generator (the engine's when it has no seed)."""
         return torch.rand(n, generator=request.generator or self._generator)
 
 
-def _native(logits: torch.Tensor) -> Any | None:
-    """The C++ sampling kernels for these logits (CPU fp32, where they are built), else None."""
-    return cpu_sampling.extension() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+def _native(logits: torch.Tensor, allowed: bool) -> Any | None:
+    """The C++ sampling kernels for these logits (CPU fp32, where they are built and `allowed`), else None."""
+    if not allowed or logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return None
+    return cpu_sampling.extension()
 
 
 def _temperatures(requests: Sequence[SampleRequest]) -> torch.Tensor:
@@ -199,7 +208,7 @@ def _temperatures(requests: Sequence[SampleRequest]) -> torch.Tensor:
     return temps.clamp_(min=torch.finfo(temps.dtype).tiny)  # 5e-324 would round to 0 in fp32: 0/0 = NaN
 
 
-def probabilities(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, requests: Sequence[SampleRequest], native: bool = True) -> torch.Tensor:
     """The distribution each row is sampled from: [S, V] penalized logits → temperature → top-k → top-p → min-p →
     probabilities [S, V], renormalized (a greedy row is computed at temperature 1; callers take its argmax
     instead)."""
@@ -212,23 +221,23 @@ def probabilities(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> to
     top_p = [r.params.top_p for r in requests]
     min_p = [r.params.min_p for r in requests]
     if any(top_k) or any(p < 1.0 for p in top_p) or any(m > 0 for m in min_p):
-        tau = truncation_thresholds(probs, top_k, top_p, min_p)  # [S]
+        tau = truncation_thresholds(probs, top_k, top_p, min_p, native)  # [S]
         probs = probs.masked_fill_(probs < tau[:, None], 0.0)
         probs = probs.div_(probs.sum(dim=-1, keepdim=True))
     return probs
 
 
 def truncation_thresholds(
-    probs: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
+    probs: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float], native: bool = True
 ) -> torch.Tensor:
     """Each row's smallest kept probability under top-k (0: none), top-p (1: none) and min-p (0: none); probs
     [S, V] fp32 → [S] (see the module docstring): the C++ selection on the CPU where it is built, else a sort."""
-    native = _native(probs)
-    if native is None:
+    kernels = _native(probs, native)
+    if kernels is None:
         return _thresholds_torch(probs, top_k, top_p, min_p)
     k = torch.tensor(top_k, dtype=torch.int64)
     p, m = torch.tensor(top_p, dtype=torch.float64), torch.tensor(min_p, dtype=torch.float64)
-    return native.truncation_thresholds(probs.contiguous(), k, p, m)
+    return kernels.truncation_thresholds(probs.contiguous(), k, p, m)
 
 
 def _thresholds_torch(probs: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:

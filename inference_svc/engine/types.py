@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from inference_svc.errors import InvalidRequestError
+from inference_svc.executor.plan import LoadPlan
 
 if TYPE_CHECKING:  # annotations only: this module stays free of the engine's imports
     from pathlib import Path
@@ -309,8 +310,9 @@ class EngineInfo:
     compiled: bool = False
     """Whether steps run the compiled forward (`EngineConfig.compile`, resolved)."""
     compile_seconds: float = 0.0
-    """Seconds the start-up compile took (target and draft model together; 0 when nothing was compiled, and
-    kept when 'auto' then measured the compiled step slower and runs eagerly)."""
+    """Seconds the start-up compile took (target and draft model together; 0 when nothing was compiled)."""
+    load_plan: LoadPlan = field(default_factory=LoadPlan)
+    """Every serving lever's choice and reason, in the order the executor made them (`inference_svc.executor`)."""
 
     @property
     def quantization(self) -> str:

@@ -226,6 +226,7 @@ class _Api:
         engine = self.owner.engine
         if engine is not None:
             card["max_model_len"] = engine.engine.max_model_len
+            card["tandem_load_plan"] = engine.info.load_plan.as_dicts()
         return JSONResponse({"object": "list", "data": [card]})
 
     # ------------------------------------------------------------------ completions

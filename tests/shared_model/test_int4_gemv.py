@@ -115,20 +115,22 @@ def test_the_op_refuses_what_it_cannot_run() -> None:
     assert int4_gemv.available(32)
 
 
-def test_int4_layers_keep_torchs_kernel_when_turned_off(monkeypatch) -> None:
-    monkeypatch.setenv("TANDEM_INT4_GEMV", "0")
-    layer = QuantizedLinear(torch.randn(32, 128), None, "int4", 64, torch.bfloat16)
-    assert not layer._row_kernel and activation_rounding("int4", 128, 64, torch.device("cpu")) == (0, 0)
+def test_int4_layers_keep_torchs_kernel_when_turned_off() -> None:
+    """`row_kernels=False` (serving's `--int4-kernel torch` or `--cpu-kernels off`): torch's kernel and layout, and
+    a reference without the activation rounding; the method the load plan records says so."""
+    layer = QuantizedLinear(torch.randn(32, 128), None, "int4", 64, torch.bfloat16, row_kernels=False)
+    assert not layer._row_kernel and activation_rounding("int4", 128, 64, torch.device("cpu"), False) == (0, 0)
+    assert layer.method()[0] == "int4_packed"
 
 
 @needs_kernel
 @pytest.mark.parametrize("compiled", [False, True])
-def test_int4_layer_runs_decode_batches_through_the_kernel(compiled: bool, monkeypatch) -> None:
-    monkeypatch.delenv("TANDEM_INT4_GEMV", raising=False)  # on by default where it runs (shared_model.int4_gemv)
+def test_int4_layer_runs_decode_batches_through_the_kernel(compiled: bool) -> None:
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 256, generator=g)
     layer = QuantizedLinear(weight, None, "int4", 64, torch.bfloat16)
     assert layer._row_kernel and layer.qweight.shape == (96, 128)  # only the kernel's layout is kept
+    assert layer.method()[0] == "int4_gemv"
     rounding = activation_rounding("int4", 256, 64, weight.device)
     assert rounding == (64, int4_gemv.MAX_ROWS)
     ref = DequantizedLinear(dequantize_int4(*quantize_int4(weight, 64), 64, torch.bfloat16), None, torch.bfloat16,

@@ -18,12 +18,11 @@ import torch
 import transformers
 
 from inference_svc.engine import Engine, EngineConfig, SamplingParams
-from inference_svc.engine import engine as engine_module
-from inference_svc.engine.config import COMPILE_AUTO_MIN_PARAMS, EngineConfigError
-from inference_svc.engine.detokenizer import IncrementalDetokenizer
+from inference_svc.engine.config import EngineConfigError
 from inference_svc.engine.model_runner import ModelRunner, ScheduledSeq
-from inference_svc.engine.sequence import Sequence
 from inference_svc.errors import ModelLoadError
+from inference_svc.executor import prepare as executor_prepare
+from inference_svc.executor.prepare import COMPILE_AUTO_MIN_PARAMS
 from inference_svc.kernels import cpu_attention
 from shared_model import compiled as compiled_module
 from shared_model import cpu_kernels
@@ -250,33 +249,44 @@ def test_compile_on_without_a_compiler_is_refused(qwen3_dir, make_engine, tmp_pa
     assert not os.listdir(tmp_path)
     with pytest.raises(ModelLoadError, match=r"compile: .*no C\+\+ compiler"):
         make_engine(qwen3_dir, compile="on")
-    monkeypatch.setattr(engine_module, "COMPILE_AUTO_MIN_PARAMS", 0)  # large enough for auto: the compiler decides
+    monkeypatch.setattr(executor_prepare, "COMPILE_AUTO_MIN_PARAMS", 0)  # large enough for auto: the compiler decides
     assert not make_engine(qwen3_dir, compile="auto").info().compiled
 
 
-def test_auto_keeps_the_compiled_step_only_where_the_probe_measured_it_faster(qwen3_dir, make_engine, monkeypatch):
-    """The probe's verdict decides (its timings injected here); a speculating engine also probes a verify step's
-    K + 1 rows."""
-    monkeypatch.setattr(engine_module, "COMPILE_AUTO_MIN_PARAMS", 0)
-    probed: list[list[list[tuple[int, int]]]] = []
+def test_compile_auto_is_a_rule_and_the_plan_says_which(qwen3_dir, make_engine, monkeypatch) -> None:
+    """'auto' compiles by the size rule, with no timing at start-up: the same flags give the same plan, and the
+    plan's `compile` choice names the rule it applied."""
+    small = [make_engine(qwen3_dir, compile="auto").info().load_plan for _ in range(2)]
+    assert small[0] == small[1] and small[0].value("compile") == "off"
+    assert "parameters <" in next(c.reason for c in small[0] if c.lever == "compile")
+    monkeypatch.setattr(executor_prepare, "COMPILE_AUTO_MIN_PARAMS", 0)
+    big = make_engine(qwen3_dir, compile="auto")
+    assert big.info().compiled and big.runner.compiled is not None and big.info().compile_seconds > 0
+    choice = next(c for c in big.info().load_plan if c.lever == "compile")
+    assert choice.value == "on" and choice.reason.startswith("--compile auto:")
+    assert not hasattr(ModelRunner, "probe")  # nothing left that could time the two forwards at start
 
-    def probe_returning(eager: float, compiled: float):
-        def probe(self, batches, steps: int) -> tuple[float, float]:
-            probed.append([[(item.start, item.num_tokens) for item in batch] for batch in batches])
-            return eager, compiled
 
-        return probe
+def test_a_failed_auto_compile_runs_eagerly_and_the_plan_says_why(qwen3_dir, make_engine, monkeypatch) -> None:
+    """A compile that fails at warm-up under 'auto' leaves every step eager (the eager engine's tokens), and the
+    plan records the failure; under 'on' it is refused."""
 
-    monkeypatch.setattr(ModelRunner, "probe", probe_returning(2.0, 1.0))
-    fast = make_engine(qwen3_dir, compile="auto")
-    assert fast.info().compiled and fast.runner.compiled is not None and fast.info().compile_seconds > 0
-    assert [len(batches) for batches in probed] == [1] and probed[0][0][0][1] == 1  # one lone-decode probe
-    monkeypatch.setattr(ModelRunner, "probe", probe_returning(1.0, 2.0))
-    slow = make_engine(qwen3_dir, compile="auto", speculative="ngram", num_speculative_tokens=3)
-    assert not slow.info().compiled and slow.runner.compiled is None and slow.info().compile_seconds > 0
-    assert [rows for _, rows in (b[0] for b in probed[1])] == [1, 4]  # the decode and a 4-row verify step
-    r = slow.generate([list(range(20, 40))], SamplingParams(max_new_tokens=4))[0]
-    assert len(r.token_ids) == 4  # the eager engine serves
+    def failing_warm_up(self, run) -> float:
+        raise RuntimeError("inductor exploded")
+
+    monkeypatch.setattr(executor_prepare, "COMPILE_AUTO_MIN_PARAMS", 0)
+    monkeypatch.setattr(CompiledDecoder, "warm_up", failing_warm_up)
+    engine = make_engine(qwen3_dir, compile="auto")
+    assert engine.runner.compiled is None and not engine.info().compiled
+    choice = next(c for c in engine.info().load_plan if c.lever == "compile")
+    assert choice.value == "off" and "inductor exploded" in choice.reason
+    assert all(c.value != "row_gemm" for c in engine.info().load_plan)  # the row kernel left with the graph
+    prompts = [list(range(20, 50)), [7, 8, 9] * 5]
+    want = make_engine(qwen3_dir, compile="off").generate(prompts, SamplingParams(max_new_tokens=8))
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=8))
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    with pytest.raises(ModelLoadError, match="inductor exploded"):
+        make_engine(qwen3_dir, compile="on")
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -297,28 +307,6 @@ def test_a_compiled_quantized_engine_covers_every_step_shape(qwen3_dir, make_eng
 def test_compile_mode_is_validated() -> None:
     with pytest.raises(EngineConfigError, match="compile: must be one of auto, on, off"):
         EngineConfig(compile="fast")
-
-
-def test_the_auto_probe_times_both_forwards_and_eager_can_take_over(qwen3_dir, make_engine) -> None:
-    """What `compile='auto'` decides on: `probe` times a decode step eagerly and compiled; `drop_compiled` then
-    runs every step eagerly, giving the eager engine's tokens. (This model is below auto's size threshold, so the
-    decision's two halves are exercised on a runner compiled with 'on'; the probe runs on free blocks before any
-    request, as at start-up.)"""
-    engine = make_engine(qwen3_dir, compile="on")
-    blocks = [engine.block_manager.num_blocks - 2, engine.block_manager.num_blocks - 1]
-    detok = IncrementalDetokenizer(engine.tokenizer, ())
-    probe_seq = Sequence("probe", -1, [1] * 17, 16, SamplingParams(), 0.0, detok, frozenset(), block_table=blocks)
-    probes = [[ScheduledSeq(probe_seq, 16, 1)], [ScheduledSeq(probe_seq, 12, 5)]]  # a decode, a 5-row chunk
-    eager, compiled = engine.runner.probe(probes, steps=2)
-    assert eager > 0 and compiled > 0
-    assert engine.runner.compiled is not None and engine.runner.compiled.eager_calls == 0  # its compiled half
-    engine.runner.zero_blocks(blocks)
-    engine.runner.drop_compiled()
-    assert engine.runner.compiled is None
-    prompts = [list(range(20, 50)), [7, 8, 9] * 5]
-    want = make_engine(qwen3_dir, compile="off").generate(prompts, SamplingParams(max_new_tokens=8))
-    got = engine.generate(prompts, SamplingParams(max_new_tokens=8))
-    assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 
 def test_a_compiled_draft_model_runs_compiled_and_keeps_the_output(llama_dir, qwen3_dir, make_engine) -> None:

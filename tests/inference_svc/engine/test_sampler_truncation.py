@@ -145,26 +145,22 @@ def _mixed_batch(trial: int) -> tuple[torch.Tensor, list[SamplingParams]]:
     return logits, params
 
 
-def _three_steps(logits: torch.Tensor, params: list[SamplingParams], monkeypatch, native_on: bool) -> list:
-    """Tokens (failed rows as -1) and failed rows of three sampling steps of a fresh sampler."""
-    import inference_svc.engine.sampler as sampler_module
-
-    with monkeypatch.context() as m:
-        if not native_on:
-            m.setattr(sampler_module, "_native", lambda logits: None)
-        sampler = Sampler(seed=3)
-        requests = [
-            SampleRequest(p, [1], None if p.seed is None else torch.Generator().manual_seed(p.seed)) for p in params
-        ]
-        steps = [sampler.sample(logits, requests) for _ in range(3)]
+def _three_steps(logits: torch.Tensor, params: list[SamplingParams], native_on: bool) -> list:
+    """Tokens (failed rows as -1) and failed rows of three sampling steps of a fresh sampler (`native`: the load
+    plan's `cpu_kernels` choice)."""
+    sampler = Sampler(seed=3, native=native_on)
+    requests = [
+        SampleRequest(p, [1], None if p.seed is None else torch.Generator().manual_seed(p.seed)) for p in params
+    ]
+    steps = [sampler.sample(logits, requests) for _ in range(3)]
     return [([-1 if j in s.failed else t for j, t in enumerate(s.tokens)], s.failed) for s in steps]
 
 
 @needs_native
 @pytest.mark.parametrize("trial", range(24))
-def test_the_one_call_sampler_draws_the_tokens_of_the_torch_path(trial, monkeypatch) -> None:
+def test_the_one_call_sampler_draws_the_tokens_of_the_torch_path(trial) -> None:
     logits, params = _mixed_batch(trial)
-    assert _three_steps(logits, params, monkeypatch, True) == _three_steps(logits, params, monkeypatch, False)
+    assert _three_steps(logits, params, True) == _three_steps(logits, params, False)
 
 
 @needs_native

@@ -23,7 +23,7 @@ import pytest
 
 from inference_svc.client import AsyncTandemClient
 from inference_svc.client_results import GenerateResult
-from tests.inference_svc.server.conftest import ServerThread, engine_config, make_server, wait_idle
+from tests.inference_svc.server.conftest import ServerThread, engine_config, make_server, metric_value, wait_idle
 
 TEMPLATE = (
     "{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -321,6 +321,13 @@ def test_health_models_and_metrics(http_server: ServerThread) -> None:
         info = c.model_info()
     assert info.http_port == http_server.server.http_port and info.metrics_port == http_server.server.metrics_port
     assert info.model_name == "chat-model"
+    # the load plan: one record, reported alike by GetModelInfo, GET /v1/models and /metrics
+    plan = http_server.server.engine_info().load_plan
+    card = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]
+    assert card["tandem_load_plan"] == plan.as_dicts() and len(plan) >= 7
+    assert [{"lever": c.lever, "value": c.value, "reason": c.reason} for c in info.load_plan] == plan.as_dicts()
+    for choice in plan:
+        assert metric_value(metrics.text, "tandem_load_choice", lever=choice.lever, value=choice.value) == 1
 
 
 def test_health_is_503_while_draining_and_when_broken(chat_bundle: Path) -> None:

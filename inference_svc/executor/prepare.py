@@ -1,0 +1,168 @@
+"""Preparing a decoder for serving: the ordered load-time transforms, each choice recorded with its reason.
+
+Contract:
+- The transforms run once, when the engine is built, in this order (`TRANSFORMS`), and never again while it serves:
+  1. `cpu_kernels`: whether Tandem's C++ kernels (row GEMM, int8/int4 GEMV, decode attention, sampling) run,
+     from `EngineConfig.cpu_kernels` and what this machine allows (`shared_model.cpu_kernels`: x86-64 Linux,
+     AVX-512 BW/VL/VNNI, a C++ compiler and ninja). Everything below that could use them is told this one answer;
+     nothing reads an environment variable.
+  2. `merge_projections`: q/k/v and gate/up merged into one matrix each (`shared_model.fuse`).
+  3. `quantization` (`EngineConfig.quantization`, `int4_kernel`): the weight format (`shared_model.quantize`).
+  4. `linear.<projection>`: the method each projection runs, with its row-count table (the module's own
+     `method()`): recorded from the modules themselves, so the record cannot drift from what runs.
+  5. `attention`: the attention backend (`EngineConfig.attention_backend`) and its CPU decode kernels.
+  6. `sampler`: the CPU sampler's C++ thresholds and one-call sampling, or torch's sort.
+  7. `compile`: whether the step runs compiled (`EngineConfig.compile`). 'auto' is a rule, never a timing: compiled
+     on a CPU for a model of at least `COMPILE_AUTO_MIN_PARAMS` parameters when inductor can build kernels here.
+     A compile that then fails under 'auto' leaves the step eager, and the engine records that (`compile_failed`).
+- `prepare(bundle, config, device)` runs 1-4 and returns the model and its choices; `choose_attention`,
+  `choose_compile` and `sampler_choice` make 5-7. The engine assembles them into its `LoadPlan`
+  (`inference_svc.executor.plan`), which every report reads.
+- Deterministic: the same machine, model and flags give the same choices (and so the same kernels and bits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inference_svc.engine.config import EngineConfig
+from inference_svc.engine.model_runner import BackendFactory
+from inference_svc.errors import ModelLoadError
+from inference_svc.executor.plan import Choice
+from shared_model import cpu_kernels
+from shared_model.bundle import Bundle
+from shared_model.compiled import compiler_available
+from shared_model.fuse import ServingLinear, fuse_projections
+from shared_model.model import CausalLM
+from shared_model.quantize import QuantizationError, QuantizedLinear, quantize_weights
+
+COMPILE_AUTO_MIN_PARAMS = 2_000_000
+"""`compile='auto'` compiles on CPU from this many parameters up: below it a step costs well under a millisecond
+and the warm-up compile (tens of seconds) is not paid back by a short-lived server (a test's, a demo's)."""
+TRANSFORMS = ("cpu_kernels", "merge_projections", "quantization", "linear", "attention", "sampler", "compile")
+"""The order of the load-time transforms (`linear` stands for one `linear.<projection>` choice per projection)."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A decoder prepared for serving and the choices that made it (transforms 2 and 3)."""
+
+    model: CausalLM
+    native: bool
+    """Whether Tandem's C++ kernels run (transform 1's answer, which the later transforms share)."""
+    choices: tuple[Choice, ...]
+
+
+def choose_cpu_kernels(config: EngineConfig, device: torch.device) -> tuple[bool, Choice]:
+    """Transform 1: (whether Tandem's C++ kernels run, the choice)."""
+    if config.cpu_kernels == "off":
+        return False, Choice("cpu_kernels", "off", "--cpu-kernels off: torch's kernels everywhere")
+    if device.type != "cpu":
+        return False, Choice("cpu_kernels", "off", f"the model runs on {device.type}; they are CPU kernels")
+    ok, why = cpu_kernels.status()
+    return ok, Choice("cpu_kernels", "tandem" if ok else "off", why)
+
+
+def prepare(bundle: Bundle, config: EngineConfig, native: bool) -> Prepared:
+    """Transforms 2 and 3 on `bundle.model` (in place), with `native` from `choose_cpu_kernels`. Transform 4's record
+    (`linear_choices`) is read once the step is built: a dense projection's row kernel serves compiled steps only."""
+    model = fuse_projections(bundle.model)
+    choices = [Choice("merge_projections", "qkv+gate_up", "one matmul for q/k/v and one for gate/up (bit-equal)")]
+    kind = config.quantization
+    try:
+        quantize_weights(model, kind, config.quantization_group_size, native, config.int4_kernel == "auto")
+    except QuantizationError as exc:
+        raise ModelLoadError(f"{bundle.path}: quantization {kind}: {exc}") from exc
+    choices.append(_quantization_choice(config))
+    return Prepared(model, native, tuple(choices))
+
+
+def _quantization_choice(config: EngineConfig) -> Choice:
+    kind = config.quantization
+    if kind == "none":
+        return Choice("quantization", "none", "--quantization none: weights in the model's dtype")
+    group = f", groups of {config.quantization_group_size}" if kind == "int4" else ""
+    return Choice("quantization", kind, f"--quantization {kind}{group}; the LM head int8 per channel")
+
+
+def linear_choices(model: CausalLM) -> list[Choice]:
+    """Transform 4's record: each projection's method, read from the first layer's modules (every layer's are the
+    same kind) and the LM head."""
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    modules = {
+        "qkv_proj": attn.merged.proj if attn.merged is not None else attn.q_proj,
+        "o_proj": attn.o_proj,
+        "gate_up_proj": mlp.merged_gate_up.proj if mlp.merged_gate_up is not None else mlp.gate_proj,
+        "down_proj": mlp.down_proj,
+        "lm_head": model.lm_head,
+    }
+    return [Choice(f"linear.{name}", *_method(m)) for name, m in modules.items()]
+
+
+def _method(module: torch.nn.Module) -> tuple[str, str]:
+    if isinstance(module, (QuantizedLinear, ServingLinear)):
+        return module.method()
+    return "F.linear", f"a plain {type(module).__name__}"
+
+
+def choose_attention(config: EngineConfig, device: torch.device, native: bool) -> tuple[str, BackendFactory, Choice]:
+    """Transform 5: the backend's name, its factory, and the choice."""
+    from inference_svc.engine.attention import paged_attention_factory, torch_ops
+
+    name = config.attention_backend
+    asked = f"--attention-backend {name}"
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        kernels = "C++ decode kernels" if native else "torch ops only"
+        why = asked if name == "torch" else f"{asked} on {device.type}"
+        choice = Choice("attention", "torch", f"{why}; {kernels}")
+        return "torch", paged_attention_factory(torch_ops(native=native)), choice
+    try:
+        from inference_svc.engine.triton_attention import triton_backend_factory
+    except ImportError as exc:
+        if name == "triton":
+            raise ModelLoadError(f"attention_backend: triton is not available ({exc})") from exc
+        reason = f"{asked}: triton is not importable ({exc})"
+        return "torch", paged_attention_factory(torch_ops(native=native)), Choice("attention", "torch", reason)
+    factory, why = triton_backend_factory(device)
+    if factory is None:
+        if name == "triton":
+            raise ModelLoadError(f"attention_backend: triton is not available ({why})")
+        reason = f"{asked}: triton cannot run here ({why})"
+        return "torch", paged_attention_factory(torch_ops(native=native)), Choice("attention", "torch", reason)
+    return "triton", factory, Choice("attention", "triton", f"{asked} on {device}")
+
+
+def sampler_choice(native: bool, device: torch.device) -> Choice:
+    """Transform 6's record (the sampler takes `native` itself)."""
+    if native and device.type == "cpu":
+        return Choice("sampler", "tandem", "C++ thresholds (radix select) and one-call sampling of CPU fp32 rows")
+    return Choice("sampler", "torch", "thresholds by a sort" + ("" if native else " (--cpu-kernels off)"))
+
+
+def choose_compile(config: EngineConfig, device: torch.device, model: CausalLM) -> tuple[bool, Choice]:
+    """Transform 7: (whether to compile, the choice), by the rule of the module docstring."""
+    mode = config.compile
+    if mode == "off":
+        return False, Choice("compile", "off", "--compile off")
+    ok, why = compiler_available(device)
+    if mode == "on":
+        if not ok:
+            raise ModelLoadError(f"compile: cannot compile the decode step here: {why}")
+        return True, Choice("compile", "on", f"--compile on; {why}")
+    params = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())  # quantized too
+    if device.type != "cpu":
+        return False, Choice("compile", "off", f"--compile auto compiles CPU steps only (this is {device.type})")
+    if params < COMPILE_AUTO_MIN_PARAMS:
+        size = f"{params / 1e6:.2f}M parameters < {COMPILE_AUTO_MIN_PARAMS / 1e6:g}M"
+        return False, Choice("compile", "off", f"--compile auto: {size} (a compile would not pay back)")
+    if not ok:
+        return False, Choice("compile", "off", f"--compile auto: {why}")
+    return True, Choice("compile", "on", f"--compile auto: {params / 1e6:.1f}M parameters on CPU; {why}")
+
+
+def compile_failed(exc: BaseException) -> Choice:
+    """The `compile` choice once an 'auto' compile failed at warm-up (the step then runs eagerly)."""
+    return Choice("compile", "off", f"--compile auto: compiling failed ({type(exc).__name__}: {exc}); eager")

@@ -1,0 +1,79 @@
+"""The serving executor's load plan (`inference_svc.executor`): every lever chosen at load, in order, by a flag or a
+rule, recorded with its reason, and the record is what runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference_svc.engine import EngineConfig, EngineConfigError, SamplingParams
+from inference_svc.executor.plan import Choice, LoadPlan
+from inference_svc.executor.prepare import TRANSFORMS
+from shared_model import cpu_kernels
+from shared_model.quantize import QuantizedLinear
+
+NATIVE, WHY_NOT = cpu_kernels.status()
+needs_native = pytest.mark.skipif(not NATIVE, reason=f"Tandem's CPU kernels do not run here: {WHY_NOT}")
+TANDEM_METHODS = {"row_gemm", "int8_gemv", "int4_gemv"}
+
+
+def _levers(plan: LoadPlan) -> list[str]:
+    return [c.lever for c in plan]
+
+
+def test_the_plan_lists_every_transform_in_order(qwen3_dir, make_engine) -> None:
+    plan = make_engine(qwen3_dir, quantization="int8").info().load_plan
+    kinds = [lever.split(".")[0] for lever in _levers(plan)]
+    assert list(dict.fromkeys(kinds)) == list(TRANSFORMS)  # each transform, in the executor's order
+    projections = [lever for lever in _levers(plan) if lever.startswith("linear.")]
+    assert projections == [f"linear.{p}" for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")]
+    assert all(c.value and c.reason for c in plan)
+    assert plan.value("quantization") == "int8"
+    with pytest.raises(KeyError, match="no lever 'nope'"):
+        plan.value("nope")
+
+
+def test_the_same_flags_give_the_same_plan_and_the_same_bits(qwen3_dir, make_engine) -> None:
+    """Deterministic start-up: nothing is chosen from a timing, so two engines agree on every choice, and their
+    greedy tokens and logprobs are bitwise the same."""
+    engines = [make_engine(qwen3_dir, quantization="int4", compile="auto") for _ in range(2)]
+    assert engines[0].info().load_plan == engines[1].info().load_plan
+    params = SamplingParams(max_new_tokens=6, logprobs=True)
+    runs = [e.generate([list(range(30, 50))], params)[0] for e in engines]
+    assert runs[0].token_ids == runs[1].token_ids and runs[0].logprobs == runs[1].logprobs
+
+
+def test_cpu_kernels_off_runs_torch_everywhere_and_says_so(qwen3_dir, make_engine) -> None:
+    engine = make_engine(qwen3_dir, quantization="int4", cpu_kernels="off")
+    plan = engine.info().load_plan
+    assert plan.value("cpu_kernels") == "off" and plan.value("sampler") == "torch"
+    assert not {c.value for c in plan} & TANDEM_METHODS
+    assert "torch ops only" in next(c.reason for c in plan if c.lever == "attention")
+    # the record is what runs: the modules, the sampler and the attention ops were told the same answer
+    layers = [m for m in engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and not any(m._row_kernel for m in layers)
+    assert not engine.sampler.native
+    r = engine.generate([list(range(30, 50))], SamplingParams(max_new_tokens=4))[0]
+    assert len(r.token_ids) == 4
+
+
+@needs_native
+def test_int4_kernel_torch_keeps_the_int8_head_on_tandems_kernel(qwen3_dir, make_engine) -> None:
+    plan = make_engine(qwen3_dir, quantization="int4", int4_kernel="torch").info().load_plan
+    assert plan.value("linear.qkv_proj") == plan.value("linear.down_proj") == "int4_packed"
+    assert plan.value("linear.lm_head") == "int8_gemv" and plan.value("cpu_kernels") == "tandem"
+    default = make_engine(qwen3_dir, quantization="int4").info().load_plan
+    assert default.value("linear.qkv_proj") == "int4_gemv" and default.value("sampler") == "tandem"
+
+
+def test_the_levers_are_validated_fields() -> None:
+    with pytest.raises(EngineConfigError, match="cpu_kernels: must be one of"):
+        EngineConfig(cpu_kernels="on")
+    with pytest.raises(EngineConfigError, match="int4_kernel: must be one of"):
+        EngineConfig(int4_kernel="fast")
+
+
+def test_a_plan_summarises_in_one_line() -> None:
+    plan = LoadPlan((Choice("cpu_kernels", "off", "--cpu-kernels off"), Choice("compile", "on", "--compile on")))
+    assert plan.summary() == "cpu_kernels=off compile=on"
+    assert plan.as_dicts()[1] == {"lever": "compile", "value": "on", "reason": "--compile on"}
+    assert len(plan) == 2
