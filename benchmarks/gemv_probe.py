@@ -5,7 +5,7 @@ with the defaults' 12 x 4096 x 768 in fp32), best of `--rounds` interleaved roun
 same machine load, for: `shared_model.int8_gemv` (the VNNI kernel an int8 layer runs for one row, where the CPU
 has it), `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (through `QuantizedLinear`'s own
 packing) with bf16 activations, `F.linear` in fp32 and bf16, `torch.mv` in bf16 (what `ServingLinear` runs
-for one bf16 row eagerly) and `tandem_cpu::row_gemm` in fp32 and bf16 (what it runs compiled). `--row-counts`
+for one bf16 row eagerly) and `tandem::row_gemm` in fp32 and bf16 (what it runs compiled). `--row-counts`
 adds F.linear against row_gemm at a few rows (verify steps, decode batches). The figures of docs/benchmarks.md §7.
 
     .venv/bin/python benchmarks/gemv_probe.py [--threads 2] [--rows 4096 --cols 768 --matrices 12] [--row-counts 5]
@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from shared_model import cpu_kernels, int4_gemv, int8_gemv
+import tandem_native
+from shared_model import int4_gemv, int8_gemv
 from shared_model.quantize import QuantizedLinear
 
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         "_weight_int8pack_mm, bf16 x": (lambda: [q._packed(x16) for q in int8], n * k),
         **(
             {
-                "tandem_cpu::int8_gemv (VNNI), int8 x": (
+                "tandem::int8_gemv (VNNI), int8 x": (
                     lambda: [int8_gemv.int8_gemv(x32[0], q.qweight, q.scales) for q in int8],
                     n * k,
                 )
@@ -58,23 +59,19 @@ def main(argv: list[str] | None = None) -> int:
             else {}
         ),
         "_weight_int4pack_mm_for_cpu, bf16 x": (lambda: [q._packed(x16) for q in int4], n * k / 2),
-        **(
-            {"tandem_cpu::int4_gemv (VNNI), int8 x": (lambda: [q(x16) for q in int4_vnni], n * k / 2)}
-            if int4_vnni
-            else {}
-        ),
+        **({"tandem::int4_gemv (VNNI), int8 x": (lambda: [q(x16) for q in int4_vnni], n * k / 2)} if int4_vnni else {}),
         "F.linear fp32": (lambda: [F.linear(x32, w) for w in dense], n * k * 4),
         "F.linear bf16": (lambda: [F.linear(x16, w) for w in bf16], n * k * 2),
         "torch.mv bf16": (lambda: [torch.mv(w, x16[0]) for w in bf16], n * k * 2),
     }
-    if cpu_kernels.available():  # what a compiled step runs for a few rows (shared_model.fuse.set_row_kernels)
-        cases["tandem_cpu::row_gemm fp32"] = (lambda: [torch.ops.tandem_cpu.row_gemm(x32, w) for w in dense], n * k * 4)
-        cases["tandem_cpu::row_gemm bf16"] = (lambda: [torch.ops.tandem_cpu.row_gemm(x16, w) for w in bf16], n * k * 2)
+    if tandem_native.available():  # what a compiled step runs for a few rows (shared_model.fuse.set_row_kernels)
+        cases["tandem::row_gemm fp32"] = (lambda: [torch.ops.tandem.row_gemm(x32, w) for w in dense], n * k * 4)
+        cases["tandem::row_gemm bf16"] = (lambda: [torch.ops.tandem.row_gemm(x16, w) for w in bf16], n * k * 2)
     best = _best_times({name: run for name, (run, _) in cases.items()}, args.rounds)
     print(f"{count} matrices of {n} x {k}, one activation row, {args.threads} threads (best of {args.rounds} rounds)")
     for name, (_, nbytes) in cases.items():
         print(f"  {name:38s} {best[name] * 1e3:7.2f} ms   {count * nbytes / best[name] / 1e9:5.1f} GB/s")
-    for m in [int(r) for r in args.row_counts.split(",") if r] if cpu_kernels.available() else []:
+    for m in [int(r) for r in args.row_counts.split(",") if r] if tandem_native.available() else []:
         times = _best_times(_row_count_cases(torch.randn(m, k, generator=gen), dense, bf16), args.rounds)
         print(f"{m:3d} rows: " + "   ".join(f"{name} {t * 1e3:6.2f} ms" for name, t in times.items()))
     return 0
@@ -84,7 +81,7 @@ def _row_count_cases(
     x32: torch.Tensor, dense: list[torch.Tensor], bf16: list[torch.Tensor]
 ) -> dict[str, Callable[[], object]]:
     """F.linear against Tandem's row kernel for the rows of `x32` [M, K], in fp32 and in bf16."""
-    x16, row_gemm = x32.bfloat16(), torch.ops.tandem_cpu.row_gemm
+    x16, row_gemm = x32.bfloat16(), torch.ops.tandem.row_gemm
     return {
         "fp32 F.linear": lambda: [F.linear(x32, w) for w in dense],
         "fp32 row_gemm": lambda: [row_gemm(x32, w) for w in dense],

@@ -29,7 +29,7 @@ RUN pip install ".[serve]" \
 
 FROM ${PYTHON_IMAGE} AS runtime
 # g++: `--compile auto` (the default) builds the compiled decode step with inductor's C++ backend at start-up, and
-# shared_model/cpu_kernels.py builds Tandem's CPU kernels (with ninja, from the serve extras) at the first start;
+# tandem_native/loader.py builds Tandem's CPU kernels (with ninja, from the serve extras) at the first start;
 # without a compiler the service still runs, eagerly and on torch's kernels, and says so in its log.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --create-home tandem
@@ -38,7 +38,7 @@ ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 MPLCONFIGDIR=/tmp/matplotlib
 USER tandem
 WORKDIR /home/tandem
 # Tandem's CPU kernels into ~/.cache/tandem (where the build machine has AVX-512; else they build at first start)
-RUN python -m shared_model.cpu_kernels
+RUN python -m tandem_native
 EXPOSE 50051 8000 9464
 STOPSIGNAL SIGTERM
 # grpc.health.v1 on the default port; docker-compose.yml sets its own with the configured port.

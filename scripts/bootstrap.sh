@@ -15,9 +15,9 @@ fi
 stamp="$VENV/.tandem-installed"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1) torch=$TORCH_VERSION"
 build_kernels() {
-  # Tandem's CPU kernels (shared_model/cpu_kernels.py) are built on first use; building them here keeps that
+  # Tandem's CPU kernels (tandem_native/loader.py) are built on first use; building them here keeps that
   # 30-60 s out of the first server start (and out of the tests' start-up bounds). Cached: about 2 s when built.
-  "$VENV/bin/python" -m shared_model.cpu_kernels
+  "$VENV/bin/python" -m tandem_native
 }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   build_kernels

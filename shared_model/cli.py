@@ -38,10 +38,13 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "eval": Subcommand(
         "inference_svc.eval_cli:main", "held-out perplexity and bits per byte, offline and through a server", "serve"
     ),
+    "build-kernels": Subcommand(
+        "tandem_native.loader:main", "build Tandem's native CPU kernels now (else the first start does)", None
+    ),
     "bench": Subcommand("inference_svc.bench.cli:main", "load-test a server and plot latency/throughput", "serve"),
 }
 
-_OWN_PACKAGES = ("shared_model", "lt_plugins", "inference_svc")
+_OWN_PACKAGES = ("shared_model", "lt_plugins", "inference_svc", "tandem_native")
 
 
 def _usage() -> str:

@@ -94,7 +94,7 @@ _RECOMPILE = "Detected recompile"
 log = logging.getLogger(__name__)
 
 
-_LIBRARY = torch.library.Library("tandem", "DEF")
+_LIBRARY = torch.library.Library("tandem", "FRAGMENT")  # the native library adds its own fragments
 """The `tandem::attention` operator, declared through `torch.library.Library` rather than `torch.library.custom_op`:
 the latter's Python wrapper cost about 20 us a call more, once per layer and step (ad-hoc loop, 2026-12-02)."""
 _LIBRARY.define("attention(int handle, int layer_idx, Tensor q, Tensor k, Tensor v, float scale) -> Tensor")

@@ -16,7 +16,7 @@ Contract:
   2026-12-02 (6.6 against 12.3 GB/s): not re-measured since. Everything else goes to `F.linear` unchanged.
 - `set_row_kernels(model, True)` (the compiled step's choice, `shared_model.compiled`) makes up to
   `ROW_KERNEL_MAX_ROWS` bias-free fp32 or bf16 rows on CPU (decode steps, verify steps, small decode batches) run
-  Tandem's `tandem_cpu::row_gemm` instead where it is built (`shared_model.cpu_kernels`): it reads the weight once
+  Tandem's `tandem::row_gemm` instead where it is built (`tandem_native`): it reads the weight once
   for all the rows, faster than torch's GEMV and GEMM at these row counts, and computes each row's outputs with the
   same arithmetic whatever the row count, so a row's result is bitwise the same alone as among others (a verify
   step's rows score their tokens exactly as plain decode steps would). Its fp32 sums run in another order than
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared_model import cpu_kernels
+import tandem_native
 from shared_model.model import Attention, CausalLM, MergedGateUp, MergedQKV
 
 ROW_KERNEL_MAX_ROWS = 17
@@ -63,7 +63,7 @@ def fuse_projections(model: CausalLM) -> CausalLM:
 
 
 def set_row_kernels(model: CausalLM, on: bool) -> int:
-    """Let (or stop) the model's `ServingLinear`s run up to `ROW_KERNEL_MAX_ROWS` rows through `tandem_cpu::row_gemm`
+    """Let (or stop) the model's `ServingLinear`s run up to `ROW_KERNEL_MAX_ROWS` rows through `tandem::row_gemm`
     where it is built and takes their dtype (see the module docstring); returns how many projections use it now."""
     linears = [model.lm_head]
     for layer in model.model.layers:
@@ -91,20 +91,20 @@ class ServingLinear(nn.Linear):
         return out
 
     row_kernel = False
-    """Whether up to `ROW_KERNEL_MAX_ROWS` rows run `tandem_cpu::row_gemm` (`set_row_kernels`)."""
+    """Whether up to `ROW_KERNEL_MAX_ROWS` rows run `tandem::row_gemm` (`set_row_kernels`)."""
 
     def can_use_row_kernel(self) -> bool:
         w = self.weight
         return (
             self.bias is None and w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu"
-            and w.is_contiguous() and w.shape[1] % 32 == 0 and cpu_kernels.available()
+            and w.is_contiguous() and w.shape[1] % 32 == 0 and tandem_native.available()
         )  # fmt: skip
 
     def method(self) -> tuple[str, str]:
         """(The method this projection runs, its row-count table in words): what `forward` does, for the load plan."""
         if self.row_kernel:
             n = ROW_KERNEL_MAX_ROWS
-            return "row_gemm", f"1-{n} rows: tandem_cpu::row_gemm (the same bits at any row count); more: F.linear"
+            return "row_gemm", f"1-{n} rows: tandem::row_gemm (the same bits at any row count); more: F.linear"
         w = self.weight
         if self.bias is None and w.dtype == torch.bfloat16 and w.device.type == "cpu":
             return "mv+linear", "1 bf16 row: torch.mv (bit-equal to F.linear); more: F.linear"
@@ -113,7 +113,7 @@ class ServingLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if self.row_kernel and x.dtype == self.weight.dtype and rows <= ROW_KERNEL_MAX_ROWS:
-            y = torch.ops.tandem_cpu.row_gemm(x.reshape(rows, x.shape[-1]), self.weight)  # [rows, out]
+            y = torch.ops.tandem.row_gemm(x.reshape(rows, x.shape[-1]), self.weight)  # [rows, out]
             return y.view(*x.shape[:-1], self.out_features)  # [..., out]
         if self.bias is None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and rows == 1:
             return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], self.out_features)  # [..., out]

@@ -17,10 +17,10 @@ Contract:
   max|x| / 127, as llama.cpp rounds activations for its Q4_0 dot products), the codes times the bytes run on
   `vpdpbusd` with exact integer sums per group, then scaled in fp32. `reference(...)` is the same in plain torch;
   the tests hold the kernel to it. A row holding NaN or Inf gives NaN outputs.
-- `torch.ops.tandem_cpu.int4_dequantize(codes, scales_and_zeros, group)`: the weight `[N, K]` in the scales'
+- `torch.ops.tandem.int4_dequantize(codes, scales_and_zeros, group)`: the weight `[N, K]` in the scales'
   dtype, bitwise `dequantize(...)` rounded to it (what a layer's calls of more rows, prefill chunks, multiply by).
-- It is the C++ operator `torch.ops.tandem_cpu.int4_gemv`, built with the other CPU kernels
-  (`shared_model.cpu_kernels`), with a fake kernel for tracing. `available(group)`: whether it runs here for
+- It is the C++ operator `torch.ops.tandem.int4_gemv`, built with the other CPU kernels
+  (`tandem_native`), with a fake kernel for tracing. `available(group)`: whether it runs here for
   that group size (a multiple of 32, and the kernels built).
 - Whether int4 layers use it is their builder's choice (`shared_model.quantize`'s `row_kernels`, which serving takes
   from `EngineConfig.int4_kernel`).
@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from shared_model import cpu_kernels
+import tandem_native
 from shared_model.int8_gemv import quantize_activation
 
 MAX_ROWS = 4
@@ -48,7 +48,7 @@ LANES = 16
 
 def available(group: int) -> bool:
     """Whether `int4_gemv` runs here for weights in groups of `group` inputs."""
-    return group % 32 == 0 and cpu_kernels.available()
+    return group % 32 == 0 and tandem_native.available()
 
 
 def block_rows(groups: int) -> int:
@@ -100,4 +100,4 @@ def int4_gemv(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tens
     """quantize_activation(x) @ Wᵀ, `[M, N]` in x's dtype (see the module docstring)."""
     if not available(group):
         raise RuntimeError("int4_gemv is not available here (check available(group) first)")
-    return torch.ops.tandem_cpu.int4_gemv(x, codes, scales_and_zeros, group)
+    return torch.ops.tandem.int4_gemv(x, codes, scales_and_zeros, group)

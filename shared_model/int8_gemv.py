@@ -6,12 +6,12 @@ Contract:
   inputs (one scale per group, max|x| / 127), as llama.cpp rounds activations for its Q8 dot products, and the
   products run as int8 × int8 on `vpdpbusd`. `reference(x, q, scales)` is the same in plain torch (fp32 sums in
   another order); the tests hold the kernel to it.
-- It is the C++ operator `torch.ops.tandem_cpu.int8_gemv(x, q, scales, group)` (x and scales in fp32 or
+- It is the C++ operator `torch.ops.tandem.int8_gemv(x, q, scales, group)` (x and scales in fp32 or
   bf16, the result in x's dtype), with a fake kernel for tracing: a compiled decode step calls it through the
   dispatcher, with no Python wrapper (that wrapper cost about 20 µs a call, 49 calls a step).
-- `available()`: True when this machine can run it: the CPU kernels of `shared_model.cpu_kernels` are built
-  (x86-64 Linux with AVX-512 VNNI, a C++ compiler and ninja). `TANDEM_CPU_KERNELS=0` (or `TANDEM_INT8_GEMV=0`)
-  turns it off; callers then run torch's `_weight_int8pack_mm`.
+- `available()`: True when this machine can run it: Tandem's native library (`tandem_native`) is built (x86-64
+  Linux with AVX-512 VNNI, a C++ compiler and ninja). Whether a layer uses it is its builder's choice
+  (`shared_model.quantize`'s `row_kernels`); otherwise it runs torch's `_weight_int8pack_mm`.
 - Only rows whose length K is a multiple of 64 qualify (`activation_group(K)` is None otherwise).
 - Why: torch's `_weight_int8pack_mm` converts every weight to fp32 and multiplies there. On the 2-core VM
   (`benchmarks/gemv_probe.py`) this kernel, which multiplies bytes, was 1.47–1.52x faster: 23.7 against 16.2
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from shared_model import cpu_kernels
+import tandem_native
 
 
 def activation_group(k: int) -> int | None:
@@ -51,14 +51,14 @@ def reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.T
 
 
 def available() -> bool:
-    """Whether `int8_gemv` can run here (`shared_model.cpu_kernels` builds it on first call)."""
-    return cpu_kernels.available()
+    """Whether `int8_gemv` can run here (`tandem_native` builds it on first call)."""
+    return tandem_native.available()
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """scales · (q @ quantize_activation(x)), `[N]` in x's dtype (see the module docstring): the operator
-    `torch.ops.tandem_cpu.int8_gemv(x, q, scales, group)`, which a layer calls directly with its group."""
+    `torch.ops.tandem.int8_gemv(x, q, scales, group)`, which a layer calls directly with its group."""
     group = activation_group(q.shape[1])
-    if not cpu_kernels.available() or group is None:
+    if not tandem_native.available() or group is None:
         raise RuntimeError("int8_gemv is not available here (check available() and activation_group() first)")
-    return torch.ops.tandem_cpu.int8_gemv(x, q, scales, group)
+    return torch.ops.tandem.int8_gemv(x, q, scales, group)

@@ -213,9 +213,9 @@ class QuantizedLinear(nn.Module):
             x2 = x2.to(self.dtype)
         rows = x2.shape[0]
         if self._row_kernel and self.kind == "int8" and rows == 1:
-            y = torch.ops.tandem_cpu.int8_gemv(x2[0], self.qweight, self.scales, self._group)[None]  # [1, N]
+            y = torch.ops.tandem.int8_gemv(x2[0], self.qweight, self.scales, self._group)[None]  # [1, N]
         elif self._row_kernel and self.kind == "int4" and rows <= int4_gemv.MAX_ROWS:
-            y = torch.ops.tandem_cpu.int4_gemv(x2, self.qweight, self.scales_and_zeros, self.group_size)  # [M, N]
+            y = torch.ops.tandem.int4_gemv(x2, self.qweight, self.scales_and_zeros, self.group_size)  # [M, N]
         elif rows <= PACKED_MAX_ROWS and not (self._row_kernel and self.kind == "int4"):  # no torch layout then
             y = self._packed(x2)
         elif self.kind == "int8" or self._int4_block_rows or self._row_kernel or self.qweight.device.type == "cuda":
@@ -232,14 +232,14 @@ class QuantizedLinear(nn.Module):
         cuda = self.qweight.device.type == "cuda"
         if self.kind == "int8":
             if self._row_kernel:
-                table = f"1 row: tandem_cpu::int8_gemv (int8 activations); 2-{m}: packed int8; more: dequantize + GEMM"
+                table = f"1 row: tandem::int8_gemv (int8 activations); 2-{m}: packed int8; more: dequantize + GEMM"
                 return "int8_gemv", table
             if not self._packed_kernel:
                 return "int8_dequantize", "every call: dequantize + GEMM (no packed int8 kernel for this device)"
             return "int8_packed", f"1-{m} rows: _weight_int8pack_mm; more: dequantize + GEMM"
         if self._row_kernel:
             rows = int4_gemv.MAX_ROWS
-            return "int4_gemv", f"1-{rows} rows: tandem_cpu::int4_gemv (int8 activations); more: C++ dequantize + GEMM"
+            return "int4_gemv", f"1-{rows} rows: tandem::int4_gemv (int8 activations); more: C++ dequantize + GEMM"
         if cuda:
             return "int4_tinygemm", f"1-{m} rows: _weight_int4pack_mm; more: dequantize + GEMM"
         if self._int4_block_rows:
@@ -261,7 +261,7 @@ class QuantizedLinear(nn.Module):
             return self.qweight.to(self.dtype).mul_(self.scales[:, None])
         n, k, g = self.out_features, self.in_features, self.group_size
         if self._row_kernel:  # Tandem's layout, in C++: int4_gemv.dequantize's fp32 values, rounded to the dtype
-            return torch.ops.tandem_cpu.int4_dequantize(self.qweight, self.scales_and_zeros, g)
+            return torch.ops.tandem.int4_dequantize(self.qweight, self.scales_and_zeros, g)
         if self.qweight.device.type == "cuda":  # tinygemm's tiled layout: let the kernel multiply the identity
             eye = torch.eye(k, dtype=self.dtype, device=self.qweight.device)
             return torch.ops.aten._weight_int4pack_mm(eye, self.qweight, g, self.scales_and_zeros).t()

@@ -3,7 +3,7 @@
 Contract:
 - The transforms run once, when the engine is built, in this order (`TRANSFORMS`), and never again while it serves:
   1. `cpu_kernels`: whether Tandem's C++ kernels (row GEMM, int8/int4 GEMV, decode attention, sampling) run,
-     from `EngineConfig.cpu_kernels` and what this machine allows (`shared_model.cpu_kernels`: x86-64 Linux,
+     from `EngineConfig.cpu_kernels` and what this machine allows (`tandem_native`: x86-64 Linux,
      AVX-512 BW/VL/VNNI, a C++ compiler and ninja). Everything below that could use them is told this one answer;
      nothing reads an environment variable.
   2. `merge_projections`: q/k/v and gate/up merged into one matrix each (`shared_model.fuse`).
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+import tandem_native
 from inference_svc.engine.config import EngineConfig
 from inference_svc.engine.model_runner import BackendFactory
 from inference_svc.errors import ModelLoadError
 from inference_svc.executor.plan import Choice
-from shared_model import cpu_kernels
 from shared_model.bundle import Bundle
 from shared_model.compiled import compiler_available
 from shared_model.fuse import ServingLinear, fuse_projections
@@ -61,7 +61,7 @@ def choose_cpu_kernels(config: EngineConfig, device: torch.device) -> tuple[bool
         return False, Choice("cpu_kernels", "off", "--cpu-kernels off: torch's kernels everywhere")
     if device.type != "cpu":
         return False, Choice("cpu_kernels", "off", f"the model runs on {device.type}; they are CPU kernels")
-    ok, why = cpu_kernels.status()
+    ok, why = tandem_native.status()
     return ok, Choice("cpu_kernels", "tandem" if ok else "off", why)
 
 

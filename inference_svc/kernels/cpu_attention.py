@@ -1,8 +1,9 @@
-"""Paged attention kernels for the CPU's decode step (C++, `cpu_attention.cpp`), used by the torch ops' CPU path.
+"""Paged attention kernels for the CPU's decode step (C++, `tandem_native/csrc/paged_attention.cpp`), used by the
+torch ops' CPU path.
 
 Contract:
-- `extension()`: the built module, or None where Tandem's CPU kernels cannot run (`shared_model.cpu_kernels`: the
-  same rules, flags, cache and `TANDEM_CPU_KERNELS=0`); the torch ops then run as before.
+- `extension()`: Tandem's native library (`tandem_native`), or None where it cannot run here; the torch ops then
+  run as before.
 - `decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale)`: q `[S, Hq, D]`, caches
   `[num_blocks, block_size, Hkv, D]` in fp32/bf16/fp16 (unscaled), int32 lengths and block tables as in
   `inference_svc.engine.attention` → `[S, Hq, D]` in q's dtype. Each query's heads score its sequence's cached
@@ -14,7 +15,7 @@ Contract:
 - Why: on the 82M model a decode step spent about 150-200 µs per layer in attention under torch's profiler
   (2026-12-02), most of it a dozen small torch ops (views, casts, two stores, SDPA's set-up) for one query over a
   few hundred cached tokens.
-- `GraphAttention.bind(handle, cache)`: the C++ operator `torch.ops.tandem_paged.attention`, which a compiled
+- `GraphAttention.bind(handle, cache)`: the C++ operator `torch.ops.tandem.paged_attention`, which a compiled
   decoder's graph calls in place of `tandem::attention` (`shared_model.compiled.CompiledDecoder(attention_op=)`),
   bound to that decoder's KV cache (once per decoder: a second binding is refused). Between `begin(meta)` and
   `end()` of a decode-only step (every token a decode query: plain decodes, verify items), each layer's call
@@ -29,33 +30,24 @@ Contract:
 from __future__ import annotations
 
 import weakref
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shared_model import cpu_kernels
+import tandem_native
 
 if TYPE_CHECKING:
     from inference_svc.engine.attention import AttentionMetadata
     from inference_svc.engine.kv_cache import KVCache
 
-SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Cache dtypes the C++ decode kernel reads (fp8/int8 caches, with scales, take the torch ops; so do head sizes
 that are not a multiple of 16)."""
 
 
-def _register_fake() -> None:
-    @torch.library.register_fake("tandem_paged::attention")
-    def _(handle: int, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        del handle, layer_idx, k, v, scale
-        return q.new_empty(q.shape)  # contiguous, q's shape and dtype: what decode_step and tandem::attention return
-
-
 def extension() -> Any | None:
     """The built kernels, or None where they cannot run here (built on first call)."""
-    return cpu_kernels.build("tandem_cpu_attention", (SOURCE,), _register_fake)
+    return tandem_native.library()
 
 
 def reads(cache: torch.Tensor, head_dim: int) -> bool:
@@ -64,7 +56,7 @@ def reads(cache: torch.Tensor, head_dim: int) -> bool:
 
 
 class GraphAttention:
-    """One compiled decoder's `tandem_paged::attention`, bound to its KV cache (see the module docstring)."""
+    """One compiled decoder's `tandem::paged_attention`, bound to its KV cache (see the module docstring)."""
 
     def __init__(self, native: Any, handle: int, cache: KVCache) -> None:
         self._native = native
@@ -81,7 +73,7 @@ class GraphAttention:
             return None
         if extension() is None:
             return None
-        return torch.ops.tandem_paged.attention
+        return torch.ops.tandem.paged_attention
 
     @classmethod
     def bind(cls, handle: int, cache: KVCache) -> GraphAttention | None:

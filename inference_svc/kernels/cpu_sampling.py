@@ -1,8 +1,9 @@
-"""Sampling on the CPU (C++, `cpu_sampling.cpp`): truncation thresholds and a one-call sampler, for `engine.sampler`.
+"""Sampling on the CPU (C++, `tandem_native/csrc/sampling.cpp`): truncation thresholds and a one-call sampler,
+for `engine.sampler`.
 
 Contract:
-- `extension()`: the built module, or None where Tandem's CPU kernels cannot run (`shared_model.cpu_kernels`: the
-  same rules, flags, cache and `TANDEM_CPU_KERNELS=0`); the sampler then computes the thresholds with a sort.
+- `extension()`: Tandem's native library (`tandem_native`), or None where it cannot run here; the sampler then
+  computes the thresholds with a sort.
 - `truncation_thresholds(probs, top_k, top_p, min_p)`: probs fp32 `[S, V]`, top_k int64 `[S]` (0: none), top_p and
   min_p fp64 `[S]` (1 and 0: none) → fp32 `[S]`, each row's smallest kept probability under top-k, then top-p over
   what top-k keeps, then min-p (ties at the boundary all kept); the rule of `sampler._thresholds_torch`, by
@@ -17,14 +18,11 @@ Contract:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from shared_model import cpu_kernels
-
-SOURCE = Path(__file__).with_name("cpu_sampling.cpp")
+import tandem_native
 
 
 def extension() -> Any | None:
     """The built kernel, or None where it cannot run here (built on first call)."""
-    return cpu_kernels.build("tandem_cpu_sampling", (SOURCE,))
+    return tandem_native.library()

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared_model import cpu_kernels
+import tandem_native
 from shared_model.attention import CAUSAL
 from shared_model.config import RopeScaling
 from shared_model.fuse import ROW_KERNEL_MAX_ROWS, ServingLinear, fuse_projections, set_row_kernels
@@ -69,7 +69,7 @@ def test_state_dict_keeps_its_names_and_values_and_shares_the_merged_memory() ->
     assert not any(p.requires_grad for p in (attn.q_proj.weight, attn.v_proj.weight, mlp.gate_proj.weight))
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX-512 VNNI and a C++ compiler")
+@pytest.mark.skipif(not tandem_native.available(), reason="needs AVX-512 VNNI and a C++ compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_row_kernels_are_the_compiled_steps_choice_and_give_each_row_the_same_bits_at_any_row_count(
     dtype: torch.dtype,

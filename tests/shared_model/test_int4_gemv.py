@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared_model import cpu_kernels, int4_gemv
+import tandem_native
+from shared_model import int4_gemv
 from shared_model.quantize import (
     PACKED_MAX_ROWS,
     DequantizedLinear,
@@ -17,7 +18,7 @@ from shared_model.quantize import (
     quantize_int4,
 )
 
-needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX-512 VNNI and a C++ compiler")
+needs_kernel = pytest.mark.skipif(not tandem_native.available(), reason="needs AVX-512 VNNI and a C++ compiler")
 
 
 def _weights(n: int, k: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,7 +79,7 @@ def test_the_cpp_dequantize_is_bitwise_the_reference_rounded_to_the_stored_dtype
     _, codes, sz = _weights(n, k, group)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         stored = sz.to(dtype)
-        w = torch.ops.tandem_cpu.int4_dequantize(codes, stored, group)  # what a prefill chunk multiplies by
+        w = torch.ops.tandem.int4_dequantize(codes, stored, group)  # what a prefill chunk multiplies by
         assert w.dtype == dtype and torch.equal(w, int4_gemv.dequantize(codes, stored, group).to(dtype))
 
 
@@ -99,7 +100,7 @@ def test_nonfinite_rows_give_nan_and_tiny_groups_count_as_zero() -> None:
 @needs_kernel
 def test_the_op_refuses_what_it_cannot_run() -> None:
     _, codes, sz = _weights(16, 128, 64)
-    op = torch.ops.tandem_cpu.int4_gemv
+    op = torch.ops.tandem.int4_gemv
     with pytest.raises(RuntimeError, match="M in 1"):
         op(torch.zeros(5, 128), codes, sz, 64)
     with pytest.raises(RuntimeError, match="shapes do not match"):
@@ -111,7 +112,7 @@ def test_the_op_refuses_what_it_cannot_run() -> None:
     with pytest.raises(RuntimeError, match="must be a multiple of 8"):  # 2 groups a row: blocks of 8 rows
         op(torch.zeros(1, 128), codes[:12], sz[:, :12].contiguous(), 64)
     with pytest.raises(RuntimeError, match="must be a multiple of 8"):
-        torch.ops.tandem_cpu.int4_dequantize(codes[:12], sz[:, :12].contiguous(), 64)
+        torch.ops.tandem.int4_dequantize(codes[:12], sz[:, :12].contiguous(), 64)
     assert int4_gemv.available(32)
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared_model import cpu_kernels, int8_gemv
+import tandem_native
+from shared_model import int8_gemv
 from shared_model.quantize import DequantizedLinear, QuantizedLinear, dequantize_int8, quantize_int8
 
 needs_kernel = pytest.mark.skipif(not int8_gemv.available(), reason="needs AVX-512 VNNI and a C++ compiler")
@@ -48,11 +49,11 @@ def test_16_bit_activations_and_scales_are_read_in_place_with_one_rounding(dtype
     x = torch.randn(256, generator=g).to(dtype)
     q = torch.randint(-127, 128, (40, 256), dtype=torch.int8, generator=g)
     scales = (torch.rand(40, generator=g) / 100).to(dtype)
-    y = torch.ops.tandem_cpu.int8_gemv(x, q, scales, 128)
+    y = torch.ops.tandem.int8_gemv(x, q, scales, 128)
     assert y.dtype == dtype
-    assert torch.equal(y, torch.ops.tandem_cpu.int8_gemv(x.float(), q, scales.float(), 128).to(dtype))
-    mixed = torch.ops.tandem_cpu.int8_gemv(x.float(), q, scales, 128)  # fp32 x, 16-bit scales
-    assert torch.equal(mixed, torch.ops.tandem_cpu.int8_gemv(x.float(), q, scales.float(), 128))
+    assert torch.equal(y, torch.ops.tandem.int8_gemv(x.float(), q, scales.float(), 128).to(dtype))
+    mixed = torch.ops.tandem.int8_gemv(x.float(), q, scales, 128)  # fp32 x, 16-bit scales
+    assert torch.equal(mixed, torch.ops.tandem.int8_gemv(x.float(), q, scales.float(), 128))
 
 
 @needs_kernel
@@ -97,4 +98,4 @@ def test_the_op_refuses_what_it_cannot_run() -> None:
     with pytest.raises(RuntimeError, match="not available here"):  # 96 inputs: no group of 64 divides it
         int8_gemv.int8_gemv(torch.zeros(96), q, torch.ones(8))
     with pytest.raises(RuntimeError, match="shapes do not match"):
-        cpu_kernels.extension().int8_gemv(torch.zeros(64), torch.zeros(8, 128, dtype=torch.int8), torch.ones(8), 64)
+        tandem_native.library().int8_gemv(torch.zeros(64), torch.zeros(8, 128, dtype=torch.int8), torch.ones(8), 64)

@@ -17,6 +17,7 @@ import pytest
 import torch
 import transformers
 
+import tandem_native
 from inference_svc.engine import Engine, EngineConfig, SamplingParams
 from inference_svc.engine.config import EngineConfigError
 from inference_svc.engine.model_runner import ModelRunner, ScheduledSeq
@@ -25,7 +26,6 @@ from inference_svc.executor import prepare as executor_prepare
 from inference_svc.executor.prepare import COMPILE_AUTO_MIN_PARAMS
 from inference_svc.kernels import cpu_attention
 from shared_model import compiled as compiled_module
-from shared_model import cpu_kernels
 from shared_model.attention import CAUSAL
 from shared_model.bundle import load_bundle
 from shared_model.compiled import CompiledDecoder, compiler_available
@@ -166,7 +166,7 @@ def wide_qwen3_dir(tmp_path_factory, small_tokenizer):
     return _save_model(tmp_path_factory.mktemp("wide"), "qwen3-wide", model, small_tokenizer)
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX-512 VNNI and a C++ compiler")
+@pytest.mark.skipif(not tandem_native.available(), reason="needs AVX-512 VNNI and a C++ compiler")
 @pytest.mark.parametrize("model", ["qwen3_dir", "wide_qwen3_dir"])
 def test_compiled_verify_rows_are_bitwise_the_rows_of_plain_decode_steps(model, make_engine, request) -> None:
     """Compiled on CPU, a verify step's K + 1 rows run the row kernel, whose arithmetic per row does not depend on

@@ -183,9 +183,9 @@ def test_graph_attention_is_the_decode_step_over_its_bound_layer_and_only_inside
     assert not graph.begin(_meta(slots, ctx.tolist(), tables, prefill_tokens=3))
     assert graph.begin(_meta(slots, ctx.tolist(), tables))
     try:
-        out = torch.ops.tandem_paged.attention(handle, 1, q[None], k[None], v[None], 0.125)
+        out = torch.ops.tandem.paged_attention(handle, 1, q[None], k[None], v[None], 0.125)
         with pytest.raises(RuntimeError, match="layer 2 out of range"):
-            torch.ops.tandem_paged.attention(handle, 2, q[None], k[None], v[None], 0.125)
+            torch.ops.tandem.paged_attention(handle, 2, q[None], k[None], v[None], 0.125)
     finally:
         graph.end()
     want = native.decode_step(q[None], k[None], v[None], k_cache, v_cache, torch.tensor(slots), ctx, tables, 0.125)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+import tandem_native
 from inference_svc.engine import EngineConfig, EngineConfigError, SamplingParams
 from inference_svc.executor.plan import Choice, LoadPlan
 from inference_svc.executor.prepare import TRANSFORMS
-from shared_model import cpu_kernels
 from shared_model.quantize import QuantizedLinear
 
-NATIVE, WHY_NOT = cpu_kernels.status()
+NATIVE, WHY_NOT = tandem_native.status()
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"Tandem's CPU kernels do not run here: {WHY_NOT}")
 TANDEM_METHODS = {"row_gemm", "int8_gemv", "int4_gemv"}
 

@@ -129,12 +129,12 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& w, const to
 }  // namespace
 
 // A C++ operator, so that a step calls it through the dispatcher without a Python wrapper (about 20 us a call);
-// its fake kernel for tracing is registered from Python (shared_model/int8_gemv.py).
-TORCH_LIBRARY(tandem_cpu, m) { m.def("int8_gemv(Tensor x, Tensor w, Tensor scales, int group) -> Tensor"); }
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("int8_gemv", &int8_gemv); }
+// its fake kernel for tracing is registered from Python (tandem_native/loader.py).
+TORCH_LIBRARY_FRAGMENT(tandem, m) { m.def("int8_gemv(Tensor x, Tensor w, Tensor scales, int group) -> Tensor"); }
+TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("int8_gemv", &int8_gemv); }
 
-// The module itself (torch's builder imports one); the GIL is released while it runs.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// Its entry in the library's Python module (module.cpp); the GIL is released while it runs.
+void register_int8_gemv(pybind11::module_& m) {
   m.def("int8_gemv", &int8_gemv, "one row times an int8 weight (VNNI)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }

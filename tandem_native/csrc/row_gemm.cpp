@@ -95,7 +95,7 @@ torch::Tensor row_gemm(const torch::Tensor& x, const torch::Tensor& w) {
 
 }  // namespace
 
-// The schema beside int8_gemv's (TORCH_LIBRARY in int8_gemv.cpp); its fake kernel is registered from Python
-// (shared_model/cpu_kernels.py).
-TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) { m.def("row_gemm(Tensor x, Tensor w) -> Tensor"); }
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("row_gemm", &row_gemm); }
+// A fragment of the `tandem` op library (every file adds its own); its fake kernel is registered from Python
+// (tandem_native/loader.py).
+TORCH_LIBRARY_FRAGMENT(tandem, m) { m.def("row_gemm(Tensor x, Tensor w) -> Tensor"); }
+TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("row_gemm", &row_gemm); }

@@ -197,7 +197,8 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>> sample_rows(
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// Its entries in the library's Python module (module.cpp); the GIL is released while they run.
+void register_sampling(pybind11::module_& m) {
   m.def("truncation_thresholds", &truncation_thresholds, "each row's smallest kept probability (top-k, top-p, min-p)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("sample_rows", &sample_rows, "one token per row: probabilities, truncation and the inverse-CDF draw",

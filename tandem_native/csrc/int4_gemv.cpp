@@ -343,13 +343,13 @@ torch::Tensor int4_dequantize(const torch::Tensor& codes, const torch::Tensor& s
 
 }  // namespace
 
-// The schema beside int8_gemv's (TORCH_LIBRARY in int8_gemv.cpp); its fake kernel is registered from Python
-// (shared_model/cpu_kernels.py).
-TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+// A fragment of the `tandem` op library (every file adds its own); its fake kernel is registered from Python
+// (tandem_native/loader.py).
+TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("int4_gemv(Tensor x, Tensor codes, Tensor scales_and_zeros, int group) -> Tensor");
   m.def("int4_dequantize(Tensor codes, Tensor scales_and_zeros, int group) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int4_dequantize", &int4_dequantize);
 }

@@ -307,7 +307,7 @@ torch::Tensor decode_step(const torch::Tensor& q, const torch::Tensor& k, const 
 }
 
 // ------------------------------------------------------------------------- the compiled graph's attention operator
-// `tandem_paged::attention(handle, layer, q, k, v, scale)` has the schema of shared_model/compiled.py's
+// `tandem::paged_attention(handle, layer, q, k, v, scale)` has the schema of shared_model/compiled.py's
 // `tandem::attention` and is what a compiled decoder's graph calls instead, so that a decode step's attention runs
 // without Python: while a decode-only step of decoder `handle` is open (`begin_decode`), each layer's call is
 // `decode_step` over that layer's bound caches (`bind_caches`) and the step's metadata (a step all of whose tokens
@@ -377,7 +377,7 @@ torch::Tensor graph_attention(int64_t handle, int64_t layer, const torch::Tensor
     auto it = graph_contexts().find(handle);
     if (it != graph_contexts().end() && it->second.slots.defined()) {
       auto& ctx = it->second;
-      TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(ctx.k_caches.size()), "tandem_paged::attention: layer ",
+      TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(ctx.k_caches.size()), "tandem::paged_attention: layer ",
                   layer, " out of range");
       k_cache = ctx.k_caches[layer];
       v_cache = ctx.v_caches[layer];
@@ -397,14 +397,14 @@ torch::Tensor graph_attention(int64_t handle, int64_t layer, const torch::Tensor
 
 }  // namespace
 
-// The graph's operator (its fake kernel for tracing is registered from Python: inference_svc/kernels/cpu_attention.py)
-TORCH_LIBRARY(tandem_paged, m) {
-  m.def("attention(int handle, int layer_idx, Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+// The graph's operator (its fake kernel for tracing is registered from Python: tandem_native/loader.py)
+TORCH_LIBRARY_FRAGMENT(tandem, m) {
+  m.def("paged_attention(int handle, int layer_idx, Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(tandem_paged, CPU, m) { m.impl("attention", &graph_attention); }
+TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("paged_attention", &graph_attention); }
 
 // Called from Python directly (a pybind call costs a few microseconds); the GIL is released while they run.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void register_paged_attention(pybind11::module_& m) {
   m.def("decode_attention", &decode_attention, "paged decode attention over the cache in place",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("store_kv", &store_kv, "store a step's K and V at their slots", pybind11::call_guard<pybind11::gil_scoped_release>());

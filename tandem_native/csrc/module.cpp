@@ -1,0 +1,14 @@
+// The Python module of Tandem's one native library (tandem_native/build.py builds every file of this folder into
+// it). Each file registers its operators in the `tandem` op namespace itself (TORCH_LIBRARY_FRAGMENT) and its
+// direct Python entry points here.
+#include <torch/extension.h>
+
+void register_int8_gemv(pybind11::module_& m);
+void register_paged_attention(pybind11::module_& m);
+void register_sampling(pybind11::module_& m);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_int8_gemv(m);
+  register_paged_attention(m);
+  register_sampling(m);
+}
