@@ -22,6 +22,7 @@ RUN if [ "$VARIANT" = "cpu" ]; then \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY shared_model ./shared_model
+COPY tandem_native ./tandem_native
 COPY inference_svc ./inference_svc
 COPY proto ./proto
 RUN pip install ".[serve]" \

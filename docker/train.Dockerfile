@@ -21,6 +21,7 @@ RUN if [ "$VARIANT" = "cpu" ]; then \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY shared_model ./shared_model
+COPY tandem_native ./tandem_native
 COPY lt_plugins ./lt_plugins
 RUN pip install ".[train]"
 
