@@ -34,7 +34,6 @@ from inference_svc.engine.config import (
     EngineConfig,
 )
 from inference_svc.errors import InferenceError
-from inference_svc.generate_cli import stream_completion
 from inference_svc.settings import AdmissionLimits, ServerSettings, host_port
 from shared_model.ledger import INT4_GROUP_SIZES, QUANTIZATIONS
 
@@ -200,42 +199,3 @@ def serve_main(argv: Sequence[str], *, fault_hook: Any = None) -> int:
 
 
 # ---------------------------------------------------------------------------------------- generate
-
-
-# ---------------------------------------------------------------------------------------- demo helper
-def serve_and_stream(
-    model: str,
-    prompt: str,
-    *,
-    max_new_tokens: int = 48,
-    serve_args: Sequence[str] = (),
-    startup_timeout: float = 300.0,
-) -> dict[str, Any]:
-    """Serve `model` with `tandem serve` in a subprocess on a free loopback port, stream one completion of
-    `prompt` to the terminal with its TTFT and time per token, then SIGTERM the server and check it exits 0.
-    Returns the figures of `stream_completion` plus `server_exit_code`. (What `make demo` ends with.)"""
-    import socket
-    import subprocess
-
-    from inference_svc.client import TandemClient
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "shared_model.cli", "serve", "--model", str(model), "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--metrics-port", "0", "--http-port", "0", "--shutdown-grace", "10", *serve_args]
-    print(f"$ tandem serve --model {model} --port {port} {' '.join(serve_args)}", flush=True)
-    proc = subprocess.Popen(cmd)
-    try:
-        target = f"127.0.0.1:{port}"
-        with TandemClient(target) as client:
-            client.wait_until_serving(startup_timeout)
-        print(f'$ tandem generate --target {target} "{prompt}" --max-new-tokens {max_new_tokens}', flush=True)
-        figures = stream_completion(target, prompt, max_new_tokens=max_new_tokens)
-        proc.send_signal(signal.SIGTERM)
-        figures["server_exit_code"] = proc.wait(timeout=60)
-        return figures
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)

@@ -60,7 +60,6 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict
 from typing import Any
 
 import grpc
@@ -740,8 +739,3 @@ def check_bindable(host: str, port: int, what: str) -> None:
     if in_use or (failures and len(failures) == len(infos)):  # 'localhost' may lack ::1: one family is enough
         exc = (in_use or failures)[0]
         raise ServerStartError(f"{what}: cannot listen on {host_port(host, port)}: {exc.strerror or exc}")
-
-
-def settings_summary(settings: ServerSettings) -> dict[str, Any]:
-    """Settings as a dict for logs (file paths only; never the keys)."""
-    return asdict(settings)

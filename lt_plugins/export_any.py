@@ -28,8 +28,6 @@ from lt_plugins.export_hf import export_hf, find_hf_config
 from lt_plugins.export_state_dict import export_state_dict
 from shared_model.bundle import DEFAULT_MAX_SHARD_BYTES
 
-FORMATS = ("auto", "bundle", "state-dict", "hf")
-
 
 @dataclass(frozen=True)
 class Exported:

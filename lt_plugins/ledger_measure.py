@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lt_plugins.memory_model import BUCKETS, GRADS, MASTER, MOMENTS, WEIGHTS
+from lt_plugins.memory_model import GRADS, MASTER, MOMENTS, WEIGHTS
 
 
 class ByteRanges:
@@ -138,6 +138,3 @@ def bucket_bytes_held(optimizer: Any) -> int:
     buckets = getattr(_deepspeed_optimizer(optimizer), "ipg_buckets", None) or {}
     ranges = ByteRanges()
     return ranges.claim(t for b in buckets.values() for t in _tensors(getattr(b, "buffer", None), 1))
-
-
-TERM_ORDER = (WEIGHTS, MASTER, GRADS, MOMENTS, BUCKETS)

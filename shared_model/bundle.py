@@ -37,7 +37,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Mapping
@@ -542,8 +541,6 @@ def check_bundle_target(out_dir: str | Path, overwrite: bool = False) -> None:
     if not entries:
         return
     if not (out_dir / MANIFEST_FILE).is_file() or (out_dir / MANIFEST_FILE).is_symlink():
-        if _is_legacy_bundle(entries):  # written by Tandem before bundles carried a manifest
-            return
         shown = ", ".join(p.name for p in entries[:3]) + (", …" if len(entries) > 3 else "")
         raise BundleError(f"{refuse} it is not empty and not a Tandem bundle (no {MANIFEST_FILE}; holds {shown})")
     try:
@@ -557,19 +554,6 @@ def check_bundle_target(out_dir: str | Path, overwrite: bool = False) -> None:
             raise BundleError(f"{refuse} {entry.name} is not a file of the bundle (not in its {MANIFEST_FILE})")
         if entry.is_symlink() or not entry.is_file():
             raise BundleError(f"{refuse} {entry.name} is not a regular file")
-
-
-_LEGACY_BUNDLE_FILE = re.compile(
-    r"config\.json|generation_config\.json|tokenizer(_config)?\.json"
-    r"|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
-)
-
-
-def _is_legacy_bundle(entries: list[Path]) -> bool:
-    """A bundle from before the manifest: config.json plus only a bundle's regular files, no folders."""
-    names = {p.name for p in entries}
-    regular = all(p.is_file() and not p.is_symlink() for p in entries)
-    return "config.json" in names and regular and all(_LEGACY_BUNDLE_FILE.fullmatch(n) for n in names)
 
 
 def _tensors_to_write(

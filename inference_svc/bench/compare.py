@@ -30,8 +30,8 @@ Contract:
   `configs` one entry per requested configuration holding every column, null where not measured), `compare.png`
   (unless `--no-plots`), the server logs; the table is printed at the end.
 - What exists is what is compared: dtype, weight quantization, K/V-cache dtype (`kv-*`: `--kv-cache-dtype`),
-  chunked prefill, prefix caching, and any other `tandem serve` flag through `NAME=FLAGS`. Speculative decoding
-  is not a serve option yet; it gets a preset when it lands.
+  chunked prefill, prefix caching, and any other `tandem serve` flag through `NAME=FLAGS` (speculative decoding:
+  `spec=--speculative ngram`).
 """
 
 from __future__ import annotations

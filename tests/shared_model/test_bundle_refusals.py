@@ -139,14 +139,12 @@ def test_refused_loads_leave_every_file_in_place(bundle: Path) -> None:
     assert {p.name: p.read_bytes() for p in bundle.iterdir()} == before
 
 
-def test_a_bundle_from_before_manifests_can_still_be_overwritten(bundle: Path, small_tokenizer: Tokenizer) -> None:
-    (bundle / MANIFEST_FILE).unlink()  # what every bundle written before this format looks like
-    cfg = tiny_config()
-    save_bundle(bundle, cfg, build_model(cfg, seed=1), small_tokenizer, overwrite=True)
-    assert (bundle / MANIFEST_FILE).is_file()
-    load_bundle(bundle, verify_checksums=True)
+def test_a_folder_without_a_manifest_is_never_overwritten(bundle: Path, small_tokenizer: Tokenizer) -> None:
+    """Only a manifest says which files a bundle owns: a folder without one is refused even when its files look
+    like a bundle's (the shim for bundles written before manifests is gone), and nothing in it is touched."""
     (bundle / MANIFEST_FILE).unlink()
-    (bundle / "notes.txt").write_text("mine")  # anything outside a bundle's layout is still protected
+    before = {p.name: p.read_bytes() for p in bundle.iterdir()}
+    cfg = tiny_config()
     with pytest.raises(BundleError, match="not a Tandem bundle"):
-        save_bundle(bundle, cfg, build_model(cfg, seed=2), small_tokenizer, overwrite=True)
-    assert (bundle / "notes.txt").read_text() == "mine"
+        save_bundle(bundle, cfg, build_model(cfg, seed=1), small_tokenizer, overwrite=True)
+    assert {p.name: p.read_bytes() for p in bundle.iterdir()} == before
