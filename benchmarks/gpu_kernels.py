@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import sys
 import tempfile
@@ -103,7 +102,7 @@ def tolerance(out: torch.Tensor, truth: torch.Tensor, same: torch.Tensor) -> dic
 # ------------------------------------------------------------------------------------------------ sections
 
 
-def run_correctness(device: str, smoke: bool) -> list[dict[str, Any]]:
+def run_correctness(device: str, smoke: bool, autotune: bool) -> list[dict[str, Any]]:
     from inference_svc import kernels
     from inference_svc.kernels import reference
 
@@ -124,7 +123,7 @@ def run_correctness(device: str, smoke: bool) -> list[dict[str, Any]]:
             x = paged_inputs(ctx, ql, hq, hkv, d, bs, dtype, device)
             meta = (x["cu"], x["lens"], x["tables"], x["scale"])
             k64, v64 = x["k_cache"].double(), x["v_cache"].double()
-            out = kernels.prefill_attention(x["q"], x["k_cache"], x["v_cache"], *meta)
+            out = kernels.prefill_attention(x["q"], x["k_cache"], x["v_cache"], *meta, autotune=autotune)
             truth = reference.prefill_attention(x["q"].double(), k64, v64, *meta)
             same = reference.prefill_attention(x["q"], x["k_cache"], x["v_cache"], *meta)
             rows.append(
@@ -136,7 +135,9 @@ def run_correctness(device: str, smoke: bool) -> list[dict[str, Any]]:
             truth = reference.decode_attention(qd.double(), k64, v64, *dmeta)
             same = reference.decode_attention(qd, x["k_cache"], x["v_cache"], *dmeta)
             for splits in (1, None, 8):
-                out = kernels.decode_attention(qd, x["k_cache"], x["v_cache"], *dmeta, num_splits=splits)
+                out = kernels.decode_attention(
+                    qd, x["k_cache"], x["v_cache"], *dmeta, num_splits=splits, autotune=autotune
+                )
                 row = {"op": f"decode splits={splits}", "dtype": str(dtype), "shape": [ctx, hq, hkv, d, bs]}
                 rows.append(row | tolerance(out, truth, same))
 
@@ -165,7 +166,7 @@ def _sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smoke: bool) 
     return run
 
 
-def run_prefill(device: str, smoke: bool, quick: bool) -> list[dict[str, Any]]:
+def run_prefill(device: str, smoke: bool, quick: bool, autotune: bool) -> list[dict[str, Any]]:
     from inference_svc import kernels
 
     dtype = torch.float16 if smoke else torch.bfloat16
@@ -179,7 +180,7 @@ def run_prefill(device: str, smoke: bool, quick: bool) -> list[dict[str, Any]]:
 
         def ours(x: dict[str, Any] = x) -> torch.Tensor:
             return kernels.prefill_attention(
-                x["q"], x["k_cache"], x["v_cache"], x["cu"], x["lens"], x["tables"], x["scale"]
+                x["q"], x["k_cache"], x["v_cache"], x["cu"], x["lens"], x["tables"], x["scale"], autotune=autotune
             )
 
         # SDPA baseline: same q, K/V gathered contiguous, GQA expanded outside the timed region.
@@ -221,7 +222,7 @@ def copy_bandwidth_gbps(device: str, smoke: bool) -> float:
     return 2 * n_bytes / ms / 1e6
 
 
-def run_decode(device: str, smoke: bool, quick: bool) -> dict[str, Any]:
+def run_decode(device: str, smoke: bool, quick: bool, autotune: bool) -> dict[str, Any]:
     from inference_svc import kernels
     from inference_svc.kernels.paged_decode import choose_num_splits
 
@@ -243,7 +244,14 @@ def run_decode(device: str, smoke: bool, quick: bool) -> dict[str, Any]:
 
                 def ours(x: dict[str, Any] = x, splits: int | None = splits) -> torch.Tensor:
                     return kernels.decode_attention(
-                        x["q"], x["k_cache"], x["v_cache"], x["lens"], x["tables"], x["scale"], splits
+                        x["q"],
+                        x["k_cache"],
+                        x["v_cache"],
+                        x["lens"],
+                        x["tables"],
+                        x["scale"],
+                        splits,
+                        autotune=autotune,
                     )
 
                 ms = bench_ms(ours, smoke)
@@ -263,11 +271,12 @@ def run_decode(device: str, smoke: bool, quick: bool) -> dict[str, Any]:
 
 
 def _engine_case(
-    engine_mod: Any, bundle: Path, vocab: int, backend: str, device: str, concurrency: int, smoke: bool
+    engine_mod: Any, bundle: Path, vocab: int, backend: str, device: str, concurrency: int, smoke: bool, autotune: bool
 ) -> dict:
     from inference_svc.engine.types import SamplingParams
 
-    config = engine_mod.EngineConfig(attention_backend=backend, device=device, dtype="float16" if smoke else "bfloat16")
+    dtype = "float16" if smoke else "bfloat16"
+    config = engine_mod.EngineConfig(attention_backend=backend, device=device, dtype=dtype, triton_autotune=autotune)
     engine = engine_mod.Engine.from_bundle(bundle, config)
     prompt_len, new_tokens = (16, 4) if smoke else (512, 128)
     g = torch.Generator().manual_seed(0)
@@ -290,7 +299,7 @@ def _engine_case(
     }
 
 
-def run_engine(device: str, smoke: bool) -> dict[str, Any]:
+def run_engine(device: str, smoke: bool, autotune: bool) -> dict[str, Any]:
     try:
         from inference_svc.engine import engine as engine_mod
         from shared_model.bundle import save_bundle
@@ -310,7 +319,7 @@ def run_engine(device: str, smoke: bool) -> dict[str, Any]:
         for concurrency in (1, 2) if smoke else (1, 64):
             for backend in ("triton", "torch"):
                 try:
-                    row = _engine_case(engine_mod, bundle, vocab, backend, device, concurrency, smoke)
+                    row = _engine_case(engine_mod, bundle, vocab, backend, device, concurrency, smoke, autotune)
                 except Exception as exc:
                     row = {"backend": backend, "concurrency": concurrency, "error": f"{type(exc).__name__}: {exc}"}
                     traceback.print_exc()
@@ -328,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (for a tight device budget)")
     parser.add_argument("--smoke", action="store_true", help="toy sizes on CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--no-autotune", action="store_true", help="the kernels' heuristic configs, no autotuning")
     args = parser.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
     unknown = set(sections) - set(SECTIONS)
@@ -343,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.node(),
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter, smoke)",
         "torch": torch.__version__,
-        "autotune": os.environ.get("TANDEM_TRITON_AUTOTUNE", "1") != "0",
+        "autotune": not args.no_autotune,
     }
     try:
         import triton
@@ -359,14 +369,14 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         try:
             if name == "correctness":
-                report[name] = run_correctness(device, args.smoke)
+                report[name] = run_correctness(device, args.smoke, not args.no_autotune)
                 failed |= not all(r["ok"] for r in report[name])
             elif name == "prefill":
-                report[name] = run_prefill(device, args.smoke, args.quick)
+                report[name] = run_prefill(device, args.smoke, args.quick, not args.no_autotune)
             elif name == "decode":
-                report[name] = run_decode(device, args.smoke, args.quick)
+                report[name] = run_decode(device, args.smoke, args.quick, not args.no_autotune)
             else:
-                report[name] = run_engine(device, args.smoke)
+                report[name] = run_engine(device, args.smoke, not args.no_autotune)
         except Exception as exc:
             traceback.print_exc()
             report[name] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -120,6 +120,9 @@ class EngineConfig:
     """Compiled decode step (torch.compile, inductor) around the eager paged attention: 'on', 'off' or 'auto'
     (compiled for a CPU model of at least 2M parameters when a C++ compiler is present: a rule, never a timing).
     Compiled before health says SERVING; never recompiled while serving."""
+    triton_autotune: bool = True
+    """The Triton attention kernels time their tile configs on the first launch of each shape (CUDA only); off:
+    one heuristic config (reproducible, nothing timed at start)."""
     cpu_kernels: str = "auto"
     """Tandem's C++ CPU kernels (row GEMM, int8/int4 GEMV, decode attention, sampling): 'auto' (where the CPU has
     AVX-512 BW/VL/VNNI and a C++ compiler is present) or 'off' (torch's kernels everywhere)."""
@@ -165,7 +168,7 @@ class EngineConfig:
         self._check_speculative()
         if not isinstance(self.gpu_memory_fraction, (int, float)) or not 0 < self.gpu_memory_fraction <= 1:
             raise EngineConfigError("gpu_memory_fraction", f"must be in (0, 1], got {self.gpu_memory_fraction!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "verify_checksums"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "verify_checksums", "triton_autotune"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

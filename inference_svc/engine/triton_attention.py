@@ -16,10 +16,10 @@ from inference_svc.kernels.triton_backend import triton_available, triton_ops
 
 
 def triton_backend_factory(
-    device: torch.device,
+    device: torch.device, autotune: bool = False
 ) -> tuple[Callable[[KVCache, AttentionMetadata], PagedAttention] | None, str]:
     del device  # the kernels run wherever triton_available() says they can
     ok, reason = triton_available()
     if not ok:
         return None, reason
-    return paged_attention_factory(triton_ops()), reason
+    return paged_attention_factory(triton_ops(autotune)), reason

@@ -126,13 +126,14 @@ def choose_attention(config: EngineConfig, device: torch.device, native: bool) -
             raise ModelLoadError(f"attention_backend: triton is not available ({exc})") from exc
         reason = f"{asked}: triton is not importable ({exc})"
         return "torch", paged_attention_factory(torch_ops(native=native)), Choice("attention", "torch", reason)
-    factory, why = triton_backend_factory(device)
+    factory, why = triton_backend_factory(device, config.triton_autotune)
     if factory is None:
         if name == "triton":
             raise ModelLoadError(f"attention_backend: triton is not available ({why})")
         reason = f"{asked}: triton cannot run here ({why})"
         return "torch", paged_attention_factory(torch_ops(native=native)), Choice("attention", "torch", reason)
-    return "triton", factory, Choice("attention", "triton", f"{asked} on {device}")
+    tiles = "autotuned tiles" if config.triton_autotune else "heuristic tiles (--no-triton-autotune)"
+    return "triton", factory, Choice("attention", "triton", f"{asked} on {device}; {tiles}")
 
 
 def sampler_choice(native: bool, device: torch.device) -> Choice:

@@ -8,9 +8,10 @@ Contract:
   `interpret_mode()` therefore reports the mode triton.language was built in, and `LazyKernel` jits each kernel
   in that same mode at its first launch. `interpreter_requested()` reads the variable now, so callers can tell
   "asked too late" apart from "not asked".
-- `@triton.autotune` wraps a kernel only when CUDA is present, not interpreting, and ``TANDEM_TRITON_AUTOTUNE`` is
-  not ``0``: autotuning times several configs on the device, which fails without a GPU. Elsewhere, and with
-  autotuning off, one heuristic config is used.
+- `@triton.autotune` wraps a kernel only when the caller asks (`autotune=True`: the engine's
+  `EngineConfig.triton_autotune`, recorded in its load plan; the kernels' own default is off), CUDA is present
+  and nothing is interpreted: autotuning times several configs on the device, which fails without a GPU.
+  Elsewhere one heuristic config is used (reproducible, and nothing to time at the first launch).
 - In the interpreter, q, k and v are upcast to fp32 on load (`UPCAST`): Triton 3.9's interpreter stores bf16 as
   raw uint16 and does bf16 arithmetic wrongly, and fp32 numpy is also the fastest path there. Compiled, they are
   upcast (and the dots run in fp32, `dot_precision(float32)`) when the cache is stored in another dtype than q
@@ -29,9 +30,6 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
-
-AUTOTUNE_ENV = "TANDEM_TRITON_AUTOTUNE"
-"""Set to 0 to turn autotuning off on CUDA and use the heuristic config (reproducible, faster start-up)."""
 
 MAX_HEAD_DIM = 256
 """Largest head_dim the kernels accept; smaller non-powers of two are padded to the next power of two."""
@@ -53,11 +51,9 @@ def interpret_mode() -> bool:
     return isinstance(tl.zeros, InterpretedFunction)
 
 
-def autotune_enabled() -> bool:
-    """Autotune only on a real CUDA device, never in the interpreter, and not when switched off by env."""
-    if interpret_mode() or not torch.cuda.is_available():
-        return False
-    return os.environ.get(AUTOTUNE_ENV, "1") != "0"
+def autotune_possible() -> bool:
+    """Autotuning can run: a real CUDA device, and the kernels compiled rather than interpreted."""
+    return not interpret_mode() and torch.cuda.is_available()
 
 
 def pad_pow2(n: int, minimum: int = 16) -> int:
@@ -188,8 +184,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, parall
 class LazyKernel:
     """A kernel body jitted at first launch, interpreted or compiled (and autotuned) as `interpret_mode()` says.
 
-    `autotune` is (configs factory, key argument names, prune function); it is applied only when
-    `autotune_enabled()`. `tuned` tells the launcher whether to pass the tile sizes itself.
+    `autotune` is (configs factory, key argument names, prune function); it is applied only when a launch asks
+    for it and `autotune_possible()`. `tuned(asked)` tells the launcher whether to pass the tile sizes itself.
     """
 
     def __init__(
@@ -201,13 +197,13 @@ class LazyKernel:
         self._autotune = autotune
         self._built: dict[tuple[bool, bool], Any] = {}
 
-    @property
-    def tuned(self) -> bool:
-        return self._autotune is not None and autotune_enabled()
+    def tuned(self, asked: bool) -> bool:
+        """Whether a launch that `asked` for autotuning gets the autotuned kernel."""
+        return asked and self._autotune is not None and autotune_possible()
 
-    def get(self) -> Any:
-        """The jitted (and, on CUDA, autotuned) kernel for the current mode; indexed as kernel[grid](...)."""
-        mode = (interpret_mode(), self.tuned)
+    def get(self, autotune: bool = False) -> Any:
+        """The jitted (and, on CUDA when asked, autotuned) kernel for the current mode; indexed as kernel[grid](...)."""
+        mode = (interpret_mode(), self.tuned(autotune))
         if not mode[0] and not torch.cuda.is_available():
             why = "TRITON_INTERPRET=1 was set after triton was imported" if interpreter_requested() else "no CUDA"
             raise RuntimeError(f"Triton kernels cannot run here ({why}); see triton_backend.triton_available()")

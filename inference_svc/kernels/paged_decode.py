@@ -225,8 +225,10 @@ def decode_attention(
     num_splits: int | None = None,
     k_scales: Tensor | None = None,
     v_scales: Tensor | None = None,
+    autotune: bool = False,
 ) -> Tensor:
-    """One query token per sequence against its paged K/V (split-KV when num_splits > 1); returns `[S, Hq, D]`."""
+    """One query token per sequence against its paged K/V (split-KV when num_splits > 1); returns `[S, Hq, D]`.
+    `autotune`: time the configs on the first launch of each shape (CUDA only), else the heuristic config."""
     _check(q, k_cache, v_cache, context_lens, block_tables, k_scales, v_scales)
     s, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -284,11 +286,11 @@ def decode_attention(
         "DOT_PREC": cfg.dot_precision(torch.float32 if upcast else q.dtype),
     }
     grid = (s, hkv, splits)
-    if _DECODE.tuned:
-        _DECODE.get()[grid](*args, **meta)
+    if _DECODE.tuned(autotune):
+        _DECODE.get(autotune)[grid](*args, **meta)
     else:
         c = cfg.decode_config(d_pad, interpret)
-        _DECODE.get()[grid](*args, **meta, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
+        _DECODE.get(autotune)[grid](*args, **meta, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
     if splits > 1:
         _MERGE.get()[(s, hq)](
             part_out,

@@ -234,8 +234,10 @@ def prefill_attention(
     scale: float,
     k_scales: Tensor | None = None,
     v_scales: Tensor | None = None,
+    autotune: bool = False,
 ) -> Tensor:
-    """Causal attention of packed query chunks over their sequences' paged K/V; returns `[T, Hq, D]`."""
+    """Causal attention of packed query chunks over their sequences' paged K/V; returns `[T, Hq, D]`.
+    `autotune`: time the configs on the first launch of each shape (CUDA only), else the heuristic config."""
     _check(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, k_scales, v_scales)
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -287,11 +289,11 @@ def prefill_attention(
     def grid(m: dict) -> tuple[int, int]:
         return (t // (m["BLOCK_M"] // group) + num_seqs, hkv)
 
-    if _PREFILL.tuned:
-        _PREFILL.get()[grid](*args, **meta)
+    if _PREFILL.tuned(autotune):
+        _PREFILL.get(autotune)[grid](*args, **meta)
     else:
         c = cfg.prefill_config(d_pad, group, interpret)
-        _PREFILL.get()[grid](
+        _PREFILL.get(autotune)[grid](
             *args,
             **meta,
             BLOCK_M=c.block_m,

@@ -59,8 +59,9 @@ def triton_available() -> tuple[bool, str]:
     return False, "no CUDA device (set TRITON_INTERPRET=1 before starting to run the kernels interpreted on CPU)"
 
 
-def triton_ops() -> AttentionOps:
-    """The Triton kernels as an `AttentionOps`; raises RuntimeError with the reason when they cannot run."""
+def triton_ops(autotune: bool = False) -> AttentionOps:
+    """The Triton kernels as an `AttentionOps`; raises RuntimeError with the reason when they cannot run.
+    `autotune`: the attention kernels autotune their tiles on CUDA (`EngineConfig.triton_autotune`)."""
     ok, why = triton_available()
     if not ok:
         raise RuntimeError(f"Triton attention backend unavailable: {why}")
@@ -72,10 +73,10 @@ def triton_ops() -> AttentionOps:
         kernels.store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, slots, **scales)  # dense indexing
 
     def prefill_attention(q: torch.Tensor, *args: Any, **scales: Any) -> torch.Tensor:
-        return kernels.prefill_attention(q.contiguous(), *args, **scales)
+        return kernels.prefill_attention(q.contiguous(), *args, **scales, autotune=autotune)
 
     def decode_attention(q: torch.Tensor, *args: Any, **scales: Any) -> torch.Tensor:
-        return kernels.decode_attention(q.contiguous(), *args, **scales)
+        return kernels.decode_attention(q.contiguous(), *args, **scales, autotune=autotune)
 
     return AttentionOps(
         name="triton", store_kv=store_kv, prefill_attention=prefill_attention, decode_attention=decode_attention
