@@ -9,7 +9,8 @@ Contract:
   config value, bad data settings, a non-finite loss or model state (`NonFiniteLossGuard`, installed for every
   run, stops training; no checkpoint of that state is written).
 - The run directory is `run_dir` from the config, else `./runs/<run_name>-<timestamp>`; the first process exports
-  it as `TANDEM_RUN_DIR` so the processes Lightning launches agree on it. Multi-node runs should set `run_dir`.
+  it as `TANDEM_RUN_DIR` so the processes Lightning launches agree on it. Only those launched processes (rank > 0)
+  read it: a value left in the user's environment changes nothing. Multi-node runs should set `run_dir`.
 - `export_main([CKPT, OUT_DIR, "--format", "auto"])` consolidates a checkpoint (a ZeRO directory, a run dir: its
   newest, or a Lightning .ckpt) into a bundle, a state dict or a Hugging Face folder (`lt_plugins.export_any`) and
   prints `<format>: /abs/path` (`bundle: /abs/path`) last, after the line saying what `auto` chose.
@@ -45,7 +46,7 @@ def _is_rank_zero() -> bool:
 def resolve_run_dir(cfg: TrainConfig) -> Path:
     if cfg.run_dir:
         return Path(cfg.run_dir).resolve()
-    if os.environ.get(RUN_DIR_ENV):
+    if os.environ.get(RUN_DIR_ENV) and not _is_rank_zero():  # set by the first process for the ones it launched
         return Path(os.environ[RUN_DIR_ENV]).resolve()
     return (Path.cwd() / "runs" / f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -98,3 +100,18 @@ def test_trainer_conflicts_name_both_sides(port: int, monkeypatch: pytest.Monkey
         _fit(port, monkeypatch, ZeroStrategy(extra={"gradient_clipping": 0.5}), gradient_clip_val=1.0)
     with pytest.raises(TrainingConfigError, match=r"bf16\.enabled.*precision='32-true'"):
         _fit(port, monkeypatch, ZeroStrategy(extra={"bf16": {"enabled": True}}), precision="32-true")
+
+
+def test_only_launched_processes_read_the_run_dir_handed_down(tmp_path, monkeypatch) -> None:
+    """TANDEM_RUN_DIR is how the first process tells the ones Lightning launches where the run lives; left in a
+    user's shell it must not redirect a new run."""
+    from lt_plugins.cli import RUN_DIR_ENV, resolve_run_dir
+
+    cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs/tiny-cpu.yaml"), [])
+    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "stale"))
+    monkeypatch.chdir(tmp_path)
+    assert resolve_run_dir(cfg).parent == tmp_path / "runs"
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a process Lightning launched
+    assert resolve_run_dir(cfg) == tmp_path / "stale"
