@@ -1,7 +1,8 @@
 """`tandem train` with bad input: exit code 2 and exactly one line on stderr naming the key, never a traceback.
 
-The CLI cases run the real command in a subprocess (what a user runs), with the tiny CPU config; each fails before
-any training step. Before this fix a missing `data.extra` path, an empty corpus and a missing `data.tokenizer` gave a
+The CLI cases run `tandem train`'s entry point in this process with the tiny CPU config (each fails before any
+training step), and one of them also as the real command in a subprocess (what a user runs: the exit code and the
+only line on stderr). Before this fix a missing `data.extra` path, an empty corpus and a missing `data.tokenizer` gave a
 traceback and rc 1, `optim.lr=nan` a 55-line traceback, and `optim.lr=inf` trained on NaN. The schema cases check
 every float field of the training config for the same hole (NaN and inf slip through `value <= 0` tests).
 """
@@ -59,15 +60,30 @@ CLI_CASES = {
 
 
 @pytest.mark.parametrize("case", list(CLI_CASES))
-def test_bad_input_is_one_line_rc2(tmp_path: Path, case: str) -> None:
+def test_bad_input_is_one_line_rc2(tmp_path: Path, case: str, capsys, monkeypatch) -> None:
+    from lt_plugins.cli import train_main
+
     overrides, expected = CLI_CASES[case]
-    proc = _train(tmp_path, *overrides(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", str(REPO / "configs/tiny-cpu.yaml"), *SMALL, f"run_dir={tmp_path / 'run'}"]
+    rc = train_main([*args, *overrides(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2, err[-4000:]
+    _check_one_line(err, expected)
+    assert not (tmp_path / "run" / "checkpoints").exists()  # failed before training
+
+
+def test_the_real_command_exits_2_with_one_line(tmp_path: Path) -> None:
+    proc = _train(tmp_path, "data.extra=[/no/such/dir/x.py]")
     assert proc.returncode == 2, proc.stderr[-4000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr[-4000:]
+    _check_one_line(proc.stderr, "data.extra: path not found: /no/such/dir/x.py")
+
+
+def _check_one_line(stderr: str, expected: str) -> None:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr[-4000:]
     assert lines[0].startswith("tandem train: error: "), lines[0]
     assert expected in lines[0], lines[0]
-    assert not (tmp_path / "run" / "checkpoints").exists()  # failed before training
 
 
 FLOAT_CASES = [
