@@ -103,8 +103,8 @@ def tolerance(out: torch.Tensor, truth: torch.Tensor, same: torch.Tensor) -> dic
 
 
 def run_correctness(device: str, smoke: bool, autotune: bool) -> list[dict[str, Any]]:
-    from inference_svc import kernels
-    from inference_svc.kernels import reference
+    from inference_svc.attention import reference
+    from inference_svc.attention import triton as kernels
 
     dtypes = [torch.float16] if smoke else [torch.float16, torch.bfloat16]
     rows = []
@@ -167,7 +167,7 @@ def _sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smoke: bool) 
 
 
 def run_prefill(device: str, smoke: bool, quick: bool, autotune: bool) -> list[dict[str, Any]]:
-    from inference_svc import kernels
+    from inference_svc.attention import triton as kernels
 
     dtype = torch.float16 if smoke else torch.bfloat16
     hq, hkv, d, bs = (4, 2, 64, 16) if smoke else (32, 8, 128, 16)
@@ -223,8 +223,8 @@ def copy_bandwidth_gbps(device: str, smoke: bool) -> float:
 
 
 def run_decode(device: str, smoke: bool, quick: bool, autotune: bool) -> dict[str, Any]:
-    from inference_svc import kernels
-    from inference_svc.kernels.paged_decode import choose_num_splits
+    from inference_svc.attention import triton as kernels
+    from inference_svc.attention.triton.paged_decode import choose_num_splits
 
     dtype = torch.float16 if smoke else torch.bfloat16
     hq, hkv, d, bs = (4, 2, 64, 16) if smoke else (32, 8, 128, 16)

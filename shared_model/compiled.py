@@ -12,7 +12,7 @@ Contract:
   The op returns a contiguous tensor of q's shape and dtype (what the decoder expects of a backend).
   `CompiledDecoder(model, attention_op=op)` has the graph call `op` instead: an operator of the same schema, with a
   fake kernel, that passes to `tandem::attention` every call it does not serve itself (the engine's C++ decode
-  attention, `inference_svc.kernels.cpu_attention.GraphAttention`, serves decode-only steps without Python).
+  attention, `inference_svc.attention.native_cpu.GraphAttention`, serves decode-only steps without Python).
 - Shapes: the token axis is dynamic, so one graph serves every T >= 2 (prefill chunks, verify steps, batched decodes)
   and one T == 1 (a lone decode; torch specialises size 1). A model that branches on T has one graph per branch: a
   quantized projection takes its packed kernel up to `PACKED_MAX_ROWS` rows, so T in 2..4 and T >= 5 are two graphs; a

@@ -10,7 +10,7 @@ Contract:
 - Once loaded, the operators exist (`torch.ops.tandem.*`), each with a fake kernel for tracing registered here, so
   a compiled step calls them through the dispatcher with no Python wrapper: `int8_gemv` (`shared_model.int8_gemv`),
   `int4_gemv` and `int4_dequantize` (`shared_model.int4_gemv`), `row_gemm` (`shared_model.fuse`) and
-  `paged_attention` (`inference_svc.kernels.cpu_attention`). The module's own functions (`decode_attention`,
+  `paged_attention` (`inference_svc.attention.native_cpu`). The module's own functions (`decode_attention`,
   `store_kv`, `decode_step`, the graph binding calls, `truncation_thresholds`, `sample_rows`, `int8_gemv`) are
   called from Python directly.
 - The build: torch's extension builder compiles `SOURCES` with `FLAGS` in `~/.cache/tandem/native/<hash>/`, the

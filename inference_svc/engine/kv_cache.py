@@ -10,7 +10,7 @@ Contract:
   model's compute dtype (what the engine did before the option existed); `ledger_dtype_name` gives the name the
   ledger's formulas take ('fp32', 'bf16', 'fp16', 'fp8', 'int8').
 - Readers compute in fp32 whenever the stored dtype is not the compute dtype; the format of the scaled dtypes
-  (and their error bounds) is `inference_svc.kernels.kv_quant`.
+  (and their error bounds) is `inference_svc.attention.kv_quant`.
 
 Why per-(block, kv head) scales, set at write time (power-of-two running max, see `kv_quant`):
 - no calibration and no clipping: each block's scale follows the largest |K| or |V| written to it, per head, and
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from inference_svc.attention.kv_quant import as_bytes, is_scaled
 from inference_svc.engine.config import KV_CACHE_DTYPES
-from inference_svc.kernels.kv_quant import as_bytes, is_scaled
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,

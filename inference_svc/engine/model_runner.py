@@ -17,7 +17,7 @@ Contract:
   (in pieces of `logprobs.ROWS_PER_PIECE` rows) and come back reduced to `TokenLogprob`s in `StepLogits.prompt`:
   never a [prompt, vocab] tensor.
 - A compiled runner over the default (torch) ops gives its graph the C++ attention operator where it can
-  (`inference_svc.kernels.cpu_attention.GraphAttention`): a decode-only step's layers then store K/V and attend
+  (`inference_svc.attention.native_cpu.GraphAttention`): a decode-only step's layers then store K/V and attend
   in C++ from inside the graph, with the same kernel and results as the Python backend, which serves the rest.
 - Runs under `torch.inference_mode()`; no autograd state and no global state but that operator's binding of the
   cache (released with the runner).
@@ -32,18 +32,13 @@ from typing import NamedTuple
 
 import torch
 
-from inference_svc.engine.attention import (
-    AttentionMetadata,
-    KVCache,
-    PagedAttentionFactory,
-    is_torch_ops,
-    paged_attention_factory,
-    torch_ops,
-)
+from inference_svc.attention.native_cpu import GraphAttention
+from inference_svc.attention.paged import AttentionMetadata, PagedAttentionFactory, paged_attention_factory
+from inference_svc.attention.torch_ops import is_torch_ops, torch_ops
+from inference_svc.engine.kv_cache import KVCache
 from inference_svc.engine.logprobs import ROWS_PER_PIECE, token_logprobs
 from inference_svc.engine.sequence import Sequence
 from inference_svc.engine.types import MAX_SPECULATIVE_TOKENS, TokenLogprob
-from inference_svc.kernels.cpu_attention import GraphAttention
 from shared_model.compiled import CompiledDecoder
 from shared_model.config import ModelConfig
 from shared_model.model import CausalLM

@@ -13,7 +13,7 @@ Contract:
   top-k's k-th largest probability, top-p's value where the running mass (descending, over what top-k keeps)
   first reaches top_p of it, min-p's min_p times the largest; the largest of these. Ties at the boundary are all
   kept, so the kept set never depends on an order among equal values. The kept probabilities are renormalized.
-  On the CPU the thresholds come from a C++ selection (`inference_svc.kernels.cpu_sampling`, O(V) a row), elsewhere
+  On the CPU the thresholds come from a C++ selection (`inference_svc.engine.cpu_sampling`, O(V) a row), elsewhere
   from a sort (`_thresholds_torch`), the same rule.
 - On the CPU (fp32 logits, where the kernels are built), a batch whose rows are not all greedy and that has no
   penalties, biases or min_tokens is sampled by one C++ call (`cpu_sampling.sample_rows`): the same ATen operations
@@ -41,9 +41,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from inference_svc.engine import cpu_sampling
 from inference_svc.engine.logprobs import token_logprobs
 from inference_svc.engine.types import SamplingParams, TokenLogprob
-from inference_svc.kernels import cpu_sampling
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,8 @@ def _method(module: torch.nn.Module) -> tuple[str, str]:
 
 def choose_attention(config: EngineConfig, device: torch.device, native: bool) -> tuple[str, BackendFactory, Choice]:
     """Transform 5: the backend's name, its factory, and the choice."""
-    from inference_svc.engine.attention import paged_attention_factory, torch_ops
+    from inference_svc.attention.paged import paged_attention_factory
+    from inference_svc.attention.torch_ops import torch_ops
 
     name = config.attention_backend
     asked = f"--attention-backend {name}"
@@ -120,7 +121,7 @@ def choose_attention(config: EngineConfig, device: torch.device, native: bool) -
         choice = Choice("attention", "torch", f"{why}; {kernels}")
         return "torch", paged_attention_factory(torch_ops(native=native)), choice
     try:
-        from inference_svc.engine.triton_attention import triton_backend_factory
+        from inference_svc.attention.triton_ops import triton_backend_factory
     except ImportError as exc:
         if name == "triton":
             raise ModelLoadError(f"attention_backend: triton is not available ({exc})") from exc

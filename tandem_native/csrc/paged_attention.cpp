@@ -1,7 +1,7 @@
 // Paged attention for the CPU's decode step: each query over its sequence's cached K/V, read in place from the
 // paged cache (no gather), and the step's K/V stores, in two calls per layer instead of a dozen torch ops.
 //
-// Layout (inference_svc/engine/attention.py): caches [num_blocks, block_size, Hkv, D] in fp32, bf16 or fp16;
+// Layout (inference_svc/attention/paged.py): caches [num_blocks, block_size, Hkv, D] in fp32, bf16 or fp16;
 // block tables int32 [S, max_blocks]; token slot = block * block_size + offset. Consecutive queries of one sequence
 // (same block table, context lengths growing by one: a speculative verify item's rows) form a run. Each (run, KV
 // head) is one work item: the run's queries times the G = Hq / Hkv query heads of the group score the cached

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_svc.engine.attention import AttentionMetadata, KVCache, PagedAttention, torch_ops
-from inference_svc.kernels.triton_backend import reference_ops
+from inference_svc.attention.paged import AttentionMetadata, PagedAttention
+from inference_svc.attention.torch_ops import torch_ops
+from inference_svc.attention.triton_ops import reference_ops
+from inference_svc.engine.kv_cache import KVCache
 
 BS, HKV, HQ, D = 4, 2, 4, 16
 

@@ -18,13 +18,13 @@ import torch
 import transformers
 
 import tandem_native
+from inference_svc.attention import native_cpu as cpu_attention
 from inference_svc.engine import Engine, EngineConfig, SamplingParams
 from inference_svc.engine.config import EngineConfigError
 from inference_svc.engine.model_runner import ModelRunner, ScheduledSeq
 from inference_svc.errors import ModelLoadError
 from inference_svc.executor import prepare as executor_prepare
 from inference_svc.executor.prepare import COMPILE_AUTO_MIN_PARAMS
-from inference_svc.kernels import cpu_attention
 from shared_model import compiled as compiled_module
 from shared_model.attention import CAUSAL
 from shared_model.bundle import load_bundle

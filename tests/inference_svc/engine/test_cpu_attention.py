@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_svc.engine.attention import torch_ops
-from inference_svc.kernels import cpu_attention, reference
+from inference_svc.attention import native_cpu as cpu_attention
+from inference_svc.attention import reference
+from inference_svc.attention.torch_ops import torch_ops
 
 native = cpu_attention.extension()
 needs_kernel = pytest.mark.skipif(native is None, reason="needs AVX-512 and a C++ compiler")
@@ -143,7 +144,7 @@ def test_head_sizes_the_kernel_does_not_take_run_the_torch_ops() -> None:
 
 def _meta(slots: list[int], lens: list[int], tables: torch.Tensor, prefill_tokens: int = 0):
     """A step of decode queries at `slots`, then one prefill chunk of `prefill_tokens` (none: a decode-only step)."""
-    from inference_svc.engine.attention import AttentionMetadata
+    from inference_svc.attention.paged import AttentionMetadata
 
     chunks = 1 if prefill_tokens else 0
     return AttentionMetadata(

@@ -19,9 +19,9 @@ import random
 import pytest
 import torch
 
+from inference_svc.attention.torch_ops import torch_ops
 from inference_svc.cli import _serve_parser
 from inference_svc.engine import EngineConfig, SamplingParams
-from inference_svc.engine.attention import torch_ops
 from inference_svc.engine.config import EngineConfigError
 from inference_svc.engine.kv_cache import KVCache, ledger_dtype_name, resolve_kv_dtype
 from shared_model import ledger

@@ -1,4 +1,4 @@
-"""The scaled K/V formats (`inference_svc.kernels.kv_quant`) and the cache that holds them (`engine.kv_cache`).
+"""The scaled K/V formats (`inference_svc.attention.kv_quant`) and the cache that holds them (`engine.kv_cache`).
 
 Bounds from the formats, for x within a block's range (|x| ≤ QMAX · s, s the block's power-of-two scale):
 - int8: a round trip is within s / 2 absolute (rounding to the nearest of 255 levels s apart);
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from inference_svc.attention.kv_quant import QMAX, dequantize, pow2_scale, quantize, store_scaled
 from inference_svc.engine.kv_cache import KVCache, ledger_dtype_name, resolve_kv_dtype
-from inference_svc.kernels.kv_quant import QMAX, dequantize, pow2_scale, quantize, store_scaled
 
 FP8 = torch.float8_e4m3fn
 SCALED = [torch.int8, FP8]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from inference_svc.engine import cpu_sampling
 from inference_svc.engine.sampler import Sampler, SampleRequest, _thresholds_torch, probabilities
 from inference_svc.engine.types import SamplingParams
-from inference_svc.kernels import cpu_sampling
 
 native = cpu_sampling.extension()
 needs_native = pytest.mark.skipif(native is None, reason="needs Tandem's CPU kernels (AVX-512 VNNI and a compiler)")

@@ -23,7 +23,7 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 if not HAS_CUDA and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from inference_svc.kernels import configs  # noqa: E402  (after TRITON_INTERPRET is set)
+from inference_svc.attention.triton import configs  # noqa: E402  (after TRITON_INTERPRET is set)
 
 IN_PROCESS = HAS_CUDA or configs.interpret_mode()
 """True when the Triton kernels can run in this pytest process."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from inference_svc.kernels import configs, reference
-from inference_svc.kernels.triton_backend import reference_ops, triton_available, triton_ops
+from inference_svc.attention.triton import configs
+from inference_svc.attention.triton_ops import reference_ops, triton_available, triton_ops
 
 NEEDS_KERNELS = False
 
@@ -16,17 +16,18 @@ def test_triton_available_reports_a_reason() -> None:
     assert ok == (torch.cuda.is_available() or configs.interpret_mode())
 
 
-def test_ops_expose_the_contract() -> None:
-    ref = reference_ops()
-    assert ref.name == "reference" and ref.prefill_attention is reference.prefill_attention
-    if triton_available()[0]:
-        ops = triton_ops()
-        assert ops.name == "triton"
-        assert {ops.store_kv.__name__, ops.prefill_attention.__name__, ops.decode_attention.__name__} == {
-            "store_kv",
-            "prefill_attention",
-            "decode_attention",
-        }
+def test_every_implementation_satisfies_the_protocol() -> None:
+    """`AttentionOps` is a Protocol: the reference, the CPU path and (where they run) the Triton kernels satisfy it,
+    and only the CPU path has a one-call decode step."""
+    from inference_svc.attention.interface import AttentionOps
+    from inference_svc.attention.torch_ops import torch_ops
+
+    impls = [reference_ops(), torch_ops(native=False)] + ([triton_ops()] if triton_available()[0] else [])
+    assert [ops.name for ops in impls] == ["reference", "torch", "triton"][: len(impls)]
+    assert all(isinstance(ops, AttentionOps) for ops in impls)
+    q = torch.zeros(1, 1, 2, 16)
+    assert impls[0].decode_step(q, q, q, None, None, None, None, None, 1.0) is None
+    assert not isinstance(object(), AttentionOps)
 
 
 def test_num_splits_follows_lengths() -> None:

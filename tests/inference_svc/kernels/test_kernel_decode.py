@@ -12,8 +12,9 @@ import random
 import pytest
 import torch
 
-from inference_svc import kernels
-from inference_svc.kernels import configs, reference
+from inference_svc.attention import reference
+from inference_svc.attention import triton as kernels
+from inference_svc.attention.triton import configs
 
 # (context_lens, Hq, Hkv, head_dim, block_size, dtype, num_splits)
 CASES = [

@@ -26,8 +26,8 @@ SCRIPT = textwrap.dedent(
     """
     import sys
     import torch
-    from inference_svc import kernels
-    from inference_svc.kernels import reference
+    from inference_svc.attention import triton as kernels
+    from inference_svc.attention import reference
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     bs, d = 16, 16

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference_svc.kernels import configs
+from inference_svc.attention.triton import configs
 
 NEEDS_KERNELS = False
 

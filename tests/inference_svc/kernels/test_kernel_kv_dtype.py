@@ -19,9 +19,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_svc import kernels
-from inference_svc.kernels import configs, reference
-from inference_svc.kernels.kv_quant import as_bytes, dequantize, store_scaled
+from inference_svc.attention import reference
+from inference_svc.attention import triton as kernels
+from inference_svc.attention.kv_quant import as_bytes, dequantize, store_scaled
+from inference_svc.attention.triton import configs
 
 FP8 = torch.float8_e4m3fn
 BLOCK = 16

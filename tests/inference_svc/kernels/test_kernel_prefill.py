@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from inference_svc import kernels
-from inference_svc.kernels import reference
+from inference_svc.attention import reference
+from inference_svc.attention import triton as kernels
 
 # (context_lens, q_lens, Hq, Hkv, head_dim, block_size, dtype)
 CASES = [
@@ -82,7 +82,7 @@ def test_prefill_small_tiles(paged_case, within_tolerance, monkeypatch) -> None:
     """The GPU-sized tiles (several query tiles per chunk, key tiles smaller than a cache block and spanning
     the unmasked and diagonal phases) give the same answer as the interpreter's large default tiles."""
     monkeypatch.setattr(
-        "inference_svc.kernels.configs.prefill_config", lambda d, g, i: kernels.configs.PrefillConfig(32, 16)
+        "inference_svc.attention.triton.configs.prefill_config", lambda d, g, i: kernels.configs.PrefillConfig(32, 16)
     )
     c = paged_case([90, 41], [50, 41], 6, 2, 24, 32, torch.float32, seed=11)
     args = (c.cu_seqlens_q, c.context_lens, c.block_tables, c.scale)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_svc import kernels
-from inference_svc.kernels import reference
+from inference_svc.attention import reference
+from inference_svc.attention import triton as kernels
 
 
 @pytest.mark.parametrize(

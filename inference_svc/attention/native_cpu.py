@@ -6,7 +6,7 @@ Contract:
   run as before.
 - `decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale)`: q `[S, Hq, D]`, caches
   `[num_blocks, block_size, Hkv, D]` in fp32/bf16/fp16 (unscaled), int32 lengths and block tables as in
-  `inference_svc.engine.attention` → `[S, Hq, D]` in q's dtype. Each query's heads score its sequence's cached
+  `inference_svc.attention` → `[S, Hq, D]` in q's dtype. Each query's heads score its sequence's cached
   tokens in place (no gather, no mask), softmax and value sums in fp32, the output rounded once. Consecutive
   queries of one sequence (a verify item's rows: one block table, lengths growing by one) read each K/V row once
   for all of them. A query's result does not depend on the others in the batch, bit for bit. Lengths and block
@@ -37,7 +37,7 @@ import torch
 import tandem_native
 
 if TYPE_CHECKING:
-    from inference_svc.engine.attention import AttentionMetadata
+    from inference_svc.attention.paged import AttentionMetadata
     from inference_svc.engine.kv_cache import KVCache
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

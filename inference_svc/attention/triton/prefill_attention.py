@@ -31,8 +31,8 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
-from inference_svc.kernels import configs as cfg
-from inference_svc.kernels.kv_quant import check_scales
+from inference_svc.attention.kv_quant import check_scales
+from inference_svc.attention.triton import configs as cfg
 
 LOG2E = math.log2(math.e)
 

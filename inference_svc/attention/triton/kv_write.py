@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from inference_svc.kernels.configs import MAX_HEAD_DIM, LazyKernel, pad_pow2
-from inference_svc.kernels.kv_quant import QMAX, is_scaled, update_scales
+from inference_svc.attention.kv_quant import QMAX, is_scaled, update_scales
+from inference_svc.attention.triton.configs import MAX_HEAD_DIM, LazyKernel, pad_pow2
 
 
 def _store_kv_kernel(

@@ -1,149 +1,34 @@
-"""Paged attention for the engine: step metadata, the one backend, and the torch ops.
+"""The CPU path's attention ops: plain torch over the paged cache, and Tandem's C++ decode kernels where they run.
 
 Contract:
-- KV cache layout (shared with the Triton kernels; the cache itself is `kv_cache.KVCache`): per layer
-  `k_cache, v_cache: [num_blocks, block_size, Hkv, D]` in the stored dtype (`--kv-cache-dtype`), and for fp8/int8
-  `k_scales, v_scales: [num_blocks, Hkv]` fp32 (`inference_svc.kernels.kv_quant`). Token slot =
-  block_id * block_size + offset. Block tables are int32 `[S, max_blocks]` padded with 0.
-- One engine step is one flat batch of T tokens: the D decode queries first, each over its own context length and
-  block table (a sequence's decoded token, or each token of a short chunk such as a speculative verify item,
-  which sees its context up to itself), then the prefill chunks of P sequences back to back. `AttentionMetadata`
-  describes it with tensors only (and the count D).
-- One backend for every implementation: `PagedAttention(ops, cache, meta)` is built per step; per layer it stores
-  this step's K/V at `slot_mapping` (each token's K/V written exactly once), then calls the ops' decode attention
-  on the D decode queries (each over its sequence's cached context) and their prefill attention on the packed
-  chunks (causal over the cached prefix plus the chunk); every op gets the layer's scales as `k_scales`,
-  `v_scales` (None for an unscaled cache). The ops are an `AttentionOps`: the Triton kernels, the plain reference
-  (`inference_svc.kernels.reference`), or `torch_ops()` here, the CPU path.
-- `torch_ops()` stores K/V in the cache's dtype (fp8/int8 through `kv_quant.store_scaled`); where the stored
-  dtype is not q's it reads the blocks back in fp32 (dequantized with their scales), computes in fp32 and
-  returns q's dtype. A cache in q's dtype is read as it is (views where it can), exactly as before.
-- `torch_ops()` runs decode attention and the K/V stores of an unscaled CPU cache through Tandem's C++ kernels
-  where they are built (`inference_svc.kernels.cpu_attention`: the cache read in place, fp32 softmax and sums,
-  one rounding to q's dtype); elsewhere, and for prefill chunks, the plain torch ops below.
-- A decode-only step over an unscaled cache calls the ops' `decode_step` once per layer where they have one (the
-  store, then decode attention, in one C++ call for `torch_ops()` on the CPU: the same results, without the
-  per-layer Python of two calls); where it returns None, the two ops run.
-- `torch_ops()` plans each step once (which blocks to gather, the length mask, whether a lone sequence's blocks
-  are consecutive so its cache is read as a view): the plan is derived from the metadata tensors, kept for the
-  tensors it was derived from (the same objects in every layer of a step), and replaced when new ones arrive.
-- Shapes follow `shared_model.attention`: q `[1, T, Hq, D]`, k, v `[1, T, Hkv, D]`, output `[1, T, Hq, D]`.
+- `TorchOps` satisfies `inference_svc.attention.interface.AttentionOps`. It stores K/V in the cache's dtype
+  (fp8/int8 through `kv_quant.store_scaled`); where the stored dtype is not q's it reads the blocks back in fp32
+  (dequantized with their scales), computes in fp32 and returns q's dtype. A cache in q's dtype is read as it is
+  (views where it can).
+- With `native` (the default), decode attention and the K/V stores of an unscaled CPU cache run through Tandem's
+  C++ kernels where they are built (`inference_svc.attention.native_cpu`: the cache read in place, fp32 softmax
+  and sums, one rounding to q's dtype), and `decode_step` runs a decode-only step's store and attention in one C++
+  call; elsewhere, and for prefill chunks, the plain torch ops below (`decode_step` then returns None).
+- It plans each step once (which blocks to gather, the length mask, whether a lone sequence's blocks are
+  consecutive so its cache is read as a view): the plan is derived from the metadata tensors, kept for the tensors
+  it was derived from (the same objects in every layer of a step), and replaced when new ones arrive.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from inference_svc.engine.kv_cache import KVCache
-from inference_svc.kernels import cpu_attention
-from inference_svc.kernels.kv_quant import as_bytes, store_scaled
-from inference_svc.kernels.triton_backend import AttentionOps
-
-__all__ = [
-    "AttentionMetadata",
-    "KVCache",
-    "PagedAttention",
-    "PagedAttentionFactory",
-    "is_torch_ops",
-    "paged_attention_factory",
-    "torch_ops",
-]
+from inference_svc.attention import native_cpu
+from inference_svc.attention.interface import AttentionOps
+from inference_svc.attention.kv_quant import as_bytes, store_scaled
 
 
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """Everything attention needs for one step, as tensors on the model device (no host copies)."""
-
-    slot_mapping: torch.Tensor  # [T] int64: each token's cache slot
-    num_decode_tokens: int  # D: tokens [0, D) are decode queries (several may belong to one sequence)
-    decode_context_lens: torch.Tensor  # [D] int32 (includes the token being decoded)
-    decode_block_tables: torch.Tensor  # [D, max_blocks] int32
-    cu_seqlens_q: torch.Tensor  # [P+1] int32, offsets into the prefill tokens (which start at D)
-    prefill_context_lens: torch.Tensor  # [P] int32 = cached prefix + chunk length
-    prefill_block_tables: torch.Tensor  # [P, max_blocks] int32
-
-
-class PagedAttention:
-    """The `AttentionBackend` of one step over any `AttentionOps` (see the module docstring)."""
-
-    def __init__(self, ops: AttentionOps, cache: KVCache, meta: AttentionMetadata) -> None:
-        self.ops = ops
-        self.cache = cache
-        self.meta = meta
-        # a decode-only step of an unscaled cache: the ops' one-call store and attention, where they have it
-        decode_only = meta.num_decode_tokens == int(meta.slot_mapping.shape[0])
-        self._decode_step = ops.decode_step if decode_only and cache.scales is None else None
-
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        # q: [1, T, Hq, D]; k, v: [1, T, Hkv, D]
-        k_cache, v_cache = self.cache.layer(layer_idx)
-        if self._decode_step is not None:
-            m = self.meta
-            out = self._decode_step(q, k, v, k_cache, v_cache, m.slot_mapping, m.decode_context_lens,
-                                    m.decode_block_tables, scale)  # fmt: skip
-            if out is not None:
-                return out
-        k_scales, v_scales = self.cache.layer_scales(layer_idx)  # [num_blocks, Hkv] fp32, or None
-        q, k, v = q[0], k[0], v[0]
-        m, ops = self.meta, self.ops
-        ops.store_kv(k, v, k_cache, v_cache, m.slot_mapping, k_scales=k_scales, v_scales=v_scales)
-        d = m.num_decode_tokens
-        parts: list[torch.Tensor] = []
-        if d:
-            decode_q = q if d == q.shape[0] else q[:d]
-            parts.append(
-                ops.decode_attention(
-                    decode_q,
-                    k_cache,
-                    v_cache,
-                    m.decode_context_lens,
-                    m.decode_block_tables,
-                    scale,
-                    k_scales=k_scales,
-                    v_scales=v_scales,
-                )
-            )
-        if q.shape[0] > d:
-            parts.append(
-                ops.prefill_attention(
-                    q[d:],
-                    k_cache,
-                    v_cache,
-                    m.cu_seqlens_q,
-                    m.prefill_context_lens,
-                    m.prefill_block_tables,
-                    scale,
-                    k_scales=k_scales,
-                    v_scales=v_scales,
-                )
-            )
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return out[None]  # [1, T, Hq, D]
-
-
-@dataclass(frozen=True)
-class PagedAttentionFactory:
-    """What the model runner calls once per step: (cache, metadata) -> that step's backend over `ops`."""
-
-    ops: AttentionOps
-
-    def __call__(self, cache: KVCache, meta: AttentionMetadata) -> PagedAttention:
-        return PagedAttention(self.ops, cache, meta)
-
-
-def paged_attention_factory(ops: AttentionOps) -> Callable[[KVCache, AttentionMetadata], PagedAttention]:
-    """The per-step backend over `ops` (a `PagedAttentionFactory`: the runner can tell which ops it holds)."""
-    return PagedAttentionFactory(ops)
-
-
-# ---------------------------------------------------------------------------------------- the torch ops (CPU path)
-class _TorchOps:
-    """Plain torch ops over the paged cache, planned once per step.
+class TorchOps:
+    """Plain torch ops over the paged cache, planned once per step (an `AttentionOps`; `name` is "torch").
 
     Decode gathers each sequence's blocks (`index_select`) into a padded `[D, Lmax]` tensor and runs SDPA with a
     length mask; a single sequence whose blocks are consecutive is read as a slice of the cache, without a copy,
@@ -151,9 +36,12 @@ class _TorchOps:
     (cached prefix + the chunk, stored first) as a view where its blocks are consecutive, else by one gather.
     """
 
-    def __init__(self, native: bool) -> None:
+    name = "torch"
+
+    def __init__(self, native: bool = True) -> None:
+        """`native=False`: torch ops only, even where the C++ decode kernels run (the load plan's `cpu_kernels`)."""
         self._native: Any = _UNBUILT if native else None
-        """The C++ decode kernels (`cpu_attention.extension()`, built at the first CPU call), or None: torch ops."""
+        """The C++ decode kernels (`native_cpu.extension()`, built at the first CPU call), or None: torch ops."""
         self._decode_key: tuple[torch.Tensor, torch.Tensor] | None = None
         self._decode_plan: _DecodePlan | None = None
         self._prefill_key: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -164,7 +52,7 @@ class _TorchOps:
         if not cache.is_cpu:
             return None
         if self._native is _UNBUILT:
-            self._native = cpu_attention.extension()
+            self._native = native_cpu.extension()
         return self._native
 
     def store_kv(
@@ -204,7 +92,7 @@ class _TorchOps:
     ) -> torch.Tensor | None:
         """`store_kv` then `decode_attention` in one C++ call, where the C++ kernels take this cache; else None."""
         native = self._kernels(k_cache)
-        if native is None or not cpu_attention.reads(k_cache, q.shape[-1]):
+        if native is None or not native_cpu.reads(k_cache, q.shape[-1]):
             return None
         return native.decode_step(q, k, v, k_cache, v_cache, slot_mapping, context_lens, block_tables, scale)
 
@@ -222,7 +110,7 @@ class _TorchOps:
     ) -> torch.Tensor:
         del num_splits  # a kernel tuning knob
         native = self._kernels(k_cache)
-        if native is not None and k_scales is None and cpu_attention.reads(k_cache, q.shape[-1]):
+        if native is not None and k_scales is None and native_cpu.reads(k_cache, q.shape[-1]):
             return native.decode_attention(q.contiguous(), k_cache, v_cache, context_lens, block_tables, scale)
         key = self._decode_key
         if key is None or key[0] is not context_lens or key[1] is not block_tables:
@@ -280,21 +168,14 @@ _UNBUILT = object()
 
 
 def is_torch_ops(ops: AttentionOps) -> bool:
-    """Whether `ops` are `torch_ops()` as made (their decode step that of the CPU path, not replaced or wrapped)."""
-    return isinstance(getattr(ops.decode_step, "__self__", None), _TorchOps)
+    """Whether `ops` are the CPU path's `TorchOps` (not replaced or wrapped)."""
+    return type(ops) is TorchOps
 
 
-def torch_ops(native: bool = True) -> AttentionOps:
-    """The CPU (and fallback) ops as an `AttentionOps`; each call makes its own plan memo (one per engine).
-    `native=False`: torch ops only, even where the C++ decode kernels run (the load plan's `cpu_kernels`)."""
-    ops = _TorchOps(native)
-    return AttentionOps(
-        name="torch",
-        store_kv=ops.store_kv,
-        prefill_attention=ops.prefill_attention,
-        decode_attention=ops.decode_attention,
-        decode_step=ops.decode_step,
-    )
+def torch_ops(native: bool = True) -> TorchOps:
+    """The CPU (and fallback) ops; each call makes its own plan memo (one per engine). `native=False`: torch ops
+    only, even where the C++ decode kernels run (the load plan's `cpu_kernels`)."""
+    return TorchOps(native)
 
 
 @dataclass

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from inference_svc.kernels import configs as cfg
-from inference_svc.kernels.kv_quant import check_scales
+from inference_svc.attention.kv_quant import check_scales
+from inference_svc.attention.triton import configs as cfg
 
 LOG2E = math.log2(math.e)
 

@@ -1,6 +1,6 @@
 """Plain-torch reference of the paged-KV attention ops: the contract's ground truth, and a CPU fallback.
 
-Same signatures as the Triton kernels exported by `inference_svc.kernels`:
+Same signatures as the Triton kernels exported by `inference_svc.attention.triton`:
 
 - `store_kv(k, v, k_cache, v_cache, slot_mapping)`: writes each token's K/V into its cache slot, in place.
 - `prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)`: causal attention of
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from inference_svc.kernels.kv_quant import as_bytes, dequantize, store_scaled
+from inference_svc.attention.kv_quant import as_bytes, dequantize, store_scaled
 
 
 def store_kv(
