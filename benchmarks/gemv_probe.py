@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         "F.linear bf16": (lambda: [F.linear(x16, w) for w in bf16], n * k * 2),
         "torch.mv bf16": (lambda: [torch.mv(w, x16[0]) for w in bf16], n * k * 2),
     }
-    if tandem_native.available():  # what a compiled step runs for a few rows (shared_model.fuse.set_row_kernels)
+    if (
+        tandem_native.available()
+    ):  # what a compiled step runs for a few rows (shared_model.serving_model.set_row_kernels)
         cases["tandem::row_gemm fp32"] = (lambda: [torch.ops.tandem.row_gemm(x32, w) for w in dense], n * k * 4)
         cases["tandem::row_gemm bf16"] = (lambda: [torch.ops.tandem.row_gemm(x16, w) for w in bf16], n * k * 2)
     best = _best_times({name: run for name, (run, _) in cases.items()}, args.rounds)

@@ -22,7 +22,6 @@ What it does:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import subprocess
@@ -36,7 +35,6 @@ import torch.nn.functional as F
 from shared_model import int4_gemv, int8_gemv
 from shared_model.bundle import load_bundle
 from shared_model.corpus import CorpusConfig, load_corpus
-from shared_model.fuse import fuse_projections
 from shared_model.quantize import QuantizedLinear, dequantize_int8, quantize_weights, serving_weight_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,11 +105,9 @@ def round_decode_rows(model: torch.nn.Module) -> torch.nn.Module:
         rounded = isinstance(layer, QuantizedLinear) and (layer.kind == "int8" or layer._row_kernel)
         return RowRounded(layer) if rounded else layer
 
-    for block in model.model.layers:
-        attn, mlp = block.self_attn, block.mlp
-        attn.merged = dataclasses.replace(attn.merged, proj=wrap(attn.merged.proj))
-        mlp.merged_gate_up = dataclasses.replace(mlp.merged_gate_up, proj=wrap(mlp.merged_gate_up.proj))
-        attn.o_proj, mlp.down_proj = wrap(attn.o_proj), wrap(mlp.down_proj)
+    for block in model.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down_proj"):
+            setattr(block, name, wrap(getattr(block, name)))
     model.lm_head = wrap(model.lm_head)
     return model
 
@@ -143,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"bundle": str(bundle), "held_out_tokens": len(ids), "window": args.window}
     for case in ("none", "int8", "int4", "int8-decode", "int4-decode"):
         kind = case.removesuffix("-decode")
-        model = fuse_projections(load_bundle(bundle, dtype=torch.bfloat16).model)
-        quantize_weights(model, kind)
+        model = quantize_weights(load_bundle(bundle, dtype=torch.bfloat16).model, kind)  # "none": merged only
         if case.endswith("-decode"):
             round_decode_rows(model)
         t0 = time.perf_counter()

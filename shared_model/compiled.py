@@ -1,9 +1,9 @@
 """A compiled forward of the one decoder, for serving: torch.compile around an opaque attention call.
 
 Contract:
-- `CompiledDecoder(model)` wraps a `CausalLM` (already prepared for serving: merged by `shared_model.fuse`,
-  quantized or not) and offers `hidden_states(input_ids, positions, backend)` with the decoder's own contract. The
-  decoder's code is not changed or copied: `torch.compile` (inductor) traces `CausalLM.hidden_states` itself, and
+- `CompiledDecoder(model)` wraps a `ServingDecoder` (`shared_model.serving_model`, quantized or not) and offers
+  `hidden_states(input_ids, positions, backend)` with the decoder's own contract. The decoder's code is not changed
+  or copied: `torch.compile` (inductor) traces `ServingDecoder.hidden_states` itself, and
   fuses what lies between the projections (norms, RoPE, SiLU·mul, residual adds) into a few generated kernels.
 - The attention backend stays eager and opaque: inside the compiled graph every `backend(layer, q, k, v, scale)`
   call is the custom op `tandem::attention`, whose implementation calls the backend this decoder was given for the
@@ -15,8 +15,8 @@ Contract:
   attention, `inference_svc.attention.native_cpu.GraphAttention`, serves decode-only steps without Python).
 - Shapes: the token axis is dynamic, so one graph serves every T >= 2 (prefill chunks, verify steps, batched decodes)
   and one T == 1 (a lone decode; torch specialises size 1). A model that branches on T has one graph per branch: a
-  quantized projection takes its packed kernel up to `PACKED_MAX_ROWS` rows, so T in 2..4 and T >= 5 are two graphs; a
-  dense one its row kernel up to `fuse.ROW_KERNEL_MAX_ROWS` rows (below). `warm_up(run)` calls `run` (which must reach
+  quantized projection takes its packed kernel up to `PACKED_MAX_ROWS` rows, so T in 2..4 and T >= 5 are two graphs;
+  a dense one its row kernel up to `ROW_KERNEL_MAX_ROWS` rows (below). `warm_up(run)` calls `run` (which must reach
   every kind of step), returns the seconds it took, and records them in `compile_seconds`. After warm-up the compiled
   code never compiles again: a call whose shapes or guards no graph covers is refused by dynamo at its guard check (the
   'fail_on_recompile' stance), before anything ran, and runs the same decoder eagerly instead; `eager_calls` counts
@@ -34,9 +34,9 @@ Contract:
 - The op declares no mutated arguments although a paged backend writes its cache: those writes go to tensors that
   are not graph inputs and that the graph never reads, and the layers' calls stay in order because each layer's
   output is the next one's input.
-- An fp32 or bf16 model's projections of up to `fuse.ROW_KERNEL_MAX_ROWS` rows run Tandem's row kernel inside
-  the graph where it is built (`shared_model.fuse.set_row_kernels`; the module's own eager forward then uses it
-  too, until `release_row_kernels()`): another summation order, covered by the same checks, and the same bits for
+- An fp32 or bf16 model's projections of up to `serving_model.ROW_KERNEL_MAX_ROWS` rows run Tandem's row kernel inside
+  the graph where it is built (`serving_model.set_row_kernels`; the module's own eager forward then uses it too,
+  until `release_row_kernels()`): another summation order, covered by the same checks, and the same bits for
   a row at any row count.
 - `compiler_available()` says whether inductor can build kernels here (on CPU it needs a C++ compiler).
 - Guards: dynamo checks before each call that its graph still applies. Here the guards on module state (every
@@ -63,8 +63,7 @@ from collections.abc import Callable
 import torch
 
 from shared_model.attention import AttentionBackend
-from shared_model.fuse import set_row_kernels
-from shared_model.model import CausalLM
+from shared_model.serving_model import ServingDecoder, set_row_kernels
 
 _DECODERS: weakref.WeakValueDictionary[int, CompiledDecoder] = weakref.WeakValueDictionary()
 """handle -> each live decoder (the custom op finds the backend of the call in flight there)."""
@@ -153,20 +152,20 @@ def compiler_available(device: torch.device) -> tuple[bool, str]:
 
 
 class CompiledDecoder:
-    """`CausalLM.hidden_states` compiled by inductor, attention left to the caller's backend (see the module doc)."""
+    """`ServingDecoder.hidden_states` compiled by inductor, attention left to the caller's backend (module doc)."""
 
     def __init__(
-        self, model: CausalLM, attention_op: Callable[..., torch.Tensor] | None = None, row_kernels: bool = True
+        self, model: ServingDecoder, attention_op: Callable[..., torch.Tensor] | None = None, row_kernels: bool = True
     ) -> None:
         """`row_kernels=False`: the projections keep `torch.mv` / `F.linear` (the caller's choice of kernels)."""
         self.model = model
         self.row_kernels = set_row_kernels(model, row_kernels)
-        """Projections whose few-row products run Tandem's row kernel (`shared_model.fuse.set_row_kernels`)."""
+        """Projections whose few-row products run Tandem's row kernel (`serving_model.set_row_kernels`)."""
         self.handle = next(_HANDLES)
         _DECODERS[self.handle] = self
         self.current_backend: AttentionBackend | None = None
         self._opaque = _OpaqueBackend(self.handle, attention_op or torch.ops.tandem.attention)
-        # Every decoder's graphs are entries of the one code object CausalLM.hidden_states (a handle is a guarded
+        # Every decoder's graphs are entries of the one code object ServingDecoder.hidden_states (a handle is a guarded
         # constant, so they never share one): room for a few engines' 2-3 graphs each in one process.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         options = dict(_OPTIONS)  # a copy: torch.compile pops guard_filter_fn from the dict it is given
@@ -181,7 +180,7 @@ class CompiledDecoder:
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
     ) -> torch.Tensor:
-        """As `CausalLM.hidden_states` ([B, T] ids and positions -> [B, T, hidden]), through the compiled graph."""
+        """As `ServingDecoder.hidden_states` ([B, T] ids and positions -> [B, T, hidden]), through the graph."""
         # fresh storage for views (a decode step's rows of one host copy): guards would pin their storage offsets
         input_ids = input_ids.clone() if input_ids.storage_offset() else input_ids
         positions = positions.clone() if positions.storage_offset() else positions

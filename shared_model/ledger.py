@@ -81,13 +81,14 @@ def quantized_matrix_bytes(
 def served_weight_bytes(
     config: ModelConfig, weight_dtype: str = "bf16", quantization: str = "none", group_size: int = DEFAULT_GROUP_SIZE
 ) -> int:
-    """Bytes of the weights as the engine holds them: every parameter in `weight_dtype`, plus the merged q/k-norm
-    table ((Hq + Hkv)·D per layer) when the model has QK-norm; with a quantization, its projections and LM head in
-    the quantized formats (scales 16-bit) and an int8 LM head beside a tied embedding (`shared_model.quantize`)."""
+    """Bytes of the weights as the engine holds them (`shared_model.serving_model`): every parameter in
+    `weight_dtype`, with each layer's q_norm and k_norm weights (2·D) replaced by the merged q/k-norm table
+    ((Hq + Hkv)·D) when the model has QK-norm; with a quantization, its projections and LM head in the quantized
+    formats (scales 16-bit) and an int8 LM head beside a tied embedding (`shared_model.quantize`)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     c, b = config, element_bytes(weight_dtype)
-    qk_table = (c.num_heads + c.num_kv_heads) * c.head_dim * b * c.num_layers if c.qk_norm else 0
+    qk_table = (c.num_heads + c.num_kv_heads - 2) * c.head_dim * b * c.num_layers if c.qk_norm else 0
     total = c.num_parameters() * b + qk_table
     if quantization == "none":
         return total

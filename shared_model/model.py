@@ -9,18 +9,13 @@ Contract:
   positions (the inference engine).
 - This file holds no parallelism, checkpointing or serving code: those are applied from outside. The core
   attention call is its own module (`CoreAttention`) so that checkpointing policies can target it by class.
-- Merged projections are a load-time transform (`shared_model.fuse`): it sets `Attention.merged` and
-  `MLP.merged_gate_up`, and the same forward then runs one projection for q/k/v (and one for gate/up), normalizes
-  and rotates the q and k heads in one pass. Each output is the same dot product, so the result is bit-equal; with
-  nothing merged (training: the plain parameters ZeRO partitions) the forward is the textbook one. A projection is
-  any module mapping [..., in] to [..., out]: an `nn.Linear`, or the weight-only quantized linear that
-  `shared_model.quantize` swaps in for serving; this file does not know which.
+- One forward, the textbook one, whatever the grad mode or tracing: no fork for serving. Serving builds its own
+  decoder from these parameters by their names (`shared_model.serving_model`: merged projections, fewer
+  temporaries), and the exactness tests hold the two together bit for bit. A projection is any module mapping
+  [..., in] to [..., out] (an `nn.Linear`, or a reference's stand-in); this file does not know which.
 """
 
 from __future__ import annotations
-
-import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,27 +26,10 @@ from shared_model.config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last axis in fp32, times `weight` in x's dtype (weight broadcasts: [D] or [H, D]).
-
-    Without autograd (serving) the same arithmetic runs with fewer temporaries, and the in-place steps touch only
-    tensors made here. On CPU a sum divided by the width is torch's mean bit for bit; on CUDA, whose mean
-    multiplies by 1/width, the two can differ in the last bit for widths that are not powers of two."""
-    dtype = x.dtype
+    """x / rms(x) over the last axis in fp32, times `weight` in x's dtype (weight broadcasts: [D] or [H, D])."""
     h = x.float()
-    if torch.is_grad_enabled():
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    elif torch.compiler.is_compiling():  # traced (`shared_model.compiled`): Python scalars become graph constants
-        h = h * torch.rsqrt(torch.sum(h * h, dim=-1, keepdim=True) / h.shape[-1] + eps)
-    else:  # the width and eps as cached fp32 0-d tensors: no scalar wrapping per call
-        ms = torch.sum(h * h, dim=-1, keepdim=True).div_(_constant(float(h.shape[-1]), h.device))
-        h = h * ms.add_(_constant(eps, h.device)).rsqrt_()
-    return weight * h.to(dtype)
-
-
-@functools.lru_cache(maxsize=64)
-def _constant(value: float, device: torch.device) -> torch.Tensor:
-    """An fp32 0-d tensor holding `value` (read-only by convention: never written in place)."""
-    return torch.tensor(value, dtype=torch.float32, device=device)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -92,17 +70,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self._inv_freq = rope_inv_freq(config)  # [D/2], a plain attribute: never cast by module.to()
-        self._by_device: dict[torch.device, torch.Tensor] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, T] int -> cos, sin: [B, T, 1, D] (broadcast over heads)
-        if torch.compiler.is_compiling():  # traced: a graph constant, no cache dict to guard on
-            inv = self._inv_freq.to(positions.device)
-        else:
-            inv = self._by_device.get(positions.device)
-            if inv is None:
-                inv = self._by_device.setdefault(positions.device, self._inv_freq.to(positions.device))
-        freqs = positions.float()[..., None] * inv  # [B, T, D/2]
+        freqs = positions.float()[..., None] * self._inv_freq.to(positions.device)  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
 
@@ -111,9 +82,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate pairs (i, i + D/2) of x [B, T, H, D] by the position angles (the rotate-half convention)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    if torch.is_grad_enabled():
-        return x * cos + rotated * sin
-    return (x * cos).add_(rotated.mul_(sin))  # serving: the same sums, two fewer temporaries
+    return x * cos + rotated * sin
 
 
 class CoreAttention(nn.Module):
@@ -126,23 +95,6 @@ class CoreAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         return backend(self.layer_idx, q, k, v, self.scale)
-
-
-@dataclass(frozen=True)
-class MergedQKV:
-    """q/k/v as one projection (set by `shared_model.fuse`; the q_proj/k_proj/v_proj parameters are views of its
-    weight). Held outside the module tree, so the state dict keeps only the Hugging Face names."""
-
-    proj: nn.Module  # [..., hidden] -> [..., q + 2 kv]
-    qk_norm: torch.Tensor | None  # [Hq + Hkv, D]: q_norm's weight for each q head, then k_norm's for each kv head
-    qk_size: int  # q + kv: the q and k heads, side by side in the merged output
-
-
-@dataclass(frozen=True)
-class MergedGateUp:
-    """gate/up as one projection (set by `shared_model.fuse`; gate_proj/up_proj are views of its weight)."""
-
-    proj: nn.Module  # [..., hidden] -> [..., 2 * intermediate]: gate, then up
 
 
 class Attention(nn.Module):
@@ -159,28 +111,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.core = CoreAttention(layer_idx, c.head_dim**-0.5)
-        self.eps = c.rms_norm_eps
-        self.merged: MergedQKV | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         b, t, _ = x.shape
         hq, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        m = self.merged
-        if m is None:
-            q = self.q_proj(x).view(b, t, hq, dim)  # [B, T, Hq, D]
-            k = self.k_proj(x).view(b, t, hkv, dim)  # [B, T, Hkv, D]
-            v = self.v_proj(x).view(b, t, hkv, dim)
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        else:  # the same arithmetic over one matmul, q and k heads normalized and rotated together
-            qkv = m.proj(x)  # [B, T, q + 2 kv]
-            qk = qkv[..., : m.qk_size].view(b, t, hq + hkv, dim)
-            if m.qk_norm is not None:
-                qk = rms_norm(qk, m.qk_norm, self.eps)
-            qk = apply_rope(qk, cos, sin)
-            q, k = qk[:, :, :hq], qk[:, :, hq:]
-            v = qkv[..., m.qk_size :].view(b, t, hkv, dim)
+        q = self.q_proj(x).view(b, t, hq, dim)  # [B, T, Hq, D]
+        k = self.k_proj(x).view(b, t, hkv, dim)  # [B, T, Hkv, D]
+        v = self.v_proj(x).view(b, t, hkv, dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q, k, v, backend)  # [B, T, Hq, D]
         return self.o_proj(out.reshape(b, t, hq * dim))
 
@@ -193,13 +133,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.merged_gate_up: MergedGateUp | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.merged_gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.merged_gate_up.proj(x).chunk(2, dim=-1)  # [B, T, intermediate] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

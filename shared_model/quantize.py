@@ -1,17 +1,17 @@
 """Weight-only quantization at load time, for serving: int8 per output channel, int4 in groups along the input.
 
 Contract:
-- `quantize_weights(model, kind, group_size)` (kind "int8" or "int4") merges the projections first
-  (`shared_model.fuse`), then swaps in a `QuantizedLinear` for every projection of every layer (merged q/k/v,
-  o_proj, merged gate/up, down_proj). Policy for the rest:
+- `quantize_weights(model, kind, group_size)` (kind "int8" or "int4") builds the serving decoder first
+  (`shared_model.serving_model`: merged projections), then swaps in a `QuantizedLinear` for every projection of
+  every layer (merged q/k/v, o_proj, merged gate/up, down_proj) and returns it. Policy for the rest:
   - the LM head is int8 per channel under both kinds: it is the one matrix every sampled token reads in full, and
     the error of its logits is what sampling sees, so it gets the finer format (llama.cpp keeps it finer too);
   - the token embedding stays in the model's dtype: a step gathers B of its rows, so quantizing it would save
     memory and no time. With tied embeddings the LM head gets its own int8 copy beside it;
   - norms and biases stay in the model's dtype.
-  The unmerged q/k/v and gate/up parameters (views of the merged full-precision matrices) are dropped (set to
-  None), so no full-precision copy of a quantized weight stays in memory. A quantized model serves; it does not
-  train or export (its state dict is not a bundle's).
+  The serving decoder then holds no full-precision copy of a quantized weight (the training model's q/k/v and
+  gate/up views of the merged matrices go with that model). A quantized model serves; it does not train or
+  export (its state dict is not a bundle's).
 - Number formats, the same in the kernels, `dequantize` and `fake_quantized` (the reference the tests compare
   against):
   - int8: per output row, s = max|w| / 127, q = round(w / s) in [-127, 127], w ≈ q·s.
@@ -52,16 +52,15 @@ Contract:
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shared_model import int4_gemv, int8_gemv
-from shared_model.fuse import fuse_projections
 from shared_model.ledger import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZATIONS
 from shared_model.model import CausalLM
+from shared_model.serving_model import ServingDecoder, fuse_projections
 
 PACKED_MAX_ROWS = 4
 """Rows up to which the packed kernels beat dequantize-then-GEMM. Their time grows with every row: on one 4096 x 768
@@ -300,37 +299,29 @@ def _cpu_int4_layout(packed: torch.Tensor, codes: torch.Tensor) -> int:
 
 # ------------------------------------------------------------------------------------ the model transform
 def quantize_weights(
-    model: CausalLM,
+    model: CausalLM | ServingDecoder,
     kind: str,
     group_size: int = DEFAULT_GROUP_SIZE,
     row_kernels: bool = True,
     int4_row_kernels: bool = True,
-) -> CausalLM:
-    """Quantize `model`'s projections in place (see the module docstring); returns `model`. "none": unchanged.
-    `row_kernels=False`: torch's kernels and layouts only (the LM head's int8 too); `int4_row_kernels=False`: the
-    same for the int4 layers alone (torch's packed int4 kernel and layout; the LM head keeps its int8 kernel)."""
+) -> ServingDecoder:
+    """The serving decoder of `model` (`fuse_projections`) with its projections quantized in place (see the module
+    docstring). "none": merged only. `row_kernels=False`: torch's kernels and layouts only (the LM head's int8
+    too); `int4_row_kernels=False`: the same for the int4 layers alone (torch's packed int4 kernel and layout; the
+    LM head keeps its int8 kernel). Every weight is checked before any is changed: a refused model is untouched."""
+    if kind != "none":
+        _check_model(model, kind, group_size)
+    decoder = fuse_projections(model)
     if kind == "none":
-        return model
-    _check_model(model, kind, group_size)
-    fuse_projections(model)
-    dtype = model.model.embed_tokens.weight.dtype
-    head_row_kernels = row_kernels
-    row_kernels = row_kernels and (kind != "int4" or int4_row_kernels)
+        return decoder
+    dtype = decoder.embed_tokens.weight.dtype
+    layer_row_kernels = row_kernels and (kind != "int4" or int4_row_kernels)
     with torch.no_grad():
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            assert attn.merged is not None and mlp.merged_gate_up is not None
-            qkv, gate_up = attn.merged.proj, mlp.merged_gate_up.proj
-            attn.merged = dataclasses.replace(attn.merged, proj=_quantized(qkv, kind, group_size, dtype, row_kernels))
-            mlp.merged_gate_up = dataclasses.replace(
-                mlp.merged_gate_up, proj=_quantized(gate_up, kind, group_size, dtype, row_kernels)
-            )
-            attn.o_proj = _quantized(attn.o_proj, kind, group_size, dtype, row_kernels)
-            mlp.down_proj = _quantized(mlp.down_proj, kind, group_size, dtype, row_kernels)
-            attn.q_proj = attn.k_proj = attn.v_proj = None  # views of the full-precision merged matrix: freed
-            mlp.gate_proj = mlp.up_proj = None
-        model.lm_head = _quantized(model.lm_head, "int8", group_size, dtype, head_row_kernels)
-    return model
+        for layer in decoder.layers:
+            for name in ("qkv", "o_proj", "gate_up", "down_proj"):
+                setattr(layer, name, _quantized(getattr(layer, name), kind, group_size, dtype, layer_row_kernels))
+        decoder.lm_head = _quantized(decoder.lm_head, "int8", group_size, dtype, row_kernels)
+    return decoder
 
 
 def _quantized(linear: nn.Module, kind: str, group_size: int, dtype: torch.dtype, row_kernels: bool) -> QuantizedLinear:
@@ -338,12 +329,21 @@ def _quantized(linear: nn.Module, kind: str, group_size: int, dtype: torch.dtype
     return QuantizedLinear(linear.weight, linear.bias, kind, group_size, dtype, row_kernels)
 
 
-def _check_model(model: CausalLM, kind: str, group_size: int) -> None:
-    """Every weight that `kind` would take, checked before any is changed (all or nothing)."""
+def _check_model(model: CausalLM | ServingDecoder, kind: str, group_size: int) -> None:
+    """Every weight that `kind` would take, checked before any is changed (all or nothing), named as the Hugging Face
+    parameter (a serving decoder's merged projections: by the parameters merged into them)."""
+    if isinstance(model, ServingDecoder):
+        if any(isinstance(m, QuantizedLinear) for m in model.projections()):
+            raise QuantizationError("the model is quantized already")
+        for i, layer in enumerate(model.layers):
+            for name, m in (
+                ("self_attn.{q,k,v}_proj (merged)", layer.qkv), ("self_attn.o_proj", layer.o_proj),
+                ("mlp.{gate,up}_proj (merged)", layer.gate_up), ("mlp.down_proj", layer.down_proj),
+            ):  # fmt: skip
+                check_quantizable(f"model.layers.{i}.{name}.weight", m.weight, kind, group_size)
+        return
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.q_proj is None:
-            raise QuantizationError("the model is quantized already")
         for name, m in (
             ("q_proj", attn.q_proj), ("k_proj", attn.k_proj), ("v_proj", attn.v_proj), ("o_proj", attn.o_proj),
             ("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj), ("down_proj", mlp.down_proj),
@@ -420,15 +420,9 @@ def fake_quantized(
     return ref
 
 
-def serving_weight_bytes(model: CausalLM) -> int:
-    """Bytes of every distinct storage the model's weights occupy as served (see the module docstring)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    for layer in model.model.layers:
-        for merged in (layer.self_attn.merged, layer.mlp.merged_gate_up):
-            if merged is not None:
-                tensors += [*merged.proj.parameters(), *merged.proj.buffers()]
-                qk_norm = getattr(merged, "qk_norm", None)
-                if qk_norm is not None:
-                    tensors.append(qk_norm)
+def serving_weight_bytes(model: ServingDecoder) -> int:
+    """Bytes of every distinct storage the model's weights occupy as served (see the module docstring): its
+    parameters and persistent buffers (quantized codes, scales, the merged q/k norm weights)."""
+    tensors = model.state_dict(keep_vars=True).values()
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())

@@ -9,7 +9,7 @@ Contract:
   argument: nothing here reads a switch.
 - Once loaded, the operators exist (`torch.ops.tandem.*`), each with a fake kernel for tracing registered here, so
   a compiled step calls them through the dispatcher with no Python wrapper: `int8_gemv` (`shared_model.int8_gemv`),
-  `int4_gemv` and `int4_dequantize` (`shared_model.int4_gemv`), `row_gemm` (`shared_model.fuse`) and
+  `int4_gemv` and `int4_dequantize` (`shared_model.int4_gemv`), `row_gemm` (`shared_model.serving_model`) and
   `paged_attention` (`inference_svc.attention.native_cpu`). The module's own functions (`decode_attention`,
   `store_kv`, `decode_step`, the graph binding calls, `truncation_thresholds`, `sample_rows`, `int8_gemv`) are
   called from Python directly.

@@ -65,8 +65,8 @@ from inference_svc.executor.plan import LoadPlan
 from shared_model import ledger
 from shared_model.bundle import Bundle, load_bundle, parse_dtype
 from shared_model.config import ModelConfig
-from shared_model.fuse import ROW_KERNEL_MAX_ROWS
 from shared_model.quantize import serving_weight_bytes
+from shared_model.serving_model import ROW_KERNEL_MAX_ROWS
 from shared_model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

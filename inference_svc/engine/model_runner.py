@@ -7,9 +7,9 @@ Contract:
   `AttentionMetadata` (slots, block tables, context lengths) once (a chunk of at most `QUERY_CHUNK_MAX` tokens,
   such as a verify item of speculative decoding, its last token and drafts, runs as one decode query per token
   over its context so far), runs shared_model's decoder
-  with a per-step backend (the same `CausalLM`, prepared by the engine: projections merged by
-  `shared_model.fuse`, bit-equal to the plain decoder, and weights quantized by `shared_model.quantize` when
-  asked; traced by `shared_model.compiled` when `compiled` is set), and returns fp32 logits only for the rows
+  with a per-step backend (its serving form, `shared_model.serving_model.ServingDecoder`, prepared by the engine:
+  projections merged, bit-equal to the plain decoder, and weights quantized by `shared_model.quantize` when asked;
+  traced by `shared_model.compiled` when `compiled` is set), and returns fp32 logits only for the rows
   that sample: the last row of a sequence whose chunk reaches its last token, and every row of a verify item;
   the LM head runs on those rows only.
 - Prompt logprobs: for a sequence whose request asks for them, the positions of this step's chunk whose next
@@ -41,7 +41,7 @@ from inference_svc.engine.sequence import Sequence
 from inference_svc.engine.types import MAX_SPECULATIVE_TOKENS, TokenLogprob
 from shared_model.compiled import CompiledDecoder
 from shared_model.config import ModelConfig
-from shared_model.model import CausalLM
+from shared_model.serving_model import ServingDecoder
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: CausalLM,
+        model: ServingDecoder,
         model_config: ModelConfig,
         num_blocks: int,
         block_size: int,

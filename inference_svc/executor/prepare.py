@@ -6,7 +6,7 @@ Contract:
      from `EngineConfig.cpu_kernels` and what this machine allows (`tandem_native`: x86-64 Linux,
      AVX-512 BW/VL/VNNI, a C++ compiler and ninja). Everything below that could use them is told this one answer;
      nothing reads an environment variable.
-  2. `merge_projections`: q/k/v and gate/up merged into one matrix each (`shared_model.fuse`).
+  2. `merge_projections`: q/k/v and gate/up merged into one matrix each (`shared_model.serving_model`).
   3. `quantization` (`EngineConfig.quantization`, `int4_kernel`): the weight format (`shared_model.quantize`).
   4. `linear.<projection>`: the method each projection runs, with its row-count table (the module's own
      `method()`): recorded from the modules themselves, so the record cannot drift from what runs.
@@ -34,9 +34,8 @@ from inference_svc.errors import ModelLoadError
 from inference_svc.executor.plan import Choice
 from shared_model.bundle import Bundle
 from shared_model.compiled import compiler_available
-from shared_model.fuse import ServingLinear, fuse_projections
-from shared_model.model import CausalLM
 from shared_model.quantize import QuantizationError, QuantizedLinear, quantize_weights
+from shared_model.serving_model import ServingDecoder, ServingLinear
 
 COMPILE_AUTO_MIN_PARAMS = 2_000_000
 """`compile='auto'` compiles on CPU from this many parameters up: below it a step costs well under a millisecond
@@ -49,7 +48,7 @@ TRANSFORMS = ("cpu_kernels", "merge_projections", "quantization", "linear", "att
 class Prepared:
     """A decoder prepared for serving and the choices that made it (transforms 2 and 3)."""
 
-    model: CausalLM
+    model: ServingDecoder
     native: bool
     """Whether Tandem's C++ kernels run (transform 1's answer, which the later transforms share)."""
     choices: tuple[Choice, ...]
@@ -66,13 +65,15 @@ def choose_cpu_kernels(config: EngineConfig, device: torch.device) -> tuple[bool
 
 
 def prepare(bundle: Bundle, config: EngineConfig, native: bool) -> Prepared:
-    """Transforms 2 and 3 on `bundle.model` (in place), with `native` from `choose_cpu_kernels`. Transform 4's record
+    """Transforms 2 and 3: the serving decoder of `bundle.model` (`shared_model.serving_model`, its parameters
+    shared), quantized as configured, with `native` from `choose_cpu_kernels`. Transform 4's record
     (`linear_choices`) is read once the step is built: a dense projection's row kernel serves compiled steps only."""
-    model = fuse_projections(bundle.model)
     choices = [Choice("merge_projections", "qkv+gate_up", "one matmul for q/k/v and one for gate/up (bit-equal)")]
     kind = config.quantization
     try:
-        quantize_weights(model, kind, config.quantization_group_size, native, config.int4_kernel == "auto")
+        model = quantize_weights(
+            bundle.model, kind, config.quantization_group_size, native, config.int4_kernel == "auto"
+        )
     except QuantizationError as exc:
         raise ModelLoadError(f"{bundle.path}: quantization {kind}: {exc}") from exc
     choices.append(_quantization_choice(config))
@@ -87,16 +88,15 @@ def _quantization_choice(config: EngineConfig) -> Choice:
     return Choice("quantization", kind, f"--quantization {kind}{group}; the LM head int8 per channel")
 
 
-def linear_choices(model: CausalLM) -> list[Choice]:
+def linear_choices(model: ServingDecoder) -> list[Choice]:
     """Transform 4's record: each projection's method, read from the first layer's modules (every layer's are the
     same kind) and the LM head."""
-    layer = model.model.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
+    layer = model.layers[0]
     modules = {
-        "qkv_proj": attn.merged.proj if attn.merged is not None else attn.q_proj,
-        "o_proj": attn.o_proj,
-        "gate_up_proj": mlp.merged_gate_up.proj if mlp.merged_gate_up is not None else mlp.gate_proj,
-        "down_proj": mlp.down_proj,
+        "qkv_proj": layer.qkv,
+        "o_proj": layer.o_proj,
+        "gate_up_proj": layer.gate_up,
+        "down_proj": layer.down_proj,
         "lm_head": model.lm_head,
     }
     return [Choice(f"linear.{name}", *_method(m)) for name, m in modules.items()]
@@ -144,7 +144,7 @@ def sampler_choice(native: bool, device: torch.device) -> Choice:
     return Choice("sampler", "torch", "thresholds by a sort" + ("" if native else " (--cpu-kernels off)"))
 
 
-def choose_compile(config: EngineConfig, device: torch.device, model: CausalLM) -> tuple[bool, Choice]:
+def choose_compile(config: EngineConfig, device: torch.device, model: ServingDecoder) -> tuple[bool, Choice]:
     """Transform 7: (whether to compile, the choice), by the rule of the module docstring."""
     mode = config.compile
     if mode == "off":

@@ -1,4 +1,4 @@
-"""Merged projections (`shared_model.fuse`) leave the decoder's output bit-identical, for every architecture
+"""Merged projections (`shared_model.serving_model`) leave the decoder's output bit-identical, for every architecture
 variant, dtype and step length, and leave the state dict (names and values) as it was."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import tandem_native
 from shared_model.attention import CAUSAL
 from shared_model.config import RopeScaling
-from shared_model.fuse import ROW_KERNEL_MAX_ROWS, ServingLinear, fuse_projections, set_row_kernels
 from shared_model.model import build_model
+from shared_model.serving_model import ROW_KERNEL_MAX_ROWS, ServingLinear, fuse_projections, set_row_kernels
 from tests.conftest import tiny_config
 
 CONFIGS = {
@@ -56,17 +56,21 @@ def test_state_dict_keeps_its_names_and_values_and_shares_the_merged_memory() ->
     cfg = tiny_config()
     model = build_model(cfg, seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    fuse_projections(model)
-    fuse_projections(model)  # idempotent
+    decoder = fuse_projections(model)
+    assert fuse_projections(decoder) is decoder  # idempotent
     after = model.state_dict()
     assert list(after) == list(before)
     assert all(torch.equal(after[k], before[k]) for k in before)
-    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    assert attn.merged is not None and mlp.merged_gate_up is not None
-    merged = attn.merged.proj.weight
-    assert attn.k_proj.weight.data_ptr() == merged[cfg.q_size :].data_ptr()  # a view, not a copy
-    assert mlp.up_proj.weight.data_ptr() == mlp.merged_gate_up.proj.weight[cfg.intermediate_size :].data_ptr()
+    attn, mlp, layer = model.model.layers[0].self_attn, model.model.layers[0].mlp, decoder.layers[0]
+    assert attn.k_proj.weight.data_ptr() == layer.qkv.weight[cfg.q_size :].data_ptr()  # a view, not a copy
+    assert mlp.up_proj.weight.data_ptr() == layer.gate_up.weight[cfg.intermediate_size :].data_ptr()
     assert not any(p.requires_grad for p in (attn.q_proj.weight, attn.v_proj.weight, mlp.gate_proj.weight))
+    # the rest is the training model's own Parameters, not copies
+    assert (
+        decoder.embed_tokens.weight is model.model.embed_tokens.weight
+        and decoder.lm_head.weight is model.lm_head.weight
+    )
+    assert layer.input_norm is model.model.layers[0].input_layernorm.weight
 
 
 @pytest.mark.skipif(not tandem_native.available(), reason="needs AVX-512 VNNI and a C++ compiler")
@@ -74,8 +78,7 @@ def test_state_dict_keeps_its_names_and_values_and_shares_the_merged_memory() ->
 def test_row_kernels_are_the_compiled_steps_choice_and_give_each_row_the_same_bits_at_any_row_count(
     dtype: torch.dtype,
 ) -> None:
-    model = build_model(tiny_config(), dtype=dtype, seed=0)
-    fuse_projections(model)
+    model = fuse_projections(build_model(tiny_config(), dtype=dtype, seed=0))
     assert set_row_kernels(model, True) == 4 * model.config.num_layers + 1  # qkv, o, gate/up, down; the LM head
     head = model.lm_head
     assert head.row_kernel

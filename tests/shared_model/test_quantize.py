@@ -89,7 +89,7 @@ def test_int4_unknown_layout_still_computes_the_same_product() -> None:
 def test_quantized_model_matches_fake_quantized_reference(cfg, kind: str, dtype: torch.dtype) -> None:
     model = build_model(cfg, dtype=dtype, seed=0)
     reference = qz.fake_quantized(model, kind)
-    qz.quantize_weights(model, kind)
+    model = qz.quantize_weights(model, kind)
     gen = torch.Generator().manual_seed(4)
     for t in (1, 7):  # the packed path and the dequantize path
         ids = torch.randint(0, cfg.vocab_size, (2, t), generator=gen)
@@ -106,13 +106,8 @@ def test_quantized_model_matches_fake_quantized_reference(cfg, kind: str, dtype:
 def test_served_bytes_equal_the_ledger_formula(kind: str, tied: bool, dtype: str) -> None:
     cfg = tiny_config(tie_word_embeddings=tied)
     model = build_model(cfg, dtype=DTYPES[dtype], seed=0)
-    if kind == "none":
-        from shared_model.fuse import fuse_projections
-
-        fuse_projections(model)
-    else:
-        qz.quantize_weights(model, kind)
-    assert qz.serving_weight_bytes(model) == served_weight_bytes(cfg, dtype, kind)
+    served = qz.quantize_weights(model, kind)  # "none": merged only
+    assert qz.serving_weight_bytes(served) == served_weight_bytes(cfg, dtype, kind)
 
 
 def test_served_bytes_follow_the_int4_group_size() -> None:
@@ -125,12 +120,14 @@ def test_served_bytes_follow_the_int4_group_size() -> None:
 def test_quantization_frees_the_full_precision_projections() -> None:
     cfg = tiny_config()
     model = qz.quantize_weights(build_model(cfg, dtype=torch.bfloat16, seed=0), "int4")
-    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    assert attn.q_proj is None and mlp.gate_proj is None
-    assert isinstance(attn.o_proj, qz.QuantizedLinear) and isinstance(model.lm_head, qz.QuantizedLinear)
-    assert model.lm_head.kind == "int8"  # the LM head's policy under both kinds
-    assert model.model.embed_tokens.weight.dtype == torch.bfloat16  # the embedding stays dense
-    dense = build_model(cfg, dtype=torch.bfloat16, seed=0)
+    layer = model.layers[0]
+    assert all(isinstance(m, qz.QuantizedLinear) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj))
+    assert isinstance(model.lm_head, qz.QuantizedLinear) and model.lm_head.kind == "int8"  # the head's policy
+    assert model.embed_tokens.weight.dtype == torch.bfloat16  # the embedding stays dense
+    assert not any(
+        p.dtype == torch.bfloat16 and p.dim() == 2 and p.shape[0] != cfg.vocab_size for p in model.parameters()
+    )
+    dense = qz.quantize_weights(build_model(cfg, dtype=torch.bfloat16, seed=0), "none")
     assert qz.serving_weight_bytes(model) < 0.6 * qz.serving_weight_bytes(dense)
     with pytest.raises(qz.QuantizationError, match="quantized already"):
         qz.quantize_weights(model, "int8")
@@ -151,4 +148,4 @@ def test_int4_refusals_name_the_weight_and_change_nothing(overrides, group: int,
         qz.quantize_weights(model, "int4", group_size=group)
     after = model.state_dict()
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
-    assert model.model.layers[0].self_attn.merged is None  # not even fused: all or nothing
+    assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)  # not even merged: all or nothing

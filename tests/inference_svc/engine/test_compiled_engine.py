@@ -29,9 +29,9 @@ from shared_model import compiled as compiled_module
 from shared_model.attention import CAUSAL
 from shared_model.bundle import load_bundle
 from shared_model.compiled import CompiledDecoder, compiler_available
-from shared_model.fuse import fuse_projections
 from shared_model.model import build_model
 from shared_model.quantize import fake_quantized
+from shared_model.serving_model import fuse_projections
 from tests.conftest import tiny_config
 from tests.inference_svc.engine.conftest import _save_model
 from tests.inference_svc.engine.test_speculative_exactness import KnownContinuation
@@ -170,7 +170,7 @@ def wide_qwen3_dir(tmp_path_factory, small_tokenizer):
 @pytest.mark.parametrize("model", ["qwen3_dir", "wide_qwen3_dir"])
 def test_compiled_verify_rows_are_bitwise_the_rows_of_plain_decode_steps(model, make_engine, request) -> None:
     """Compiled on CPU, a verify step's K + 1 rows run the row kernel, whose arithmetic per row does not depend on
-    the row count (`shared_model.fuse`), the decode attention, whose arithmetic per row is a plain decode's, and
+    the row count (`serving_model`), the decode attention, whose arithmetic per row is a plain decode's, and
     generated kernels that round each op's bf16 result as eager does (`shared_model.compiled`): so each verify
     row's logits are bitwise those of decoding its token alone. In bf16, where torch's matmul of K + 1 rows, or
     the T == 1 and T >= 2 graphs' different fusions, would round otherwise."""
