@@ -92,12 +92,12 @@ def _progress_bar() -> Any:
 def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[Any] | None = None) -> Any:
     """The lightning.Trainer a config describes (strategy, precision, loggers, checkpoint and export callbacks)."""
     import lightning.pytorch as pl
-    from lightning.pytorch.loggers import CSVLogger
 
     from lt_plugins.auto_strategy import resolve_auto, training_callbacks  # the planner's checkpointing and ledger
     from lt_plugins.checkpoint_io import PeriodicCheckpoint
     from lt_plugins.export import META_DIR, ExportBundle
     from lt_plugins.finite import NonFiniteLossGuard
+    from lt_plugins.metrics_csv import AttemptCSVLogger
     from lt_plugins.precision import PrecisionPolicyCallback
     from lt_plugins.strategy import ZeroStrategy
 
@@ -129,7 +129,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[Any] | None =
             )
     loggers: list[Any] = []
     if cfg.logging.csv:
-        loggers.append(CSVLogger(run_dir, name="logs", version=""))
+        loggers.append(AttemptCSVLogger(run_dir))  # logs/metrics.csv, then metrics.attempt-N.csv per resume
     if cfg.logging.tensorboard:
         try:
             from lightning.pytorch.loggers import TensorBoardLogger
