@@ -109,18 +109,21 @@ class AttemptCSVLogger(CSVLogger):
         return Path(self._experiment.metrics_file_path) if self._experiment is not None else None
 
 
-def _value(text: str) -> float | int | None:
+def _value(text: str) -> float | int | str | None:
+    """A CSV cell as logged: "" → None (not logged in that row), else an int, a float, or the text itself."""
     if text == "":
         return None
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every row of every attempt's metrics file under `<run_dir>/logs/`, attempt by attempt in logged order; each
-    row is {column: number or None (not logged in that row)} plus `attempt` (1-based)."""
+    row is {column: number (or text) or None (not logged in that row)} plus `attempt` (1-based)."""
     out: list[dict[str, Any]] = []
     for attempt, path in attempt_files(Path(run_dir) / LOGS_DIR):
         with open(path, newline="") as file:
