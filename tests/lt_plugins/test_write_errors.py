@@ -74,7 +74,7 @@ def tmpfs(tmp_path: Path) -> Iterator[Tmpfs]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished one-process run (2 checkpoints of the tiny preset, each tens of MB)."""
+    """A finished one-process run of one step (its checkpoint of the tiny preset is tens of MB; the bundle ~20 MB)."""
     run_dir = tmp_path_factory.mktemp("write-errors") / "run"
     proc = subprocess.run(_train_cmd(run_dir, 1), cwd=run_dir.parent, env=_env(), capture_output=True, text=True,
                           timeout=540)  # fmt: skip
