@@ -61,11 +61,14 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return seen
 
 
+_KNOWN = (*_SPACE, errno.EFBIG, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EACCES, errno.EPERM)
+
+
 def _errno(exc: BaseException) -> int | None:
-    """The errno of the first exception in the chain that has one, or that names one in its text."""
+    """The first errno of the chain that this module names (carried by an OSError, else named in a text)."""
     chain = _chain(exc)
     for e in chain:
-        if isinstance(e, OSError) and e.errno is not None:
+        if isinstance(e, OSError) and e.errno in _KNOWN:
             return e.errno
     for e in chain:
         for code, pattern in _TEXT.items():
@@ -116,9 +119,11 @@ def _message(code: int | None, target: Path) -> str | None:
         return f"{target} is on a read-only file system"
     if code in (errno.ENOTDIR, errno.EEXIST):
         blocker = _file_in_the_way(target)
-        if blocker is not None:
-            return f"{blocker} is not a directory (it is a file on the path of {target})"
-        return None
+        if blocker is None:
+            return None
+        if blocker.is_symlink():
+            return f"{blocker} is a broken symbolic link on the path of {target}"
+        return f"{blocker} is not a directory (it is a file on the path of {target})"
     if code in (errno.EACCES, errno.EPERM):
         return f"permission denied writing {target}"
     return None
@@ -141,8 +146,7 @@ def check_writable(target: str | Path, what: str) -> None:
     """WriteError(f"{what}: {problem}") unless a folder `target` could be created or replaced: its nearest existing
     ancestor (or its parent) is a folder this process may write on a writable file system."""
     target = Path(target)
-    blocker = _file_in_the_way(target)
-    if blocker is not None:
+    if _file_in_the_way(target) is not None:
         raise WriteError(f"{what}: {_message(errno.ENOTDIR, target)}")
     found = _existing(target)
     parent = found if found != Path(os.path.abspath(target)) else found.parent

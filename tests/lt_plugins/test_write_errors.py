@@ -116,6 +116,13 @@ def test_errno_and_library_texts_map_to_one_line_each(tmp_path: Path) -> None:
     in_the_way = write_problem(FileExistsError(errno.EEXIST, "File exists"), tmp_path / "file" / "out")
     assert in_the_way == f"{tmp_path / 'file'} is not a directory (it is a file on the path of {tmp_path}/file/out)"
     assert write_problem(FileExistsError(errno.EEXIST, "File exists"), target) is None  # a real "exists": not ours
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    assert write_problem(NotADirectoryError(errno.ENOTDIR, "x"), tmp_path / "gone" / "out") == (
+        f"{tmp_path / 'gone'} is a broken symbolic link on the path of {tmp_path / 'gone' / 'out'}"
+    )
+    cleanup = FileNotFoundError(errno.ENOENT, "gone")  # a cleanup that failed while handling the full disk
+    cleanup.__context__ = OSError(errno.ENOSPC, "No space left on device")
+    assert (write_problem(cleanup, target) or "").startswith("no space left on")
     assert write_problem(ValueError("bad value"), target) is None
     # torch's zip writer keeps no errno: a full disk only if the file system is (nearly) full; this one is not
     assert write_problem(RuntimeError("[enforce fail] unexpected pos 6272 vs 6164"), tmp_path) is None
