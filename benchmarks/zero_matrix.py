@@ -1,5 +1,6 @@
 """The ZeRO compatibility matrix: stage x activation checkpointing x offload x precision on a module Tandem did not
-write, each cell trained on 2 CPU processes (gloo) and compared with Lightning's plain "ddp" strategy.
+write, plus stage x precision for a fine-tune from a model folder (`init_from`), each cell trained on 2 CPU
+processes (gloo) and compared with Lightning's plain "ddp" strategy.
 
 What a cell is: `Cell(stage, ckpt, offload, precision, optimizer, threshold)`; the module is `EncoderLM` (an
 embedding, two `torch.nn.TransformerEncoderLayer`s under a causal mask, a head), trained `STEPS` steps with
@@ -7,6 +8,12 @@ Lightning's validation sanity check on (`num_sanity_val_steps=1`, a validation d
 `VAL_EVERY` steps) and gradient clipping. Checkpointing goes through `SelectiveCheckpointing`: the blocks are the
 largest repeated stack (`encoder.layers`, found without naming a class), `attention` recomputes the layers'
 `MultiheadAttention` modules (`attention_classes=("MultiheadAttention",)`).
+
+An `init_from` cell (`Cell(..., model="init_from")`, name suffix `-init_from`) trains Tandem's LitCausalLM loaded
+from an fp32 Hugging Face-layout folder (sharded safetensors, written once per process group by `write_folder`)
+instead: under ZeRO-3 each rank reads its own partition from the files inside DeepSpeed's zero.Init, in the
+parameters' dtype (bf16 under bf16-mixed). Its reference is DDP loading the same folder in the same precision (fp32
+weights, autocast under bf16-mixed), so the first loss already compares what was loaded.
 
 A cell's outcome is one of:
   - `ok`: its per-step global loss follows the DDP reference of the same precision (same seed, same per-rank
@@ -43,6 +50,8 @@ STAGES = (0, 1, 2, 3)
 CKPT_MODES = ("none", "full", "attention", "ops")
 OFFLOADS = ("none", "optimizer", "params", "opt+params")
 PRECISIONS = ("32-true", "bf16-mixed")
+MODELS = ("encoder", "init_from")
+"""encoder: EncoderLM from random weights; init_from: LitCausalLM loaded from an fp32 model folder."""
 
 STEPS = 6
 VAL_EVERY = 3
@@ -67,17 +76,25 @@ class Cell:
     threshold: int | None = 0
     """ZeRO-3 stage3_param_persistence_threshold: 0 shards every parameter; None keeps ZeroStrategy's default
     (100k elements: every parameter of this small module stays whole, the case fixed in 3eb6afb)."""
+    model: str = "encoder"
+    """One of MODELS: what is trained (see the module docstring)."""
 
     @property
     def name(self) -> str:
         extra = ("" if self.optimizer == "adamw" else f"-{self.optimizer}") + (
             "-persistent" if self.stage == 3 and self.threshold is None else ""
         )
+        extra += "" if self.model == "encoder" else f"-{self.model}"
         return f"z{self.stage}-{self.ckpt}-{self.offload}-{self.precision}{extra}"
+
+    @property
+    def reference(self) -> str:
+        """The key of the DDP reference this cell is judged against: its precision (and model, if not encoder)."""
+        return reference_key(self.precision, self.model)
 
     @classmethod
     def parse(cls, name: str) -> Cell:
-        """The inverse of `name` (z3-ops-none-32-true[-cpu_adam][-persistent])."""
+        """The inverse of `name` (z3-ops-none-32-true[-cpu_adam][-persistent][-init_from])."""
         head, _, rest = name.partition("-")
         ckpt, offload_rest = rest.split("-", 1)
         for offload in sorted(OFFLOADS, key=len, reverse=True):
@@ -95,15 +112,23 @@ class Cell:
             precision=precision,
             optimizer="cpu_adam" if "cpu_adam" in flags else "adamw",
             threshold=None if "persistent" in flags else 0,
+            model="init_from" if "init_from" in flags else "encoder",
         )
+
+
+def reference_key(precision: str, model: str = "encoder") -> str:
+    """`32-true` for the encoder's DDP reference in that precision, `32-true-init_from` for the folder's."""
+    return precision if model == "encoder" else f"{precision}-{model}"
 
 
 def full_matrix(
     stages: tuple[int, ...] = STAGES, precisions: tuple[str, ...] = PRECISIONS, cpu_adam: bool = True
 ) -> list[Cell]:
     """Every stage x checkpointing mode x offload x precision; ZeRO-3 with its default persistence threshold
-    (small parameters whole) per mode in 32-true; DeepSpeed's CPU Adam on each offload cell without checkpointing."""
+    (small parameters whole) per mode in 32-true; DeepSpeed's CPU Adam on each offload cell without checkpointing;
+    every stage x precision fine-tuned from a model folder (`init_from`)."""
     cells = [Cell(s, c, o, p) for s in stages for p in precisions for o in OFFLOADS for c in CKPT_MODES]
+    cells += [Cell(s, "none", "none", p, model="init_from") for s in stages for p in precisions]
     if 3 in stages and "32-true" in precisions:
         cells += [Cell(3, c, "none", "32-true", threshold=None) for c in CKPT_MODES]
     if cpu_adam:
@@ -155,6 +180,55 @@ def build_module(
     return EncoderLM()
 
 
+FOLDER_NAME = "init_from-fp32"
+"""The model folder `launch` writes into its output folder for the init_from cells."""
+
+
+def write_folder(folder: Path) -> Path:
+    """A small random Qwen3-style model saved as an fp32 Hugging Face-layout folder (config.json, sharded
+    safetensors with their index), the kind `model.init_from` fine-tunes; seeded, so every run writes the same."""
+    import torch
+
+    from shared_model.bundle import save_bundle
+    from shared_model.config import ModelConfig
+    from shared_model.model import build_model
+
+    config = ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        num_kv_heads=1,
+        head_dim=WIDTH // HEADS,
+        intermediate_size=FF,
+        qk_norm=True,
+        max_position_embeddings=64,
+    )
+    model = build_model(config, seed=1)
+    with torch.no_grad():  # norms start at one: make them tell a load from a fresh init
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
+    return save_bundle(folder, config, model, dtype="float32", max_shard_bytes=20_000, overwrite=True)
+
+
+def build_folder_module(folder: Path) -> Any:
+    """Tandem's LitCausalLM fine-tuning `folder` (lt_plugins' own init_from path), fed this matrix's batches."""
+    from lt_plugins.config import OptimSection
+    from lt_plugins.lit_module import LitCausalLM
+    from shared_model.bundle import read_config
+
+    class FolderLM(LitCausalLM):
+        def training_step(self, batch: list[Any], idx: int) -> Any:
+            return super().training_step(batch[0], idx)
+
+        def validation_step(self, batch: list[Any], idx: int) -> Any:
+            return super().validation_step(batch[0], idx)
+
+    optim = OptimSection(lr=3e-3, warmup_steps=1, weight_decay=0.01)
+    return FolderLM(read_config(folder), optim, init_from=folder)
+
+
 def rows() -> Any:
     """Token rows [64, SEQ+1] with a learnable rule (every odd position follows from the one before it)."""
     import torch
@@ -194,10 +268,16 @@ def _strategy(cell: Cell | None) -> Any:
 
 
 def fit(
-    cell: Cell | None, precision: str, optimizer: str = "adamw", losses: list[float] | None = None
+    cell: Cell | None,
+    precision: str,
+    optimizer: str = "adamw",
+    losses: list[float] | None = None,
+    model: str = "encoder",
+    folder: Path | None = None,
 ) -> dict[str, Any]:
-    """Train one cell (None: the DDP reference) in this process group; its per-step global losses (also appended to
-    `losses` as they come, so a caller can tell a failure at setup from one during training) and step time."""
+    """Train one cell (None: the DDP reference of `model`) in this process group; its per-step global losses (also
+    appended to `losses` as they come, so a caller can tell a failure at setup from one during training) and step
+    time. `folder` is the model folder of the init_from model."""
     import lightning.pytorch as pl
 
     from lt_plugins.checkpointing import SelectiveCheckpointing
@@ -217,7 +297,11 @@ def fit(
     if cell is not None and cell.ckpt != "none":
         callbacks.append(SelectiveCheckpointing(mode=cell.ckpt, attention_classes=("MultiheadAttention",)))
     pl.seed_everything(0, verbose=False)
-    module = build_module(optimizer)
+    if model == "init_from":
+        assert folder is not None, "an init_from cell needs the model folder"
+        module = build_folder_module(folder)
+    else:
+        module = build_module(optimizer)
     world = int(os.environ.get("WORLD_SIZE", WORLD))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun sets it: several "nodes" of 1 process
     trainer = pl.Trainer(
@@ -252,8 +336,8 @@ def _classify(exc: BaseException, trained: bool) -> dict[str, Any]:
 
 
 def worker(cells: list[Cell], out: Path, references: bool = True) -> None:
-    """One rank: the DDP references for the precisions the cells use (unless `references` is false), then the
-    cells; results after each."""
+    """One rank: the DDP references for the precisions and models the cells use (unless `references` is false),
+    then the cells; results after each."""
     import warnings
 
     import torch
@@ -263,14 +347,16 @@ def worker(cells: list[Cell], out: Path, references: bool = True) -> None:
     rank = int(os.environ["RANK"])
     result: dict[str, Any] = {"reference": {}, "cells": {}}
     path = out / f"matrix-rank{rank}.json"
-    for precision in sorted({c.precision for c in cells}) if references else ():
-        result["reference"][precision] = fit(None, precision)
+    folder = out / FOLDER_NAME
+    for precision, model in sorted({(c.precision, c.model) for c in cells}) if references else ():
+        result["reference"][reference_key(precision, model)] = fit(None, precision, model=model, folder=folder)
         path.write_text(json.dumps(result))
     for cell in sorted(cells, key=lambda c: c.stage == 3):
         progress: list[float] = []
         started = time.perf_counter()
         try:
-            result["cells"][cell.name] = {"outcome": "trained", **fit(cell, cell.precision, cell.optimizer, progress)}
+            trained = fit(cell, cell.precision, cell.optimizer, progress, cell.model, folder)
+            result["cells"][cell.name] = {"outcome": "trained", **trained}
         except Exception as exc:  # every failure is a row of the matrix
             result["cells"][cell.name] = _classify(exc, trained=bool(progress))
             if rank == 0 and result["cells"][cell.name]["outcome"] == "crash":
@@ -290,6 +376,8 @@ def launch(cells: list[Cell], out: Path, timeout_s: float = 600, references: boo
     """Run `cells` in one 2-process group; rank 0's results (the DDP references unless `references` is false, and
     the cells). Ranks that outlive the timeout are killed; the cells they did not reach are `crash` rows."""
     out.mkdir(parents=True, exist_ok=True)
+    if any(c.model == "init_from" for c in cells):
+        write_folder(out / FOLDER_NAME)
     spec = out / "cells.json"
     spec.write_text(json.dumps({"cells": [c.name for c in cells], "references": references}))
     port = free_port()
@@ -323,12 +411,12 @@ def launch(cells: list[Cell], out: Path, timeout_s: float = 600, references: boo
 
 
 def judge(cell: Cell, row: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
-    """A trained row becomes `ok` or `mismatch` against its precision's DDP reference."""
+    """A trained row becomes `ok` or `mismatch` against its DDP reference (same precision, same model)."""
     if row["outcome"] != "trained":
         return row
     import torch
 
-    ref = reference[cell.precision]["losses"]
+    ref = reference[cell.reference]["losses"]
     rtol, atol = TOLERANCE["cpu_adam" if cell.optimizer == "cpu_adam" else cell.precision]
     ours = row["losses"]
     diff = max(abs(a - b) for a, b in zip(ours, ref, strict=False)) if ours else float("inf")
@@ -337,7 +425,7 @@ def judge(cell: Cell, row: dict[str, Any], reference: dict[str, Any]) -> dict[st
         outcome = "ok"
     except AssertionError:
         outcome = "mismatch"
-    return {**row, "outcome": outcome, "max_abs_diff": diff, "ref_step_ms": reference[cell.precision]["step_ms"]}
+    return {**row, "outcome": outcome, "max_abs_diff": diff, "ref_step_ms": reference[cell.reference]["step_ms"]}
 
 
 def run(cells: list[Cell], out: Path, batch: int = 24, timeout_s: float = 600) -> list[dict[str, Any]]:
@@ -353,9 +441,13 @@ def run(cells: list[Cell], out: Path, batch: int = 24, timeout_s: float = 600) -
 
 
 def markdown(rows_: list[dict[str, Any]]) -> str:
-    """The table for docs/training.md: one line per stage x offload x precision, one column per checkpointing mode."""
-    by = {(r["stage"], r["offload"], r["precision"], r["optimizer"], r["threshold"], r["ckpt"]): r for r in rows_}
-    keys = sorted({k[:5] for k in by}, key=lambda k: (k[0], OFFLOADS.index(k[1]), k[2], k[3], k[4] is None))
+    """The table for docs/training.md: one line per stage x offload x precision (x model), one column per
+    checkpointing mode."""
+    by = {(r["stage"], r["offload"], r["precision"], r["optimizer"], r["threshold"], r.get("model", "encoder"),
+           r["ckpt"]): r for r in rows_}  # fmt: skip
+    keys = sorted(
+        {k[:6] for k in by}, key=lambda k: (MODELS.index(k[5]), k[0], OFFLOADS.index(k[1]), k[2], k[3], k[4] is None)
+    )
 
     def cell_text(r: dict[str, Any] | None) -> str:
         if r is None:
@@ -370,6 +462,7 @@ def markdown(rows_: list[dict[str, Any]]) -> str:
              "|---|---|---|---|" + "---|" * len(CKPT_MODES)]  # fmt: skip
     for k in keys:
         label = f"{k[0]}" + (" (small params whole)" if k[0] == 3 and k[4] is None else "")
+        label += " (init_from an fp32 folder)" if k[5] == "init_from" else ""
         cells_ = [cell_text(by.get((*k, m))) for m in CKPT_MODES]
         lines.append(f"| {label} | {k[1]} | {k[2]} | {k[3]} | " + " | ".join(cells_) + " |")
     refusals = sorted({r["error"] for r in rows_ if r["outcome"] == "refused"})

@@ -8,17 +8,24 @@ Contract:
   that never finished, or not a Tandem checkpoint), a listed file missing (partial copy), a size or hash mismatch
   (corrupt file), or no DeepSpeed `latest` tag. It returns the tag directory.
 - `latest_checkpoint(folder)` is the newest checkpoint with a manifest under a run's checkpoint folder, or None.
-- `PeriodicCheckpoint` runs Lightning's `ModelCheckpoint` (every N optimizer steps, keep the newest K) writing
-  `step-NNNNNN` directories, plus a save at the end of training. Before each save it checks, on every process,
-  that the last training loss and every parameter are finite; if not it raises `NonFiniteError` and writes
-  nothing, so a checkpoint of NaN/inf state never exists, let alone becomes the newest (`latest_checkpoint`) one
-  that resume and export pick.
+- `PeriodicCheckpoint` runs Lightning's `ModelCheckpoint` (every N optimizer steps) writing `step-NNNNNN`
+  directories, plus a save at the end of training. Before each save it checks, on every process, that the last
+  training loss and every parameter are finite; if not it raises `NonFiniteError` and writes nothing, so a
+  checkpoint of NaN/inf state never exists, let alone becomes the newest (`latest_checkpoint`) one that resume and
+  export pick.
+- Pruning (`prune_checkpoints`, after each completed save, on global rank 0) counts every `step-NNNNNN` directory in
+  the folder, whichever attempt wrote it (Lightning's top-k only knew the saves of the current attempt, so the
+  checkpoint a run resumed from was never deleted: each crash left one more): it keeps the newest `keep_last`
+  complete ones by step, always the one just written and the last complete one (`latest_checkpoint`), and deletes
+  the other complete ones and the incomplete ones (a save that crashed: no manifest, never used by resume or
+  export) of an earlier step than the one just written. Other entries of the folder are never touched.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -90,9 +97,38 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
     return max(done, key=lambda p: (p / MANIFEST).stat().st_mtime_ns, default=None)
 
 
+STEP_DIR = re.compile(r"step-(\d+)")
+"""A PeriodicCheckpoint directory name; the number is the global step."""
+
+
+def prune_checkpoints(folder: str | Path, keep_last: int, written: Path) -> list[Path]:
+    """Which `step-NNNNNN` directories of `folder` to delete after `written` was saved (see the module contract):
+    every complete one beyond the newest `keep_last` by step (never `written` nor `latest_checkpoint(folder)`),
+    and every incomplete one of an earlier step than `written`. Returns them; deleting is the caller's."""
+    if keep_last < 1:
+        raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+    folder, written = Path(folder), Path(written)
+    mine = STEP_DIR.fullmatch(written.name)
+    written_step = int(mine.group(1)) if mine else None
+    steps = []
+    for path in folder.iterdir() if folder.is_dir() else ():
+        match = STEP_DIR.fullmatch(path.name)
+        if match and path.is_dir() and not path.is_symlink():
+            steps.append((int(match.group(1)), path))
+    complete = sorted(((s, p) for s, p in steps if (p / MANIFEST).is_file()), reverse=True)
+    keep = {p.name for _, p in complete[:keep_last]} | {written.name}
+    last = latest_checkpoint(folder)
+    if last is not None:
+        keep.add(last.name)
+    doomed = [p for _, p in complete if p.name not in keep]
+    if written_step is not None:
+        doomed += [p for s, p in steps if not (p / MANIFEST).is_file() and s < written_step and p.name not in keep]
+    return sorted(doomed)
+
+
 class _StepDirectories(ModelCheckpoint):
-    """Lightning's ModelCheckpoint naming `step-NNNNNN` directories, keeping the newest K (top-k on the step), and
-    asking its owner before each save."""
+    """Lightning's ModelCheckpoint naming `step-NNNNNN` directories and asking its owner before each save; it keeps
+    every save (save_top_k=-1): pruning is the owner's, over the whole folder."""
 
     FILE_EXTENSION = ""  # DeepSpeed checkpoints are directories: step-000005, not step-000005.ckpt
 
@@ -103,7 +139,7 @@ class _StepDirectories(ModelCheckpoint):
             auto_insert_metric_name=False,
             monitor="step",
             mode="max",
-            save_top_k=keep_last,
+            save_top_k=-1,
             every_n_train_steps=every_n_steps,
             enable_version_counter=False,
         )
@@ -112,14 +148,18 @@ class _StepDirectories(ModelCheckpoint):
     def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
         path = Path(filepath)
         check_finite_before_save(trainer, trainer.lightning_module, path.name, self._owner.last_loss)  # or raises
-        super()._save_checkpoint(trainer, filepath)
+        super()._save_checkpoint(trainer, filepath)  # ZeroStrategy: its manifest written, all ranks past the save
         self._owner.saved.append(path)
+        if trainer.is_global_zero:
+            for old in prune_checkpoints(self._owner.dirpath, self._owner.keep_last, path):
+                trainer.strategy.remove_checkpoint(old)
 
 
 class PeriodicCheckpoint(Callback):
-    """Sharded checkpoints `<dirpath>/step-NNNNNN` every N optimizer steps and at the end; keeps the newest K.
+    """Sharded checkpoints `<dirpath>/step-NNNNNN` every N optimizer steps and at the end; keeps the newest K in the
+    folder, counting those of earlier attempts (`prune_checkpoints`).
 
-    The schedule, naming and pruning are Lightning's `ModelCheckpoint(every_n_train_steps=N, save_top_k=K)`, held
+    The schedule and naming are Lightning's `ModelCheckpoint(every_n_train_steps=N)`, held
     inside (so this also runs under `Trainer(enable_checkpointing=False)`, which refuses a ModelCheckpoint in the
     callbacks); what it adds is what Lightning lacks: a save at the end of training and the finiteness check before
     every save. The manifest marking a save complete is written by the strategy's `save_checkpoint` (ZeroStrategy

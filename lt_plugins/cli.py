@@ -7,13 +7,19 @@ Contract:
   the bundle and prints `bundle: /abs/path` as its last line. Returns 0, or 2 with a one-line error on stderr
   (`tandem train: error: data.extra: path not found: /x/y`) and no traceback for every deliberate error: a bad
   config value, bad data settings, a non-finite loss or model state (`NonFiniteLossGuard`, installed for every
-  run, stops training; no checkpoint of that state is written).
+  run, stops training; no checkpoint of that state is written), and a write that fails for lack of space, a
+  read-only file system, a file in the path or no permission (`lt_plugins.write_errors`: "no space left on <path>").
+- Each attempt of a run (a resume after a crash, a rerun) writes its own `logs/metrics.csv`,
+  `logs/metrics.attempt-N.csv` (`lt_plugins.metrics_csv`); `checkpoints.keep_last` counts every attempt's
+  checkpoints.
 - The run directory is `run_dir` from the config, else `./runs/<run_name>-<timestamp>`; the first process exports
   it as `TANDEM_RUN_DIR` so the processes Lightning launches agree on it. Only those launched processes (rank > 0)
   read it: a value left in the user's environment changes nothing. Multi-node runs should set `run_dir`.
 - `export_main([CKPT, OUT_DIR, "--format", "auto"])` consolidates a checkpoint (a ZeRO directory, a run dir: its
   newest, or a Lightning .ckpt) into a bundle, a state dict or a Hugging Face folder (`lt_plugins.export_any`) and
-  prints `<format>: /abs/path` (`bundle: /abs/path`) last, after the line saying what `auto` chose.
+  prints `<format>: /abs/path` (`bundle: /abs/path`) last, after the line saying what `auto` chose. Errors are one
+  line and exit 2, as for train: a full disk, a read-only folder or a path through a file is named, and nothing
+  is left half-written.
 - A rerun of a finished run (resume=auto finds the final checkpoint, so `fit` trains nothing) still ends with a
   current bundle: `ExportBundle.ensure()` re-exports it when missing or stale.
 """
@@ -33,9 +39,20 @@ from typing import Any
 from lt_plugins.config import TrainConfig, load_config, to_yaml
 from lt_plugins.errors import TrainingError, one_line
 from lt_plugins.precision import check_precision
+from lt_plugins.write_errors import write_problem
 from shared_model.errors import SharedModelError
 
 RUN_DIR_ENV = "TANDEM_RUN_DIR"
+
+
+def _storage_line(exc: BaseException, default: Path) -> str | None:
+    """A storage failure that escaped the places that report their own (a log write on a full disk, ...), in one
+    line naming the file it hit, or `default` when the error names none; None for any other exception."""
+    cause: BaseException | None = exc
+    while cause is not None and not (isinstance(cause, OSError) and cause.filename):
+        cause = cause.__cause__ or cause.__context__
+    target = Path(cause.filename) if isinstance(cause, OSError) else default  # type: ignore[arg-type]
+    return write_problem(exc, target)
 
 
 def _is_rank_zero() -> bool:
@@ -93,12 +110,12 @@ def _progress_bar() -> Any:
 def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[Any] | None = None) -> Any:
     """The lightning.Trainer a config describes (strategy, precision, loggers, checkpoint and export callbacks)."""
     import lightning.pytorch as pl
-    from lightning.pytorch.loggers import CSVLogger
 
     from lt_plugins.auto_strategy import resolve_auto, training_callbacks  # the planner's checkpointing and ledger
     from lt_plugins.checkpoint_io import PeriodicCheckpoint
     from lt_plugins.export import META_DIR, ExportBundle
     from lt_plugins.finite import NonFiniteLossGuard
+    from lt_plugins.metrics_csv import AttemptCSVLogger
     from lt_plugins.precision import PrecisionPolicyCallback
     from lt_plugins.strategy import ZeroStrategy
 
@@ -130,7 +147,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[Any] | None =
             )
     loggers: list[Any] = []
     if cfg.logging.csv:
-        loggers.append(CSVLogger(run_dir, name="logs", version=""))
+        loggers.append(AttemptCSVLogger(run_dir))  # logs/metrics.csv, then metrics.attempt-N.csv per resume
     if cfg.logging.tensorboard:
         try:
             from lightning.pytorch.loggers import TensorBoardLogger
@@ -245,6 +262,12 @@ def train_main(argv: Sequence[str]) -> int:
     except (TrainingError, SharedModelError) as exc:  # deliberate errors: one line, no traceback
         print(f"tandem train: error: {one_line(exc)}", file=sys.stderr, flush=True)
         return 2
+    except Exception as exc:  # a full disk, a read-only folder ... where no caller named it: still one line
+        line = _storage_line(exc, Path(os.environ.get(RUN_DIR_ENV) or Path.cwd()))
+        if line is None:
+            raise
+        print(f"tandem train: error: {line}", file=sys.stderr, flush=True)
+        return 2
     if bundle is not None:
         print(f"bundle: {bundle}", flush=True)
     return 0
@@ -296,6 +319,12 @@ def export_main(argv: Sequence[str]) -> int:
         )
     except (TrainingError, SharedModelError, ValueError) as exc:  # ValueError: --max-shard-size
         print(f"tandem export: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a storage failure outside the export's own reporting: still one line
+        line = _storage_line(exc, Path(args.out_dir))
+        if line is None:
+            raise
+        print(f"tandem export: error: {line}", file=sys.stderr)
         return 2
     if args.format == "auto":
         print(f"tandem export: {done.reason}", flush=True)

@@ -366,7 +366,8 @@ class CheckpointsSection:
     every_n_steps: int = 50
     """Save a sharded checkpoint every N optimizer steps (and always at the end)."""
     keep_last: int = 2
-    """Checkpoints kept on disk (older ones are deleted)."""
+    """Checkpoints kept on disk: the newest by step, counting those of earlier attempts (a resumed run's too); older
+    ones and crashed partial saves are deleted."""
     resume: str | None = "auto"
     """auto: continue from the newest complete checkpoint of the run dir if any; a path; or None."""
 
@@ -393,7 +394,7 @@ class LoggingSection:
     """Where metrics go."""
 
     csv: bool = True
-    """CSV logger under <run_dir>/logs."""
+    """CSV logger under <run_dir>/logs: metrics.csv, then metrics.attempt-N.csv for each resumed attempt."""
     tensorboard: bool = True
     """TensorBoard logger too, when tensorboard is installed."""
 

@@ -42,7 +42,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lt_plugins.checkpoint_io import MANIFEST, latest_checkpoint, verify_checkpoint
 from lt_plugins.checkpoint_read import checkpoint_source, read_lightning_state
-from lt_plugins.errors import CheckpointError
+from lt_plugins.errors import CheckpointError, TrainingError
 from lt_plugins.lit_module import STATE_PREFIX
 from shared_model.bundle import (
     CONFIG_FILE,
@@ -275,6 +275,12 @@ class ExportBundle(Callback):
         self.bundle_path: Path | None = None
 
     def _export(self, ckpt: Path) -> Path:
+        from lt_plugins.write_errors import reported_writes
+
+        with reported_writes(self.out_dir, f"cannot export {ckpt.name} to {self.out_dir}, nothing was written"):
+            return self._export_unreported(ckpt)
+
+    def _export_unreported(self, ckpt: Path) -> Path:
         if self.tandem_model:
             return export_bundle(ckpt, self.out_dir, self.dtype, self.meta_dir, overwrite=True)
         from lt_plugins.export_any import export_checkpoint
@@ -294,7 +300,7 @@ class ExportBundle(Callback):
                 if ckpt is None:
                     raise CheckpointError(f"no checkpoint under {self.checkpoint_dir} to export")
                 self.bundle_path = self._export(ckpt)
-            except CheckpointError as exc:
+            except TrainingError as exc:  # CheckpointError, WriteError (a full disk): every rank passes the barrier
                 error = exc
         trainer.strategy.barrier("tandem_export_done")
         if error is not None:

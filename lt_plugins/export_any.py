@@ -7,7 +7,11 @@ Contract:
 - `auto` picks `bundle` when the run's `model_meta/config.json` exists (or `--model-meta` is given); else `hf` when
   `--hf-config` / `--hf-attribute` is given or the checkpoint's hyperparameters hold a Hugging Face config; else
   `state-dict`. `Exported.reason` says which, in one line, with the option that picks another.
-- The target is checked before the choice reads anything (`check_export_target`, `check_bundle_out`).
+- The target is checked before the choice reads anything (`check_export_target`, `check_bundle_out`, and
+  `write_errors.check_writable`: a path through a file, a read-only file system or a folder without write
+  permission is refused before the checkpoint is read). A write that fails (a full disk, a file size limit) is one
+  `WriteError` line naming the reason and the folder; the formats write into a temporary sibling that is removed,
+  so nothing is left half-written and an earlier export stays as it was.
 - dtype None means each format's default: bfloat16 for a bundle, the checkpoint's own dtypes otherwise.
 """
 
@@ -26,6 +30,7 @@ from lt_plugins.export import (
 )
 from lt_plugins.export_hf import export_hf, find_hf_config
 from lt_plugins.export_state_dict import export_state_dict
+from lt_plugins.write_errors import check_writable, reported_writes
 from shared_model.bundle import DEFAULT_MAX_SHARD_BYTES
 
 
@@ -76,13 +81,15 @@ def export_checkpoint(
     ckpt = resolve_checkpoint(ckpt_dir)
     check_export_target(out_dir, ckpt, None, ckpt_dir)  # the format's own checks follow; nothing read before them
     check_bundle_out(out_dir, overwrite)
+    check_writable(out_dir, f"refusing to export to {out_dir}")
     chosen, reason = choose_format(ckpt, format, model_meta, hf_config, hf_attribute)
-    if chosen == "bundle":
-        path = export_bundle(
-            ckpt_dir, out_dir, dtype or "bfloat16", model_meta, overwrite=overwrite, max_shard_bytes=max_shard_bytes
-        )
-    elif chosen == "state-dict":
-        path = export_state_dict(ckpt_dir, out_dir, dtype, max_shard_bytes, overwrite)
-    else:
-        path = export_hf(ckpt_dir, out_dir, hf_config, hf_attribute, dtype, overwrite, max_shard_bytes)
+    with reported_writes(out_dir, f"cannot export to {out_dir}, nothing was written"):
+        if chosen == "bundle":
+            path = export_bundle(
+                ckpt_dir, out_dir, dtype or "bfloat16", model_meta, overwrite=overwrite, max_shard_bytes=max_shard_bytes
+            )
+        elif chosen == "state-dict":
+            path = export_state_dict(ckpt_dir, out_dir, dtype, max_shard_bytes, overwrite)
+        else:
+            path = export_hf(ckpt_dir, out_dir, hf_config, hf_attribute, dtype, overwrite, max_shard_bytes)
     return Exported(chosen, path, reason)

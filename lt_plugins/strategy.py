@@ -27,7 +27,11 @@ Contract:
 - `16-mixed` on CPU is refused at setup with a `PrecisionError`. fp32 master weights and optimizer state are kept
   by DeepSpeed in every mixed mode.
 - Checkpoints are DeepSpeed's sharded directories; after every save, rank 0 writes `tandem_manifest.json` (files,
-  sizes, SHA-256) so that export can tell a complete checkpoint from a partial or corrupt one.
+  sizes, SHA-256) so that export can tell a complete checkpoint from a partial or corrupt one. A save that fails
+  for lack of space (or a read-only file system, a file size limit, no permission) is one `WriteError` line naming
+  the reason and the folder, instead of torch's zip-writer trace ("unexpected pos 6272 vs 6164"); rank 0 removes
+  the partial directory (it has no manifest, so resume and export never used it) and the line names the last
+  complete checkpoint.
 - Before DeepSpeed builds any op, build locks left by a process killed mid-build are removed
   (`lt_plugins.op_builds`): torch's builder would wait on them for ever.
 - Nothing here knows about shared_model.
@@ -40,6 +44,7 @@ import copy
 import difflib
 import json
 import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -51,9 +56,10 @@ from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 
-from lt_plugins.checkpoint_io import write_manifest
+from lt_plugins.checkpoint_io import MANIFEST, latest_checkpoint, write_manifest
 from lt_plugins.errors import PrecisionError, StrategyError, TrainingConfigError, one_line
 from lt_plugins.op_builds import drop_stale_build_locks
+from lt_plugins.write_errors import WriteError, write_problem
 
 
 @dataclass(frozen=True)
@@ -657,11 +663,27 @@ class ZeroStrategy(DeepSpeedStrategy):
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
         path = Path(self.broadcast(str(filepath)))
-        super().save_checkpoint(checkpoint, path, storage_options)
-        self.barrier("tandem_checkpoint_saved")
-        if self.is_global_zero:
-            write_manifest(path)
+        try:
+            super().save_checkpoint(checkpoint, path, storage_options)
+            self.barrier("tandem_checkpoint_saved")
+            if self.is_global_zero:
+                write_manifest(path)
+        except Exception as exc:
+            problem = write_problem(exc, path.parent)
+            if problem is None:
+                raise
+            raise WriteError(self._failed_save(path, problem)) from exc
         self.barrier("tandem_manifest_written")
+
+    def _failed_save(self, path: Path, problem: str) -> str:
+        """The one line of a checkpoint save that hit `problem`; rank 0 removes the partial directory."""
+        removed = ""
+        if self.is_global_zero and path.is_dir() and not (path / MANIFEST).is_file():
+            shutil.rmtree(path, ignore_errors=True)
+            removed = f"; the partial {path.name} was removed"
+        last = latest_checkpoint(path.parent)
+        kept = f"the last complete checkpoint is {last.name}" if last is not None else "no complete checkpoint exists"
+        return f"checkpoint {path.name} not saved: {problem}{removed}; {kept}"
 
 
 def _use_deepspeed_cpu_accelerator() -> None:

@@ -251,18 +251,21 @@ class FolderTensors:
         (any dtype) with positional reads of the file in pieces of about `chunk_bytes`: no memory map, no copy of
         the whole tensor, so a ZeRO-3 rank reads only its own partition. The bytes land in `dest` itself when it is
         a contiguous CPU tensor of the file's dtype, else in one CPU staging buffer of one piece, copied (and cast,
-        or moved to `dest`'s device) from there: the only transient memory is that piece. NaN/Inf is a
-        BundleError."""
+        or moved to `dest`'s device) from there: the only transient memory is that piece. The element type and
+        size are the file header's, never taken from an allocation (DeepSpeed's zero.Init with a bf16 config makes
+        `torch.empty(dtype=float32)` return bfloat16). NaN/Inf is a BundleError."""
         file = self.where[name]
         dtype, shape, base = self._entry(file, name)
         count = dest.numel()
         if start < 0 or start + count > math.prod(shape):
             where = f"[{start}, {start + count})"
             raise BundleError(f"{file}: tensor {name} of shape {tuple(shape)} has no elements {where}")
-        size = torch.empty((), dtype=dtype).element_size()
+        if count == 0:  # a rank whose partition holds none of this tensor (ZeRO-3 padding)
+            return
+        size = dtype.itemsize  # the file's element size, never an allocation's (see _staging)
         step = max(1, chunk_bytes // size)
         direct = dest.dtype == dtype and dest.is_contiguous() and dest.device.type == "cpu"
-        staging = None if direct else torch.empty(min(step, count), dtype=dtype)  # [piece]
+        staging = None if direct else _staging(min(step, count), dtype)  # [piece]
         with open(file, "rb") as fh:
             for lo in range(0, count, step):
                 n = min(step, count - lo)
@@ -305,6 +308,16 @@ class FolderTensors:
             t = t.to(dtype)
             _check_finite(file, name, t, cast_to=dtype)
         return t
+
+
+def _staging(count: int, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU buffer of `count` elements of `dtype` over fresh bytes. Not `torch.empty`: inside DeepSpeed's
+    `zero.Init` with a bf16/fp16 config, torch.empty/zeros/... hand back the configured dtype whatever dtype is
+    asked for, and reading fp32 bytes into such a buffer scrambles them. `torch.frombuffer` is not patched."""
+    out = torch.frombuffer(bytearray(count * dtype.itemsize), dtype=dtype)  # [count]
+    if out.dtype != dtype:  # a library patched this one too: fail loudly, never read with the wrong element size
+        raise BundleError(f"cannot allocate a {dtype_name(dtype)} read buffer (got {dtype_name(out.dtype)})")
+    return out
 
 
 def load_bundle(

@@ -19,6 +19,8 @@ CI_CELLS = (
     "z1-attention-optimizer-32-true",  # attention mode; offload with the module's own torch optimizer
     "z3-attention-params-bf16-mixed",  # parameter offload alone
     "z3-none-optimizer-32-true-cpu_adam",  # offload with DeepSpeed's CPU Adam
+    "z3-none-none-32-true-init_from",  # fine-tune from an fp32 model folder, each rank reading its partition
+    "z3-none-none-bf16-mixed-init_from",  # the same in bf16: the reader took zero.Init's bf16 for the file's dtype
 )
 """With the planner's choices (below, `planner_choices`), every stage, checkpointing mode, offload and precision,
 and each combination that had a defect."""

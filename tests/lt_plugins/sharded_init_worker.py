@@ -1,13 +1,15 @@
 """One rank of the 2-process sharded-construction test (started by test_sharded_init.py, never by pytest).
 
-`sharded_init_worker.py FOLDER OUT STAGE`: starts `Trainer.fit` of LitCausalLM(init_from=FOLDER) under
-ZeroStrategy(STAGE) with every parameter partitioned (param_persistence_threshold=0), stops it once configure_model
-has run (training under ZeRO-3 is covered by test_train_cli.py) and writes `<OUT>/rank<r>.json`:
+`sharded_init_worker.py FOLDER OUT STAGE [PRECISION]`: starts `Trainer.fit` of LitCausalLM(init_from=FOLDER) under
+ZeroStrategy(STAGE) in Trainer precision PRECISION (default 32-true; under bf16-mixed DeepSpeed builds the
+parameters in bfloat16 inside zero.Init) with every parameter partitioned (param_persistence_threshold=0), stops it
+once configure_model has run (training under ZeRO-3 is covered by test_train_cli.py) and writes `<OUT>/rank<r>.json`:
 - `broadcasts`: the collective broadcasts made while configure_model built and loaded the decoder (none: the
   unfilled construction skips zero.Init's broadcast of each new parameter, and each rank reads its own slices);
 - `construction`: for every parameter, right after `configure_model` built and loaded it: its local numel (0 once
   partitioned), `ds_numel` (the full size) and the size of this rank's partition `ds_tensor`;
-- `max_abs_diff`: per tensor, max |gathered parameter - the folder's tensor| (0.0 for an exact load);
+- `max_abs_diff`: per tensor, max |gathered parameter - the folder's tensor cast to the parameter's dtype| (0.0 for
+  an exact load); `dtypes`: the parameters' dtypes;
 - `random_diff`: the same for a from-scratch build under the strategy's sharded context against
   `build_model(config, seed=3)` built whole (the per-leaf sharded init must draw the same values).
 """
@@ -42,7 +44,7 @@ def _gathered_diffs(model: torch.nn.Module, reference: Any) -> dict[str, float]:
         with ctx:
             for name, p in params:
                 full = f"{prefix}.{name}" if prefix else name
-                diffs[full] = (p.data.float() - reference(full).float()).abs().max().item()
+                diffs[full] = (p.data.float() - reference(full).to(p.dtype).float()).abs().max().item()
     return diffs
 
 
@@ -74,6 +76,7 @@ class Probe(LitCausalLM):
                 }
                 for name, p in self.model.named_parameters()
             }
+            self.dtypes = sorted({str(p.dtype) for p in self.model.parameters()})
             with FolderTensors(self.init_from) as tensors:
                 self.diffs = _gathered_diffs(self.model, tensors.get)
             scratch = CausalLM(self.model_config)  # still inside the strategy's zero.Init
@@ -86,7 +89,7 @@ class Built(Exception):
     """Ends the fit once the probe has recorded construction and loading."""
 
 
-def main(folder: str, out: str, stage: int) -> None:
+def main(folder: str, out: str, stage: int, precision: str = "32-true") -> None:
     torch.set_num_threads(1)
     config = read_config(folder)
     data = DataSection(block_size=16, batch_size=2)
@@ -96,7 +99,7 @@ def main(folder: str, out: str, stage: int) -> None:
         accelerator="cpu",
         devices=2,
         strategy=strategy,
-        precision="32-true",
+        precision=precision,
         max_steps=1,
         logger=False,
         enable_checkpointing=False,
@@ -112,8 +115,9 @@ def main(folder: str, out: str, stage: int) -> None:
         trainer.fit(module, datamodule=CorpusDataModule(data, Blocks(rows, rows[:4], None)))  # type: ignore[arg-type]
     result = {"construction": module.construction, "max_abs_diff": module.diffs, "random_diff": module.random_diff}
     result["broadcasts"] = module.broadcasts
+    result["dtypes"] = module.dtypes
     Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:5])

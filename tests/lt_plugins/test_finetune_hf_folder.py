@@ -6,6 +6,7 @@ tokenizer was trained. Also the refusals: conflicting settings and unusable fold
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -72,6 +73,43 @@ def test_finetune_keeps_chat_template_and_special_tokens(source, tmp_path: Path)
     assert "model.embed_tokens.weight" in moved and "lm_head.weight" in moved  # trained from the source ...
     delta = max((tuned[k] - weights[k]).abs().max().item() for k in weights)
     assert 0 < delta < 0.5  # ... a few small steps away from it, not a fresh random init
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_zero3_bf16_finetune_of_an_fp32_folder_starts_at_the_fp32_loss(source, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 34's command: `model.init_from=DIR trainer.devices=2 strategy.stage=3 trainer.precision=bf16-mixed` on an
+    fp32 folder stopped with "tensor model.embed_tokens.weight holds NaN or Inf values". It trains, and its first
+    loss (before any update: what was loaded) equals the same run's in 32-true within the bf16 tolerance."""
+    from lt_plugins.metrics_csv import read_metrics
+    from tests.conftest import free_port
+
+    folder, weights = source
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+    data = _jsonl(tmp_path / "chat.jsonl")
+    first: dict[str, float] = {}
+    for precision in ("bf16-mixed", "32-true"):
+        run_dir = tmp_path / precision
+        cmd = [
+            sys.executable,
+            "-m",
+            "shared_model.cli",
+            "train",
+            "--config",
+            str(REPO / "configs/finetune-example.yaml"),
+        ]
+        cmd += [f"model.init_from={folder}", f"data.extra=[{data}]", f"run_dir={run_dir}", "trainer.devices=2"]
+        cmd += ["strategy.stage=3", f"trainer.precision={precision}", "trainer.max_steps=2", "data.block_size=32"]
+        cmd += ["data.batch_size=2", "trainer.limit_val_batches=0", "trainer.log_every_n_steps=1"]
+        cmd += ["trainer.enable_progress_bar=false", "logging.tensorboard=false", "export.enabled=false"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        losses = [r["train_loss"] for r in read_metrics(run_dir) if r.get("train_loss") is not None]
+        assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses
+        first[precision] = losses[0]
+    assert first["bf16-mixed"] == pytest.approx(first["32-true"], rel=0.02, abs=0.05)  # the bf16 tolerance
 
 
 def test_tokenizer_round_trip_keeps_jinja_template_file(tmp_path: Path, source) -> None:  # type: ignore[no-untyped-def]

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from finetune_folder import make_hf_folder
@@ -24,14 +25,14 @@ pytestmark = [pytest.mark.distributed]
 WORKER = Path(__file__).with_name("sharded_init_worker.py")
 
 
-def _launch(folder: Path, out: Path, stage: int, timeout_s: float = 240) -> list[dict]:
+def _launch(folder: Path, out: Path, stage: int, precision: str = "32-true", timeout_s: float = 240) -> list[dict]:
     port = free_port()
     procs = []
     for rank in range(2):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
         env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "OMP_NUM_THREADS": "1"})
         log = open(out / f"log{rank}.txt", "w")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, str(WORKER), str(folder), str(out), str(stage)]
+        cmd = [sys.executable, str(WORKER), str(folder), str(out), str(stage), precision]
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     failed = []
     for rank, (proc, log) in enumerate(procs):
@@ -64,3 +65,17 @@ def test_stage3_partitions_at_construction_and_loads_the_folder(tmp_path: Path) 
         assert max(r["max_abs_diff"].values()) == 0.0  # gathered weights == the folder's, exactly (fp32)
         assert set(r["random_diff"]) == set(reference)
         assert max(r["random_diff"].values()) == 0.0  # sharded from-scratch init == the unsharded build
+
+
+def test_stage3_bf16_loads_an_fp32_folder_exactly(tmp_path: Path) -> None:
+    """ZeRO-3 + bf16-mixed + an fp32 folder (issue 34): inside DeepSpeed's zero.Init with a bf16 config every
+    `torch.empty(dtype=torch.float32)` returns bfloat16, which made the partition reader take 2 bytes per fp32
+    element (garbage weights, stopped only by the NaN check). The dtype must come from the file's header."""
+    folder = tmp_path / "hf"
+    reference = make_hf_folder(folder)
+    assert {t.dtype for t in reference.values()} == {torch.float32}
+    ranks = _launch(folder, tmp_path, stage=3, precision="bf16-mixed")
+    for r in ranks:
+        assert r["dtypes"] == ["torch.bfloat16"]  # DeepSpeed built the partitions in bf16
+        assert set(r["max_abs_diff"]) == set(reference)
+        assert max(r["max_abs_diff"].values()) == 0.0  # each weight == the folder's fp32 value rounded to bf16

@@ -11,7 +11,10 @@ Defects these cells caught:
   selective checkpointing saved, so the recompute added it twice (wrong gradients, no error; fixed in
   lt_plugins/checkpointing.py, `_ZeroAwareCaching`);
 - optimizer offload with the LightningModule's own optimizer: DeepSpeed raised "ZeRO-Offload with a client provided
-  optimizer" (ZeroStrategy now sets `zero_force_ds_cpu_optimizer: false`); DeepSpeed's CPU Adam runs too.
+  optimizer" (ZeroStrategy now sets `zero_force_ds_cpu_optimizer: false`); DeepSpeed's CPU Adam runs too;
+- ZeRO-3 + bf16-mixed + `init_from` an fp32 folder (issue 34): inside zero.Init a bf16 config turns
+  `torch.empty(dtype=float32)` into bfloat16 and the partition reader took that for the file's element size
+  (scrambled weights, stopped by "holds NaN or Inf"); fixed in shared_model/bundle.py, `FolderTensors.copy_range`.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def test_the_slice_covers_every_stage_mode_offload_and_precision() -> None:
     assert {c.ckpt for c in cells} == set(zm.CKPT_MODES)
     assert {c.offload for c in cells} == set(zm.OFFLOADS)
     assert {c.precision for c in cells} == set(zm.PRECISIONS)
+    assert {c.model for c in cells} == set(zm.MODELS)
     assert all(zm.Cell.parse(c.name) == c for c in zm.full_matrix())  # names round-trip
 
 
@@ -57,6 +61,16 @@ def test_cell_is_refused_in_one_line_naming_what_to_use(rows: dict[str, dict], n
     row = rows[name]
     assert row["outcome"] == "refused", row
     assert "\n" not in row["error"] and re.search(REFUSED[name], row["error"]), row["error"]
+
+
+def test_bf16_fine_tune_starts_where_the_fp32_load_does(rows: dict[str, dict]) -> None:
+    """ZeRO-3 + bf16-mixed loading an fp32 folder: the first loss (before any update: what was loaded) equals the
+    fp32-loaded ZeRO-3 run's within the bf16 tolerance, and both equal their DDP references."""
+    zm = matrix()
+    bf16, fp32 = rows["z3-none-none-bf16-mixed-init_from"], rows["z3-none-none-32-true-init_from"]
+    assert bf16["outcome"] == fp32["outcome"] == "ok", (bf16.get("error"), fp32.get("error"))
+    rtol, atol = zm.TOLERANCE["bf16-mixed"]
+    assert abs(bf16["losses"][0] - fp32["losses"][0]) <= atol + rtol * abs(fp32["losses"][0])
 
 
 def test_a_wrong_gradient_is_caught(tmp_path: Path) -> None:
