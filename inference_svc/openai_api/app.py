@@ -54,7 +54,7 @@ from starlette.routing import Route
 
 from inference_svc import tokenizer_jobs
 from inference_svc.access_log import AccessLog, RequestRecord
-from inference_svc.async_engine import AsyncEngine
+from inference_svc.async_engine import MAX_REQUEST_ID_CHARS, AsyncEngine
 from inference_svc.chat_template import ChatTemplate
 from inference_svc.engine.types import Completion, FinishReason, RequestOutput, TokenLogprob, Usage
 from inference_svc.errors import (
@@ -155,10 +155,18 @@ class _Api:
         record.fail(exc)
         return JSONResponse(body, status_code=code)
 
+    def _cut(self) -> Exception:
+        """Why a request's task was cancelled: the server shutting down, else its client leaving."""
+        if not self.owner.lifecycle.accepting:
+            return EngineStoppedError("the server shut down before this request finished")
+        return ClientGoneError("the client disconnected")
+
     def _record(self, request: Request) -> RequestRecord:
         client = request.client
         peer = "-" if client is None else f"{client.host}:{client.port}"
-        return RequestRecord("http", request.method, request.url.path, peer=peer)
+        record = RequestRecord("http", request.method, request.url.path, peer=peer)
+        record.request_id = request.headers.get("x-request-id", "-")[:MAX_REQUEST_ID_CHARS] or "-"
+        return record
 
     def _authorize(self, request: Request) -> None:
         if self.options.check_key is None:
@@ -224,6 +232,14 @@ class _Api:
             response = await run(engine, body, record)
         except ClientDisconnect:  # the client hung up mid-body: nobody to answer
             response = self._error(ClientGoneError("the client disconnected before its body arrived"), record)
+        except asyncio.CancelledError:
+            cause = self._cut()
+            if not isinstance(cause, EngineStoppedError):
+                record.fail(cause)
+                raise
+            # the HTTP server cancels what is left at the end of a shutdown (a slow upload, say): this request
+            # ends here, answered 503 if its client still listens; re-raised, it would be a traceback each
+            response = self._error(cause, record)
         except Exception as exc:
             response = self._error(_in_api_terms(exc, names), record)
         finally:
@@ -418,8 +434,8 @@ class _Api:
                         yield _sse(c)
                 if include_usage:
                     yield _sse(usage_chunk())
-            except asyncio.CancelledError:  # the client went away mid-stream
-                record.fail(ClientGoneError("the client disconnected mid-stream"))
+            except asyncio.CancelledError:  # the client went away mid-stream (or a shutdown cut the stream)
+                record.fail(self._cut())
                 raise
             except Exception as exc:  # mid-stream: one error event, in the shape of the errors
                 _, body = error_body(_in_api_terms(exc, names))
