@@ -477,8 +477,9 @@ class _RecordedStream(StreamingResponse):
         finally:
             if not self._ended:
                 self._record.fail(ClientGoneError("the client disconnected mid-stream"))
-            with contextlib.suppress(Exception):
-                await self._events.aclose()  # type: ignore[attr-defined]  # its engine requests abort now
+            for stream in (self.body_iterator, self._events):  # the events' engine requests abort now
+                with contextlib.suppress(Exception):
+                    await stream.aclose()  # type: ignore[attr-defined]
             self._access_log.finish(self._record)
 
 
