@@ -10,7 +10,8 @@ Contract:
 - `AccessLog.finish(record)` ends it, once whatever calls it again: a non-OK outcome is counted in the metric, and
   when `enabled`, one INFO line goes to the `tandem.access` logger: protocol, method, route or RPC, status (HTTP:
   the HTTP status and the gRPC code name it maps to; gRPC: the code name), request id, peer,
-  tokens in and out, seconds since arrival. Never a traceback, never a request's text, never a key.
+  tokens in and out, seconds since arrival. Never a traceback, never a request's text, never a key; a client's
+  request id is cut to 128 characters and anything not printable in it escaped, so a line is always one line.
 - Nothing else logs a client's own deadline or disconnect: the access line (INFO) is the one line they get.
 """
 
@@ -59,6 +60,18 @@ class RequestRecord:
         return self.status is not OK
 
 
+MAX_LOGGED_ID_CHARS = 128
+
+
+def _shown_id(request_id: str) -> str:
+    """A client's request id as the log line shows it: at most `MAX_LOGGED_ID_CHARS` characters, anything not
+    printable escaped (a gRPC id may hold a newline: it must not forge a second line)."""
+    shown = request_id[:MAX_LOGGED_ID_CHARS]
+    if not shown.isprintable() or " " in shown:
+        shown = shown.encode("unicode_escape").decode("ascii").replace(" ", "\\x20")
+    return shown + ("..." if len(request_id) > MAX_LOGGED_ID_CHARS else "")
+
+
 class AccessLog:
     """Ends request records: the count of their outcome, and their access-log line when `enabled`."""
 
@@ -79,6 +92,6 @@ class AccessLog:
         shown = f"{record.status.http} {code}" if record.protocol == "http" else code
         log.info(
             "%s %s %s %s id=%s peer=%s tokens_in=%d tokens_out=%d %.3fs",
-            record.protocol, record.method, record.route, shown, record.request_id, record.peer, record.tokens_in,
-            record.tokens_out, seconds,
+            record.protocol, record.method, record.route, shown, _shown_id(record.request_id), record.peer,
+            record.tokens_in, record.tokens_out, seconds,
         )  # fmt: skip

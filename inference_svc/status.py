@@ -53,8 +53,6 @@ STATUS: dict[type[BaseException], Status] = {
 
 OK = Status(grpc.StatusCode.OK, 200, "")
 """A request answered in full."""
-CANCELLED = STATUS[ClientGoneError]
-DEADLINE_EXCEEDED = STATUS[DeadlineExceededError]
 
 INTERNAL_ERROR = Status(grpc.StatusCode.INTERNAL, 500, "internal_error")
 INTERNAL_MESSAGE = "internal error while serving this request"

@@ -138,6 +138,7 @@ def test_one_access_line_per_request_for_http_and_grpc(srv: ServerThread, caplog
     assert bad.status_code == 400
     with srv.client(retry=NO_RETRY) as c:
         c.generate([5, 6, 7], max_new_tokens=4, ignore_eos=True, request_id="acc-3")
+        c.generate([5, 6], max_new_tokens=1, request_id="acc-4\nforged line")  # one line, whatever the id holds
 
     def lines_of(rid: str) -> list[str]:
         return [r.getMessage() for r in caplog.records if r.name == "tandem.access" and f"id={rid} " in r.getMessage()]
@@ -153,6 +154,10 @@ def test_one_access_line_per_request_for_http_and_grpc(srv: ServerThread, caplog
     assert lines["acc-3"][0].startswith("grpc Generate tandem.inference.v1.Inference/Generate OK id=acc-3 ")
     assert " tokens_in=3 tokens_out=4 " in lines["acc-3"][0]
     assert all(r.levelno == logging.INFO and not r.exc_info for r in caplog.records if r.name == "tandem.access")
+    while not lines_of("acc-4\\nforged\\x20line") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(lines_of("acc-4\\nforged\\x20line")) == 1
+    assert not [r for r in caplog.records if r.name == "tandem.access" and "\n" in r.getMessage()]
 
 
 def test_access_log_off_with_the_flag_still_counts(bundle_dir: Path, caplog) -> None:
