@@ -1,4 +1,5 @@
-"""Hostile input against a served model: a flood of 1 MB prompts, and requests with the most stop strings allowed.
+"""Hostile input against a served model: a flood of 1 MB prompts, requests with the most stop strings allowed, and
+the engine wedge (requests whose prompts × n cannot fit the queue).
 
 What it measures, against `tandem serve` run as a subprocess from `--repo` (default: this checkout; give an older
 checkout, e.g. a `git worktree` of an earlier commit, to measure "before"), on a free loopback port:
@@ -13,9 +14,17 @@ checkout, e.g. a `git worktree` of an earlier commit, to measure "before"), on a
   tokenizer).
 - stops: a bystander's time per output token while `--neighbours` other streams decode with 16 stop strings of
   256 characters each, against the same with plain neighbours (goal: at most 1.2x).
+- wedge: `--wedge-clients` processes' threads (4) send, for `--wedge-seconds` (60), `/v1/completions` requests of
+  17 prompts with `n: 16` (272 sequences, more than the default queue of 256) back to back, each as soon as the
+  last was answered (5 s client timeout). A bystander streams tokens over gRPC throughout (new streams of 2,000
+  tokens one after the other). Reported: the bystander's largest inter-token gap during the burst and after it,
+  the time from the burst's end to the bystander's next token and to the answer of a fresh one-token Generate
+  (goals: no gap over 1 s, answering within 1 s after the burst; the waits are capped at `--wedge-wait` s), the
+  burst's status codes, and the server's RSS before and after.
 Random weights: only speed and memory mean anything here. Writes JSON (`--out`) and prints a summary.
 
     python benchmarks/hostile_input.py [--repo DIR] [--out FILE] [--flood 32] [--prompt-mb 1.0] [--floods 1]
+        [--cases flood,stops,wedge] [--wedge-seconds 60] [--wedge-clients 4]
 
 With `--floods N` the same server takes N floods in a row; `rss_after_each_flood_mib` shows whether memory keeps
 growing (a leak) or levels off (allocations made once). The gap figures are the first flood's.
@@ -94,10 +103,14 @@ def make_bundle(folder: Path, tokenizer: Tokenizer, max_positions: int) -> Path:
 
 
 class Server:
-    def __init__(self, repo: Path, bundle: Path, kv_memory: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, repo: Path, bundle: Path, kv_memory: str, env: dict[str, str] | None = None, http: bool = False
+    ) -> None:
         self.port = _free_port()
+        self.http_port = _free_port() if http else None
         cmd = [sys.executable, "-m", "shared_model.cli", "serve", "--model", str(bundle), "--port", str(self.port)]
-        cmd += ["--no-metrics", "--no-http", "--device", "cpu", "--kv-cache-memory", kv_memory, "--log-level", "ERROR"]
+        cmd += ["--no-metrics", "--device", "cpu", "--kv-cache-memory", kv_memory, "--log-level", "ERROR"]
+        cmd += ["--no-http"] if self.http_port is None else ["--http-port", str(self.http_port)]
         env = {**os.environ, "PYTHONPATH": str(repo), **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.target = f"127.0.0.1:{self.port}"
@@ -222,6 +235,84 @@ def stops_case(server: Server, neighbours: int) -> dict[str, Any]:
     return result
 
 
+WEDGE_PROMPTS = 17
+WEDGE_N = 16
+
+
+def _wedge_client(url: str, until: float, prompts: list[str]) -> collections.Counter:
+    """Send the wedge request back to back until `until` (wall clock); count the answers by status."""
+    import httpx2 as httpx
+
+    body = {"prompt": prompts, "n": WEDGE_N, "max_tokens": 16}
+    codes: collections.Counter = collections.Counter()
+    with httpx.Client(timeout=5.0) as c:
+        while time.time() < until:
+            try:
+                codes[str(c.post(url, json=body).status_code)] += 1
+            except httpx.HTTPError as exc:
+                codes[type(exc).__name__] += 1
+    return codes
+
+
+def _wedge_burst(url: str, clients: int, seconds: float, prompts: list[str]) -> dict[str, int]:
+    """The burst, from its own process (its threads do not share the bystander's GIL)."""
+    until = time.time() + seconds
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda _: _wedge_client(url, until, prompts), range(clients)))
+    return dict(sum(results, collections.Counter()))
+
+
+def _bystander(target: str, stop_event: threading.Event, out: list[float]) -> None:
+    """Stream tokens (2,000 at a time, stream after stream) until `stop_event`; every message's arrival time."""
+    while not stop_event.is_set():
+        _stream_times(target, stop_event, out, max_new_tokens=2000, ignore_eos=True)
+
+
+def wedge_case(server: Server, burster: ProcessPoolExecutor, clients: int, seconds: float, wait: float) -> dict:
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    prompts = [f"def handler_{i}(request, context):\n    return request.value + {i}\n" for i in range(WEDGE_PROMPTS)]
+    rss_before = server.rss()
+    done, times = threading.Event(), []
+    bystander = threading.Thread(target=_bystander, args=(server.target, done, times))
+    bystander.start()
+    while len(times) < 50 and bystander.is_alive():
+        time.sleep(0.01)
+    t0 = time.perf_counter()
+    codes = burster.submit(_wedge_burst, url, clients, seconds, prompts).result()
+    t1 = time.perf_counter()
+    answer_s: float | str
+    with TandemClient(server.target, retry=NO_RETRY, timeout=wait) as c:
+        try:
+            c.generate("x = 1\n", max_new_tokens=1)
+            answer_s = time.perf_counter() - t1
+        except grpc.RpcError as exc:
+            answer_s = f"no answer within {wait:g} s ({exc.code().name})"
+    deadline = time.perf_counter() + wait
+    while not [t for t in times if t > t1] and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    after = [t for t in times if t > t1]
+    next_token_s = (after[0] - t1) if after else f"none within {wait:g} s"
+    time.sleep(2.0)
+    done.set()
+    bystander.join(wait + 60)
+    during = _gaps_ms(times, t0, t1)
+    last_before_end = max((t for t in times if t <= t1), default=t0)
+    stall_at_end_ms = ((after[0] if after else time.perf_counter()) - last_before_end) * 1000
+    return {
+        "burst_s": t1 - t0,
+        "clients": clients,
+        "request": f"{WEDGE_PROMPTS} prompts x n={WEDGE_N}",
+        "codes": codes,
+        "bystander_tokens_during_burst": len(during),
+        "max_gap_during_burst_ms": max([*during, stall_at_end_ms]),
+        "max_gap_after_burst_ms": max(_gaps_ms(times, t1), default=float("nan")),
+        "bystander_next_token_after_burst_s": next_token_s,
+        "fresh_generate_answered_after_burst_s": answer_s,
+        "rss_before_mib": rss_before,
+        "rss_after_mib": server.rss(),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repo", type=Path, default=REPO, help="source tree whose `tandem serve` is measured")
@@ -231,30 +322,50 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-mb", type=float, default=1.0, help="size of each flood prompt in MB (ASCII text)")
     p.add_argument("--neighbours", type=int, default=8, help="streams beside the bystander in the stop case")
     p.add_argument("--floods", type=int, default=1, help="floods in a row against the same server (RSS after each)")
+    p.add_argument("--cases", default="flood,stops,wedge", help="comma-separated: flood, stops, wedge")
+    p.add_argument("--wedge-seconds", type=float, default=60.0, help="length of the wedge burst")
+    p.add_argument("--wedge-clients", type=int, default=4, help="concurrent clients sending the wedge request")
+    p.add_argument("--wedge-wait", type=float, default=300.0, help="most seconds to wait for an answer after it")
     args = p.parse_args(argv)
+    cases = set(args.cases.split(","))
     corpus = load_corpus(CorpusConfig(max_documents=80))
     text = "".join(corpus.texts())
     prompt = (text * (1 + int(args.prompt_mb * 1e6) // len(text)))[: int(args.prompt_mb * 1e6 * 0.999)]
     tokenizer = Tokenizer.train(corpus.texts(), vocab_size=2048)
     results: dict[str, Any] = {"repo": str(args.repo), "prompt_chars": len(prompt), "flood": args.flood}
     with tempfile.TemporaryDirectory() as tmp:
-        cases = {"context_4k": (4096, "8MiB"), "context_64k": (65536, "40MiB")}
-        for name, (positions, kv) in cases.items():
+        if "wedge" in cases:
+            server = Server(args.repo, make_bundle(Path(tmp) / "wedge", tokenizer, 4096), "8MiB", http=True)
+            burster = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            try:
+                burster.submit(int).result()
+                results["wedge"] = wedge_case(server, burster, args.wedge_clients, args.wedge_seconds, args.wedge_wait)
+            finally:
+                burster.shutdown()
+                server.close()
+            print("wedge", json.dumps(results["wedge"], indent=1), flush=True)
+        sizes = {"context_4k": (4096, "8MiB"), "context_64k": (65536, "40MiB")}
+        for name, (positions, kv) in sizes.items():
+            if "flood" not in cases and not (name == "context_4k" and "stops" in cases):
+                continue
             server = Server(args.repo, make_bundle(Path(tmp) / name, tokenizer, positions), kv)
             flooder = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
             try:
                 flooder.submit(int).result()  # the flooding process is started (and has imported) before timing
-                first = flood_case(server, flooder, args.flood, args.tokenize, prompt)
-                later = [flood_case(server, flooder, args.flood, args.tokenize, prompt) for _ in range(args.floods - 1)]
-                first["rss_after_each_flood_mib"] = [r["rss_after_mib"] for r in (first, *later)]
-                results[f"flood_{name}"] = first
-                if name == "context_4k":
+                if "flood" in cases:
+                    first = flood_case(server, flooder, args.flood, args.tokenize, prompt)
+                    later = [
+                        flood_case(server, flooder, args.flood, args.tokenize, prompt) for _ in range(args.floods - 1)
+                    ]
+                    first["rss_after_each_flood_mib"] = [r["rss_after_mib"] for r in (first, *later)]
+                    results[f"flood_{name}"] = first
+                    print(name, json.dumps(results[f"flood_{name}"], indent=1), flush=True)
+                if name == "context_4k" and "stops" in cases:
                     results["stops"] = stops_case(server, args.neighbours)
+                    print("stops", json.dumps(results["stops"], indent=1), flush=True)
             finally:
                 flooder.shutdown()
                 server.close()
-            print(name, json.dumps(results[f"flood_{name}"], indent=1), flush=True)
-    print("stops", json.dumps(results["stops"], indent=1))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -4,8 +4,9 @@ Contract:
 - One dedicated thread, the *engine thread* (an `EngineThread`: the caller's, else its own), is the only
   caller of `Engine` once `start()` has run. A server loads the engine and runs `warmup` on that same thread before
   `start()`, so that all of the model's torch work runs on one thread (why: `inference_svc.engine_thread`). The
-  event loop talks to it through a command inbox (add, abort, call); the engine thread answers through
-  `loop.call_soon_threadsafe`, once per step with every increment of that step.
+  event loop talks to it through a command inbox (add, abort, call); the engine thread applies at most
+  `MAX_COMMANDS_PER_STEP` commands between two steps (a flood of commands cannot starve running streams) and
+  answers through `loop.call_soon_threadsafe`, once per step with every increment of that step.
 - State has one owner each: the admission counters and the per-request streams belong to the event loop; the
   per-request deadlines, abort causes and inter-token clocks belong to the engine thread.
 - Text is refused before it is tokenized when it has more characters than the context could ever hold
@@ -17,7 +18,12 @@ Contract:
   nothing about the request exists anywhere (nothing half-admitted). The reservation is released when the request
   produces its first increment or ends, whichever comes first.
 - `generate(..., n=k)` runs k completions of one prompt (tokenized once, admitted together or refused together)
-  and is an async iterator of `RequestOutput` whose `index` names the completion. Leaving it early (client
+  and `generate_many(prompts, ..., n=k)` k completions of each of several prompts, admitted whole or refused whole
+  before the engine sees any of it: every prompt is tokenized and checked (`Engine.check_request`: token ids,
+  length, sampling parameters) first, and a request larger than the whole queue (`len(prompts) × k` above
+  `max_queued_requests`, or its prompt tokens above `max_queued_tokens`) is `InvalidRequestError` naming `n` or
+  `prompt` (no retry could help), while one that fits an emptier queue is `CapacityError`. `generate` is an
+  async iterator of `RequestOutput` whose `index` names the completion. Leaving it early (client
   cancel, disconnect, the server's own deadline cancellation) sends an abort: the engine drops the sequence at
   its next step and frees its blocks.
   A deadline (monotonic seconds) is also enforced by the engine thread, for queued and running requests alike;
@@ -48,7 +54,7 @@ import logging
 import queue
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +79,9 @@ log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+MAX_COMMANDS_PER_STEP = 64
+"""Inbox commands (add, abort, call) the engine thread applies between two steps: a flood of them delays the
+running streams by at most this many commands' work per step."""
 _IDLE_POLL_S = 0.05
 
 FaultHook = Callable[[RequestOutput], None]
@@ -162,6 +171,11 @@ class AsyncEngine:
         # engine-thread state
         self._live: dict[str, _Live] = {}
         self._step_failures = 0
+        self.max_commands_per_step = MAX_COMMANDS_PER_STEP
+        """Most inbox commands the engine thread applies between two steps."""
+        self.largest_command_batch = 0
+        """The most commands it has applied between two steps so far (written by the engine thread: a gauge for
+        tests and benchmarks)."""
         # shared, written once
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._running: concurrent.futures.Future | None = None
@@ -259,27 +273,58 @@ class AsyncEngine:
         `finished=True` (`RequestOutput.index` says which). Completions after the first run as engine requests
         `REQUEST_ID.i` with seed `seed + i` when a seed is set, so they differ and stay reproducible; they are
         admitted together or not at all, and leaving the iterator aborts every one still running."""
+        outputs = self.generate_many([prompt], sampling, request_id=request_id, deadline=deadline, n=n)
+        try:
+            async for _, out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()
+
+    async def generate_many(
+        self,
+        prompts: Sequence[str | list[int]],
+        sampling: SamplingParams,
+        request_id: str = "",
+        deadline: float | None = None,
+        n: int = 1,
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """`generate` for several prompts at once (OpenAI's prompt list): (prompt index, increment) as they come,
+        each increment's `index` its completion's among the prompt's `n`. The request is one unit: every prompt is
+        tokenized and checked (token ids, length, sampling parameters) and the `len(prompts) × n` sequences are
+        admitted together, or the request is refused whole, before the engine sees any of it. A request that no
+        emptier queue could take gets `InvalidRequestError` naming `n` or `prompt`, not `CapacityError`. With one
+        prompt the engine requests are named as `generate`'s; with several, prompt p's are `REQUEST_ID-p` (and
+        `REQUEST_ID-p.i`)."""
         if not self.lifecycle.accepting or self._broken or self._running is None:
             raise EngineStoppedError(self.lifecycle.refusal() or "the engine is not running")
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
             raise InvalidRequestError("n", f"must be an integer in [1, {MAX_N}], got {n!r}")
+        if not prompts:
+            raise InvalidRequestError("prompt", "the request has no prompt")
         rid = request_id or uuid.uuid4().hex
         if len(rid) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(rid)}")
-        children = [rid] if n == 1 else [f"{rid}.{i}" for i in range(n)]
-        if rid in self._streams or any(c in self._streams for c in children):
+        self.check_fits(len(prompts), n)  # before any tokenizing: the count alone may refuse it
+        bases = [rid] if len(prompts) == 1 else [f"{rid}-{p}" for p in range(len(prompts))]
+        groups = [[base] if n == 1 else [f"{base}.{i}" for i in range(n)] for base in bases]
+        if rid in self._streams or any(c in self._streams for group in groups for c in group):
             raise InvalidRequestError("request_id", f"a request with id {rid!r} is already in flight")
-        ids = await self.prompt_ids(prompt)
+        all_ids = [await self.prompt_ids(p) for p in prompts]
+        for ids in all_ids:
+            self.engine.check_request(ids, sampling)  # every prompt before any reaches the engine
+        self.check_fits(len(prompts), n, [len(ids) for ids in all_ids])
         items: asyncio.Queue = asyncio.Queue()
-        streams = self._admit(children, len(ids), items)
+        streams = self._admit(groups, [len(ids) for ids in all_ids], items)  # all or none
         arrival = time.monotonic()
-        for i, child in enumerate(children):
-            params = sampling
-            if i and sampling.seed is not None:
-                params = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**64)
-            self._inbox.put(_Add(child, ids, params, arrival, deadline))
-        index = {child: i for i, child in enumerate(children)}
-        running = set(children)
+        where: dict[str, tuple[int, int]] = {}
+        for p, (group, ids) in enumerate(zip(groups, all_ids, strict=True)):
+            for i, child in enumerate(group):
+                params = sampling
+                if i and sampling.seed is not None:
+                    params = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**64)
+                where[child] = (p, i)
+                self._inbox.put(_Add(child, ids, params, arrival, deadline))
+        running = set(where)
         try:
             while running:
                 child, item = await items.get()
@@ -289,15 +334,35 @@ class AsyncEngine:
                 self._release(streams[child])
                 if item.finished:
                     running.discard(child)
-                yield item if n == 1 else dataclasses.replace(item, request_id=rid, index=index[child])
+                p, i = where[child]
+                yield p, item if n == 1 else dataclasses.replace(item, request_id=bases[p], index=i)
         finally:
-            for child in children:
+            for child in where:
                 self._release(streams[child])
                 self._streams.pop(child, None)
                 if child in running:
                     self._inbox.put(_Abort(child, None))
             if not self._streams:
                 self._idle.set()
+
+    def check_fits(self, num_prompts: int, n: int, prompt_tokens: Sequence[int] | None = None) -> None:
+        """`InvalidRequestError` when `num_prompts` prompts × `n` completions (of `prompt_tokens` tokens each, when
+        known) could not be admitted even by an empty queue: such a request must not be told to retry."""
+        lim = self.limits
+        k = num_prompts * n
+        if k > lim.max_queued_requests:
+            what = f"{num_prompts} prompts × n={n}" if num_prompts > 1 else f"n={n}"
+            raise InvalidRequestError(
+                "n" if n > 1 else "prompt",
+                f"{what} make {k} sequences; this server queues at most {lim.max_queued_requests} (--max-queue), "
+                "so the request can never be admitted",
+            )
+        if prompt_tokens is not None and sum(prompt_tokens) * n > lim.max_queued_tokens:
+            raise InvalidRequestError(
+                "prompt",
+                f"{sum(prompt_tokens)} prompt tokens × {n} completions exceed the server's queue limit of "
+                f"{lim.max_queued_tokens} tokens (--max-queue-tokens), so the request can never be admitted",
+            )
 
     async def tokenizer_work(self, chars: int, job: Callable[..., Any], *args: Any, field: str = "text") -> Any:
         """`job(tokenizer, *args)` (an `inference_svc.tokenizer_jobs` function, e.g. the Tokenize RPC's response)
@@ -359,26 +424,27 @@ class AsyncEngine:
         self.engine.check_prompt_length(len(ids))  # refused while still one compact array
         return ids.tolist()
 
-    def _admit(self, rids: list[str], num_tokens: int, items: asyncio.Queue) -> dict[str, _Stream]:
-        """Reserve queue room for `len(rids)` requests of `num_tokens` prompt tokens each, all or none."""
+    def _admit(self, groups: list[list[str]], num_tokens: list[int], items: asyncio.Queue) -> dict[str, _Stream]:
+        """Reserve queue room for every engine request of `groups` (group p's of `num_tokens[p]` prompt tokens
+        each), all or none (`check_fits` has refused what could never fit)."""
         lim = self.limits
-        k = len(rids)
-        if num_tokens * k > lim.max_queued_tokens:
-            raise InvalidRequestError(
-                "prompt",
-                f"{num_tokens} prompt tokens × {k} completions exceed the server's queue limit of "
-                f"{lim.max_queued_tokens} tokens",
-            )
+        k = sum(len(g) for g in groups)
+        tokens = sum(len(g) * t for g, t in zip(groups, num_tokens, strict=True))
         if self._queued_requests + k > lim.max_queued_requests:
-            raise CapacityError(f"the request queue is full ({lim.max_queued_requests} requests waiting); retry later")
-        if self._queued_tokens + num_tokens * k > lim.max_queued_tokens:
+            raise CapacityError(
+                f"the request queue is full ({self._queued_requests} of {lim.max_queued_requests} requests waiting, "
+                f"this request needs {k}); retry later"
+            )
+        if self._queued_tokens + tokens > lim.max_queued_tokens:
             raise CapacityError(
                 f"the request queue is full ({self._queued_tokens} of {lim.max_queued_tokens} prompt tokens "
-                f"waiting, this request has {num_tokens * k}); retry later"
+                f"waiting, this request has {tokens}); retry later"
             )
         self._queued_requests += k
-        self._queued_tokens += num_tokens * k
-        streams = {rid: _Stream(items=items, reserved_tokens=num_tokens) for rid in rids}
+        self._queued_tokens += tokens
+        streams = {
+            rid: _Stream(items=items, reserved_tokens=t) for g, t in zip(groups, num_tokens, strict=True) for rid in g
+        }
         self._streams.update(streams)
         self._idle.clear()
         self._report_admission()
@@ -420,15 +486,19 @@ class AsyncEngine:
             self._post([(rid, RequestFailedError("the engine thread crashed")) for rid in list(self._live)])
 
     def _handle_commands(self) -> bool:
-        """Apply queued commands; block briefly when idle. False once asked to stop."""
+        """Apply at most `max_commands_per_step` queued commands (the rest wait for the next round, after a step),
+        so a flood of commands cannot starve the running streams; block briefly when idle. False once asked to
+        stop."""
         block = not self.engine.has_unfinished_requests()
         errors: list[tuple[str, RequestOutput | BaseException]] = []
-        while True:
+        handled = 0
+        while handled < self.max_commands_per_step:
             try:
                 cmd = self._inbox.get(timeout=_IDLE_POLL_S) if block else self._inbox.get_nowait()
             except queue.Empty:
                 break
             block = False
+            handled += 1
             if cmd is _STOP:
                 self._post(errors)
                 return False
@@ -438,12 +508,15 @@ class AsyncEngine:
                 self._abort(cmd.request_id, cmd.cause, errors)
             elif isinstance(cmd, _Call):
                 self._call(cmd)
+        self.largest_command_batch = max(self.largest_command_batch, handled)
         self._post(errors)
         return True
 
     def _add(self, cmd: _Add, errors: list) -> None:
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.sampling, arrival_time=cmd.arrival)
+            self.engine.add_request(
+                cmd.request_id, cmd.prompt_ids, cmd.sampling, arrival_time=cmd.arrival, checked=True
+            )  # checked by `generate_many` (Engine.check_request) before it was queued
         except InvalidRequestError as exc:
             errors.append((cmd.request_id, exc))
             return

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -60,6 +61,9 @@ ENGINE_FLAGS = FlagSpec(
 )
 """Every `EngineConfig` field is a `tandem serve` flag (`dataclass_flags`); these keep the names the flags had
 before they were derived (the dataclass's own spelling, e.g. `--max-num-seqs`, is an alias)."""
+
+SERVER_DERIVED = frozenset({"access_log"})
+"""The `ServerSettings` fields whose flags are derived from the dataclass (the others are declared below)."""
 
 
 # ---------------------------------------------------------------------------------------- serve
@@ -104,6 +108,8 @@ def _serve_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-key", default=None, help="PEM private key")
     sec.add_argument("--api-key-file", default=None, help="file with one API key per line")
     p.add_argument("--no-warmup", action="store_true", help="report SERVING without a warm-up request")
+    skip = frozenset(f.name for f in dataclasses.fields(ServerSettings)) - SERVER_DERIVED
+    add_flags(p.add_argument_group("logging"), ServerSettings, FlagSpec(skip=skip))
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -147,6 +153,7 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
             tls_key=args.tls_key,
             api_key_file=args.api_key_file,
             warmup=not args.no_warmup,
+            **{name: getattr(args, name) for name in SERVER_DERIVED},
         )
         engine_config = from_args(EngineConfig, args, dtype=_resolve_dtype(args.dtype, args.device))
     except (InferenceError, ValueError) as exc:

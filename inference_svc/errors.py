@@ -90,6 +90,12 @@ class DeadlineExceededError(InferenceError):
     """The request's deadline passed while it was queued or decoding; it was aborted (maps to DEADLINE_EXCEEDED)."""
 
 
+class ClientGoneError(InferenceError):
+    """The client cancelled or disconnected before its answer was complete: its own deadline, a hang-up mid-body or
+    mid-stream (maps to CANCELLED; HTTP 499, nginx's "client closed request", which nobody reads but the access
+    log shows). Never an error of the server's: not logged beyond the access log."""
+
+
 class RequestFailedError(InferenceError):
     """An unexpected failure while serving one request; only that request fails (maps to INTERNAL)."""
 

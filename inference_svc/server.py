@@ -21,11 +21,14 @@ Contract:
   to any Inference RPC, or to health `Check`/`Watch` (`MalformedRequestGuard`), get INVALID_ARGUMENT
   "malformed request: ...", without parser internals, counted in `tandem_request_errors`
   like any error, and logged as one WARNING line at most, rate-limited across calls (`_MalformedLog`).
-- Every Inference RPC that ends without a status sent by the server (client cancel or disconnect at any point
-  after the handler started: while admitted, decoding, or between two streamed messages) is counted exactly once
-  in `tandem_request_errors`, as DEADLINE_EXCEEDED if its deadline had passed, else CANCELLED. Errors the server
-  answers are counted where it answers them (`_fail`), never twice. (A call cancelled before gRPC has even read
-  its request never reaches the service and is not counted.)
+- Every Inference RPC is one `RequestRecord` (`inference_svc.access_log`, the outcome table HTTP shares), ended
+  once when the call is done: counted in `tandem_request_errors` when not OK, and one `tandem.access` line. An RPC
+  that ends without a status sent by the server (client cancel or disconnect at any point after the handler
+  started: while admitted, decoding, or between two streamed messages) is DEADLINE_EXCEEDED if its deadline had
+  passed or was within `DEADLINE_SLACK_S` (the client's timer fires first: its cancel arrives before the server's
+  own deadline by about the request's transit time), else CANCELLED. Errors the server answers are recorded where
+  it answers them (`_fail`), never twice. (A call cancelled before gRPC has even read its request never reaches
+  the service and is not counted.)
 - `GetModelInfo.model_name` is the served model name (`--served-model-name`, by default the model folder's own
   name), never its path on the server; it also reports the HTTP and metrics ports.
 - Start-up: a gRPC or metrics address that cannot be bound raises `ServerStartError` naming
@@ -51,7 +54,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import errno
+import functools
 import hashlib
 import hmac
 import inspect
@@ -68,11 +73,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from inference_svc import tokenizer_jobs
+from inference_svc.access_log import AccessLog, RequestRecord
 from inference_svc.async_engine import AsyncEngine, FaultHook
 from inference_svc.engine.config import EngineConfig
 from inference_svc.engine.types import Completion, EngineInfo, RequestOutput
 from inference_svc.engine_thread import EngineThread
 from inference_svc.errors import (
+    AuthenticationError,
+    ClientGoneError,
+    DeadlineExceededError,
     EngineStoppedError,
     InferenceError,
     InvalidRequestError,
@@ -98,6 +107,19 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+
+
+DEADLINE_SLACK_S = 0.05
+"""A call cut with at most this many seconds left before its deadline was cut by the deadline (see the module
+docstring)."""
+
+_RECORD: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("tandem_grpc_record", default=None)
+"""The record of the Inference RPC whose handler runs in this task (set by `_guarded`)."""
+
+
+def cut_by_deadline(remaining: float | None) -> bool:
+    """Whether a call cut by its client with `remaining` seconds left (None: no deadline) was cut by its deadline."""
+    return remaining is not None and remaining <= DEADLINE_SLACK_S
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -129,20 +151,27 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         code, message = status_for(exc)
         if code == grpc.StatusCode.INTERNAL and not getattr(exc, "logged", False):
             log.error("request %s failed: %r", rid or "-", exc, exc_info=exc)
-        self._owner.metrics.observe_error(code.name)
+        record = _RECORD.get()
+        if record is not None:
+            record.fail(exc)  # counted when the call is done (`on_rpc_done`)
+        else:  # not an Inference RPC (a malformed health check): no record, counted here
+            self._owner.metrics.observe_error(code.name)
         await context.abort(code, message)
 
-    def on_rpc_done(self, context: grpc.aio.ServicerContext) -> None:
-        """Done-callback of every Inference RPC: count it if it ended with no status sent by the server.
+    def on_rpc_done(self, record: RequestRecord, context: grpc.aio.ServicerContext) -> None:
+        """Done-callback of every Inference RPC: end its record, as CANCELLED or DEADLINE_EXCEEDED when it ended
+        with no status sent by the server.
 
         gRPC sends no status when the call was cancelled by the client (or its deadline) at any point, and the
         CancelledError may be raised inside gRPC's own write between two streamed messages rather than in the
-        handler, so this, not an `except CancelledError` in the handler, is the one place that counts cancels."""
-        if context.done():  # the server sent a status: OK, or an error `_fail` (or the interceptor) counted
-            return
-        remaining = context.time_remaining()
-        expired = remaining is not None and remaining <= 0
-        self._owner.metrics.observe_error("DEADLINE_EXCEEDED" if expired else "CANCELLED")
+        handler, so this, not an `except CancelledError` in the handler, is the one place that sees cancels."""
+        if not context.done():  # no status sent: the client (or its deadline) cut the call
+            remaining = context.time_remaining()
+            if cut_by_deadline(remaining):
+                record.fail(DeadlineExceededError("the client's deadline passed"))
+            else:
+                record.fail(ClientGoneError("the client cancelled the call"))
+        self._owner.access_log.finish(record)
 
     def prescreen_generate(self, raw: bytes) -> InferenceError | None:
         """Before a GenerateRequest is parsed: the error when its text prompt's byte length alone proves it cannot
@@ -186,9 +215,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             outputs = self._start(request, context)
             completions: dict[int, Completion] = {}
             rid = request.request_id
+            record = _RECORD.get()
             async for out in outputs:
                 rid = out.request_id
                 completions.setdefault(out.index, Completion(out.request_id, out.index)).add(out)
+                _count_tokens(record, out)
             return response_from(rid, [completions[i] for i in sorted(completions)])
         except Exception as exc:
             await self._fail(context, exc, request.request_id)
@@ -199,8 +230,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:
             outputs = self._start(request, context)
+            record = _RECORD.get()
             try:
                 async for out in outputs:
+                    _count_tokens(record, out)
                     if out.new_token_ids or out.text_delta or out.finished:
                         yield stream_message(out)
             finally:
@@ -230,6 +263,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except Exception as exc:
             await self._fail(context, exc)
             raise
+
+
+def _count_tokens(record: RequestRecord | None, out: RequestOutput) -> None:
+    if record is not None:
+        record.tokens_in = out.usage.prompt_tokens
+        record.tokens_out += len(out.new_token_ids)
 
 
 # ---------------------------------------------------------------------------------------- registration
@@ -330,12 +369,20 @@ def _safe_deserializer(
     return deserialize
 
 
-def _guarded(servicer: InferenceServicer, method: Callable, streaming: bool) -> Callable:
-    """Wrap one servicer method: count the RPC if it is cut (`on_rpc_done`), answer malformed requests."""
+def _guarded(servicer: InferenceServicer, method: Callable, streaming: bool, name: str) -> Callable:
+    """Wrap one servicer method: a `RequestRecord` ended when the call is done (`on_rpc_done`), malformed requests
+    answered."""
+
+    def begin(request: Any, context: grpc.aio.ServicerContext) -> None:
+        record = RequestRecord("grpc", name, f"{SERVICE_NAME}/{name}", peer=context.peer())
+        record.request_id = getattr(request, "request_id", "") or "-"
+        _RECORD.set(record)  # this handler's task only
+        context.add_done_callback(functools.partial(servicer.on_rpc_done, record))
+
     if streaming:
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            context.add_done_callback(servicer.on_rpc_done)
+            begin(request, context)
             if isinstance(request, _Unread):
                 await servicer.reject_unread(request, context)
                 return
@@ -349,7 +396,7 @@ def _guarded(servicer: InferenceServicer, method: Callable, streaming: bool) -> 
         return stream
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        context.add_done_callback(servicer.on_rpc_done)
+        begin(request, context)
         if isinstance(request, _Unread):
             await servicer.reject_unread(request, context)
         return await method(request, context)
@@ -370,7 +417,7 @@ def add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) 
         assert not m.client_streaming, "no Inference RPC streams requests"
         factory = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[m.name] = factory(
-            _guarded(servicer, getattr(servicer, m.name), m.server_streaming),
+            _guarded(servicer, getattr(servicer, m.name), m.server_streaming, m.name),
             request_deserializer=_safe_deserializer(request_class, max_bytes, prescreens.get(request_class)),
             response_serializer=_serialize,
         )
@@ -452,7 +499,7 @@ def _digest(key: bytes) -> bytes:
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED for every RPC but health unless `authorization: Bearer KEY` carries a configured key."""
 
-    def __init__(self, keys: Sequence[bytes], on_denied: Callable[[], None] | None = None) -> None:
+    def __init__(self, keys: Sequence[bytes], on_denied: Callable[[str], None] | None = None) -> None:
         self._digests = tuple(_digest(k) for k in keys)
         self._on_denied = on_denied
 
@@ -485,7 +532,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         if self._on_denied is not None:
-            self._on_denied()
+            self._on_denied(handler_call_details.method)
         return _denying_handler(handler, reason)
 
 
@@ -526,6 +573,8 @@ class TandemServer:
         self.settings = settings
         self.engine_config = engine_config or EngineConfig()
         self.metrics = ServiceMetrics(model_name=settings.model_name)
+        self.access_log = AccessLog(self.metrics, settings.access_log)
+        """Ends every request's record, HTTP and gRPC: its count and its access-log line."""
         self.engine: AsyncEngine | None = None
         self._prebuilt_engine = engine
         self._fault_hook = fault_hook
@@ -584,7 +633,12 @@ class TandemServer:
         keys_check: ApiKeyInterceptor | None = None
         if s.api_key_file is not None:
             keys = read_api_keys(s.api_key_file)
-            denied = lambda: self.metrics.observe_error("UNAUTHENTICATED")  # noqa: E731
+
+            def denied(method: str) -> None:  # refused before any handler: its record ends here
+                record = RequestRecord("grpc", method.rsplit("/", 1)[-1], method.lstrip("/"))
+                record.fail(AuthenticationError(_DENIED))
+                self.access_log.finish(record)
+
             keys_check = ApiKeyInterceptor(keys, on_denied=denied)
             interceptors.append(keys_check)  # first: the key before the bytes
         servicer = InferenceServicer(self)

@@ -131,6 +131,9 @@ class ServerSettings:
     metadata `authorization: Bearer KEY`."""
     warmup: bool = True
     """Run one tiny request through the engine before reporting SERVING."""
+    access_log: bool = True
+    """Write one INFO line per request, HTTP and gRPC alike, to the `tandem.access` logger (method, route or RPC,
+    status, request id, peer, tokens in and out, latency). Health checks and /metrics are not logged."""
     served_model_name: str | None = None
     """The name clients use for the model (OpenAI's `model` field, GetModelInfo, metrics); None: the folder's
     own name."""
@@ -162,6 +165,8 @@ class ServerSettings:
             raise SettingsError("max_request_bytes", "must be below 512 MiB")
         if not isinstance(self.shutdown_grace, (int, float)) or not self.shutdown_grace >= 0:
             raise SettingsError("shutdown_grace", f"must be seconds >= 0, got {self.shutdown_grace!r}")
+        if not isinstance(self.access_log, bool):
+            raise SettingsError("access_log", f"must be true or false, got {self.access_log!r}")
         if self.served_model_name is not None and (
             not isinstance(self.served_model_name, str) or not self.served_model_name.strip()
         ):

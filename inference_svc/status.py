@@ -6,7 +6,8 @@ Contract:
   exception's MRO through it. Anything not in it is `INTERNAL_ERROR` (INTERNAL / 500) with a generic message: the
   details go to the log, never to the client.
 - The gRPC servicer and the HTTP API both choose their codes here and nowhere else, so an error means the same
-  thing over either protocol.
+  thing over either protocol. This is also the table of request outcomes (`OK` for success, `CANCELLED` for a
+  client that left): `inference_svc.access_log` counts and logs every request's end under its code from here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import grpc
 from inference_svc.errors import (
     AuthenticationError,
     CapacityError,
+    ClientGoneError,
     DeadlineExceededError,
     EngineStoppedError,
     InvalidRequestError,
@@ -46,7 +48,11 @@ STATUS: dict[type[BaseException], Status] = {
     EngineStoppedError: Status(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable"),
     DeadlineExceededError: Status(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout"),
     RequestFailedError: Status(grpc.StatusCode.INTERNAL, 500, "internal_error"),
+    ClientGoneError: Status(grpc.StatusCode.CANCELLED, 499, "cancelled"),
 }
+
+OK = Status(grpc.StatusCode.OK, 200, "")
+"""A request answered in full."""
 
 INTERNAL_ERROR = Status(grpc.StatusCode.INTERNAL, 500, "internal_error")
 INTERNAL_MESSAGE = "internal error while serving this request"

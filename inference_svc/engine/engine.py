@@ -4,9 +4,13 @@ Contract:
 - Single-threaded: every method must be called from one thread (the gRPC layer runs the engine in its own thread).
 - `add_request` validates everything that depends on the engine (vocabulary, context length, KV pool, the
   max_new_tokens ceiling, duplicate ids) and raises `InvalidRequestError` naming the field; an accepted request is
-  never refused later and never lost (it may be preempted and recomputed).
+  never refused later and never lost (it may be preempted and recomputed). `check_request` runs the same checks
+  of token ids and sampling parameters from any thread (they read only what is fixed at load), so a caller can
+  refuse a whole multi-prompt request before any of it reaches the engine, then add its parts with
+  `checked=True` (no second scan).
 - `abort_request` takes effect at the next `step()`, which returns a final `RequestOutput(finished=True,
-  finish_reason=CANCELLED)` for it; its blocks are freed then.
+  finish_reason=CANCELLED)` for it; its blocks are freed then. Each abort costs O(1) when made (a dict of
+  pending aborts), and a step applies all of its pending aborts in one pass over the scheduler's queues.
 - `step()` returns one `RequestOutput` per request that produced a token, finished or was cancelled this step.
   A request whose logits are not finite finishes alone with `finish_reason=ERROR` and `error` set (one log line);
   `generate()` raises `RequestFailedError` for it.
@@ -203,7 +207,8 @@ class Engine:
         )
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self._speculator())
         self._requests: dict[str, Sequence] = {}
-        self._pending_aborts: list[str] = []
+        self._pending_aborts: dict[str, None] = {}
+        """Request ids to cancel at the next step, in the order asked (a dict: O(1) membership and insertion)."""
         self._next_index = 0
         self._prompt_tokens_total = 0
         self.compile_seconds = 0.0
@@ -315,22 +320,17 @@ class Engine:
         prompt: str | list[int],
         sampling: SamplingParams,
         arrival_time: float | None = None,
+        checked: bool = False,
     ) -> None:
+        """Queue one request. `checked`: `prompt` is a token-id list that passed `check_request` with `sampling`
+        (it is not scanned again)."""
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"a request with id {request_id!r} is already in the engine")
-        token_ids = self._prompt_ids(prompt)
-        if sampling.max_new_tokens > self.config.max_new_tokens_limit:
-            raise InvalidRequestError(
-                "max_new_tokens",
-                f"{sampling.max_new_tokens} is above this engine's limit of {self.config.max_new_tokens_limit}",
-            )
-        vocab = self.model_config.vocab_size
-        bad_stop = [t for t in sampling.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise InvalidRequestError("stop_token_ids", f"ids {bad_stop} are outside the vocabulary")
-        bad_bias = [t for t, _ in sampling.logit_bias if t >= vocab]
-        if bad_bias:
-            raise InvalidRequestError("logit_bias", f"token ids {bad_bias[:5]} are outside the vocabulary [0, {vocab})")
+        if checked and not isinstance(prompt, str):
+            token_ids = list(prompt)
+        else:
+            token_ids = self._prompt_ids(prompt)
+            self._check_sampling(sampling)
         seq = Sequence(
             request_id=request_id,
             seq_index=self._next_index,
@@ -346,6 +346,27 @@ class Engine:
         self._prompt_tokens_total += len(token_ids)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def check_request(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """`InvalidRequestError` naming the field when `add_request` would refuse these token ids or these
+        sampling parameters (everything but the request id). Reads only what is fixed at load: any thread may
+        call it."""
+        self._prompt_ids(prompt_ids)
+        self._check_sampling(sampling)
+
+    def _check_sampling(self, sampling: SamplingParams) -> None:
+        if sampling.max_new_tokens > self.config.max_new_tokens_limit:
+            raise InvalidRequestError(
+                "max_new_tokens",
+                f"{sampling.max_new_tokens} is above this engine's limit of {self.config.max_new_tokens_limit}",
+            )
+        vocab = self.model_config.vocab_size
+        bad_stop = [t for t in sampling.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise InvalidRequestError("stop_token_ids", f"ids {bad_stop} are outside the vocabulary")
+        bad_bias = [t for t, _ in sampling.logit_bias if t >= vocab]
+        if bad_bias:
+            raise InvalidRequestError("logit_bias", f"token ids {bad_bias[:5]} are outside the vocabulary [0, {vocab})")
 
     def check_prompt_length(self, num_tokens: int) -> None:
         """InvalidRequestError when a prompt of `num_tokens` tokens cannot fit the context (prompt + at least one
@@ -387,7 +408,7 @@ class Engine:
         seq = self._requests.get(request_id)
         if seq is None or seq.is_finished or request_id in self._pending_aborts:
             return False
-        self._pending_aborts.append(request_id)
+        self._pending_aborts[request_id] = None
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -396,8 +417,10 @@ class Engine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()
-        events: list[StepEvent] = [self.scheduler.abort(self._requests[r], now) for r in self._pending_aborts]
-        self._pending_aborts.clear()
+        events: list[StepEvent] = []
+        if self._pending_aborts:
+            events = self.scheduler.abort_all([self._requests[r] for r in self._pending_aborts], now)
+            self._pending_aborts.clear()
         batch = self.scheduler.schedule(now)
         if batch:
             logits = self.runner.run(batch)

@@ -9,11 +9,20 @@ Contract:
   the same interface as the metrics server: `--metrics-host` decides who may read metrics, whichever port).
 - Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with the HTTP status of
   `inference_svc.status` (the table the gRPC codes come from); `code` is the gRPC status name, so an error reads
-  the same over both protocols. Errors are counted in the same `tandem_request_errors` metric.
+  the same over both protocols.
+- Outcomes: each request to an API route (not `/health`, not `/metrics`) is one `RequestRecord`
+  (`inference_svc.access_log`, shared with gRPC), ended once when its response is over: a non-OK outcome is
+  counted in `tandem_request_errors` under its gRPC code, and one `tandem.access` line is written. A client that
+  disconnects (before, during or after its body, streaming or not) is CANCELLED (HTTP 499 in the access log);
+  a `timeout` that passes is DEADLINE_EXCEEDED. Only INTERNAL failures are logged beyond the access line (with
+  their traceback, once).
+- `created` in every response is the request's arrival (whole seconds), the same in every chunk of a stream.
 - Order of checks: API key (401; `/health` and `/metrics` are open, as gRPC health is), serving (503), body size
   (413 above `max_request_bytes`, counted while reading, so a chunked body cannot exceed it either; a body that
   has not arrived within `body_timeout` seconds gets 408), JSON (400), parameters (400 naming the parameter),
-  model name (404), then the engine's own validation and admission (400, 429).
+  model name (404), then the engine's own validation and admission (400, 429): a request is admitted whole or
+  refused whole (`AsyncEngine.generate_many`: every prompt checked, all `prompts × n` sequences at once), a
+  request no emptier queue could hold gets 400 naming `n` or `prompt`, 429 only one that would fit later.
 - Streams: the response starts once the first increment (or the first error) of the request is known, so a
   request the engine refuses gets its status code, not a 200 followed by an error. After that, a failure, a
   deadline (`timeout`) or a shutdown ends the stream with one `data: {"error": ...}` event, then `[DONE]`.
@@ -39,16 +48,18 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from inference_svc import tokenizer_jobs
-from inference_svc.async_engine import AsyncEngine
+from inference_svc.access_log import AccessLog, RequestRecord
+from inference_svc.async_engine import MAX_REQUEST_ID_CHARS, AsyncEngine
 from inference_svc.chat_template import ChatTemplate
 from inference_svc.engine.types import Completion, FinishReason, RequestOutput, TokenLogprob, Usage
 from inference_svc.errors import (
     AuthenticationError,
+    ClientGoneError,
     EngineStoppedError,
     InvalidRequestError,
     ModelNotFoundError,
@@ -77,6 +88,7 @@ class Owner(Protocol):
     engine: AsyncEngine | None
     lifecycle: Lifecycle
     metrics: ServiceMetrics
+    access_log: AccessLog
 
 
 @dataclass(frozen=True)
@@ -135,12 +147,26 @@ class _Api:
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ plumbing
-    def _error(self, exc: BaseException, rid: str = "") -> JSONResponse:
+    def _error(self, exc: BaseException, record: RequestRecord) -> JSONResponse:
+        """`exc` as OpenAI's error response; recorded as the request's outcome (counted when the record ends), and
+        logged, with its traceback, only when it is INTERNAL."""
         code, body = error_body(exc)
-        if code >= 500 and not isinstance(exc, EngineStoppedError) and not getattr(exc, "logged", False):
-            log.error("HTTP request %s failed: %r", rid or "-", exc, exc_info=exc)
-        self.owner.metrics.observe_error(status_of(exc)[0].grpc.name)
+        _log_if_internal(exc, "HTTP request", record.request_id)
+        record.fail(exc)
         return JSONResponse(body, status_code=code)
+
+    def _cut(self) -> Exception:
+        """Why a request's task was cancelled: the server shutting down, else its client leaving."""
+        if not self.owner.lifecycle.accepting:
+            return EngineStoppedError("the server shut down before this request finished")
+        return ClientGoneError("the client disconnected")
+
+    def _record(self, request: Request) -> RequestRecord:
+        client = request.client
+        peer = "-" if client is None else f"{client.host}:{client.port}"
+        record = RequestRecord("http", request.method, request.url.path, peer=peer)
+        record.request_id = request.headers.get("x-request-id", "-")[:MAX_REQUEST_ID_CHARS] or "-"
+        return record
 
     def _authorize(self, request: Request) -> None:
         if self.options.check_key is None:
@@ -190,16 +216,36 @@ class _Api:
             )
 
     async def _handle(
-        self, request: Request, run: Callable[[AsyncEngine, Any], Awaitable[Response]], names: dict[str, str]
+        self,
+        request: Request,
+        run: Callable[[AsyncEngine, Any, RequestRecord], Awaitable[Response]],
+        names: dict[str, str],
     ) -> Response:
-        """Key, lifecycle, body, then `run(engine, body)`; any error in OpenAI's shape (see the module docstring)."""
+        """Key, lifecycle, body, then `run(engine, body, record)`; any error in OpenAI's shape (see the module
+        docstring). The record ends here, or when a streamed response is over (`_RecordedStream`)."""
+        record = self._record(request)
+        response: Response | None = None
         try:
             self._authorize(request)
             engine = self._engine()
             body = await self._body(request)
-            return await run(engine, body)
+            response = await run(engine, body, record)
+        except ClientDisconnect:  # the client hung up mid-body: nobody to answer
+            response = self._error(ClientGoneError("the client disconnected before its body arrived"), record)
+        except asyncio.CancelledError:
+            cause = self._cut()
+            if not isinstance(cause, EngineStoppedError):
+                record.fail(cause)
+                raise
+            # the HTTP server cancels what is left at the end of a shutdown (a slow upload, say): this request
+            # ends here, answered 503 if its client still listens; re-raised, it would be a traceback each
+            response = self._error(cause, record)
         except Exception as exc:
-            return self._error(_in_api_terms(exc, names))
+            response = self._error(_in_api_terms(exc, names), record)
+        finally:
+            if not isinstance(response, _RecordedStream):  # a stream's record ends with the stream
+                self.owner.access_log.finish(record)
+        return response
 
     # ------------------------------------------------------------------ plain routes
     async def health(self, request: Request) -> Response:
@@ -218,10 +264,13 @@ class _Api:
         return Response(self.owner.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
+        record = self._record(request)
         try:
             self._authorize(request)
         except Exception as exc:
-            return self._error(exc)
+            return self._error(exc, record)
+        finally:
+            self.owner.access_log.finish(record)
         card = {"id": self.options.model_name, "object": "model", "created": self.created, "owned_by": "tandem"}
         engine = self.owner.engine
         if engine is not None:
@@ -232,36 +281,35 @@ class _Api:
     # ------------------------------------------------------------------ completions
     async def completions(self, request: Request) -> Response:
         return await self._handle(
-            request, lambda engine, body: self._completions(request, engine, body), _COMPLETION_NAMES
+            request, lambda engine, body, record: self._completions(request, engine, body, record), _COMPLETION_NAMES
         )
 
-    async def _completions(self, request: Request, engine: AsyncEngine, body: Any) -> Response:
+    async def _completions(self, request: Request, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
         req: CompletionRequest = parse(CompletionRequest, body)
         self._check_model(req.model)
         sampling = req.to_sampling(16)
-        prompts = [await engine.prompt_ids(p) for p in req.prompts()]
+        rid = record.request_id = _request_id(request, "cmpl")
+        texts = req.prompts()
+        engine.check_fits(len(texts), req.n)  # before tokenizing: the count alone may prove it can never fit
+        prompts = [await engine.prompt_ids(p) for p in texts]
+        record.tokens_in = sum(len(ids) for ids in prompts)
         tok = engine.engine.tokenizer
-        rid = _request_id(request, "cmpl")
         deadline = None if req.timeout is None else time.monotonic() + req.timeout
-        streams = [
-            engine.generate(ids, sampling, request_id=rid if len(prompts) == 1 else f"{rid}-{i}", deadline=deadline,
-                            n=req.n)
-            for i, ids in enumerate(prompts)
-        ]  # fmt: skip
+        outputs = engine.generate_many(prompts, sampling, request_id=rid, deadline=deadline, n=req.n)  # whole or none
         echo_text = [tok.decode(ids, skip_special_tokens=False) if req.echo else "" for ids in prompts]
-        view = _CompletionView(rid, self.options.model_name, self.created, req, prompts, echo_text, tok)
+        view = _CompletionView(rid, self.options.model_name, record.created, req, prompts, echo_text, tok)
         if req.stream:
             return await self._stream(
-                request, streams, view.chunk, view.usage_chunk, req.include_usage, rid, _COMPLETION_NAMES
+                request, outputs, view.chunk, view.usage_chunk, req.include_usage, record, _COMPLETION_NAMES
             )
-        done = await self._collect(request, streams, req.n)
+        done = await self._collect(request, outputs, req.n, record)
         return JSONResponse(view.whole(done))
 
     # ------------------------------------------------------------------ tokenizer (vLLM's routes)
     async def tokenize(self, request: Request) -> Response:
         return await self._handle(request, self._tokenize, {})
 
-    async def _tokenize(self, engine: AsyncEngine, body: Any) -> Response:
+    async def _tokenize(self, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
         req: TokenizeRequest = parse(TokenizeRequest, body)
         self._check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -278,7 +326,7 @@ class _Api:
     async def detokenize(self, request: Request) -> Response:
         return await self._handle(request, self._detokenize, {})
 
-    async def _detokenize(self, engine: AsyncEngine, body: Any) -> Response:
+    async def _detokenize(self, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
         req: DetokenizeRequest = parse(DetokenizeRequest, body)
         self._check_model(req.model)
         vocab = engine.engine.model_config.vocab_size
@@ -290,23 +338,27 @@ class _Api:
 
     # ------------------------------------------------------------------ chat
     async def chat_completions(self, request: Request) -> Response:
-        return await self._handle(request, lambda engine, body: self._chat(request, engine, body), _CHAT_NAMES)
+        return await self._handle(
+            request, lambda engine, body, record: self._chat(request, engine, body, record), _CHAT_NAMES
+        )
 
-    async def _chat(self, request: Request, engine: AsyncEngine, body: Any) -> Response:
+    async def _chat(self, request: Request, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
         self._check_model(req.model)
         sampling = req.to_sampling(engine.engine.config.max_new_tokens_limit)
+        rid = record.request_id = _request_id(request, "chatcmpl")
+        engine.check_fits(1, req.n)  # before rendering: n alone may prove it can never fit
         ids = await self._chat_ids(engine, req.messages, req.add_generation_prompt)
+        record.tokens_in = len(ids)
         tok = engine.engine.tokenizer
-        rid = _request_id(request, "chatcmpl")
         deadline = None if req.timeout is None else time.monotonic() + req.timeout
-        streams = [engine.generate(ids, sampling, request_id=rid, deadline=deadline, n=req.n)]
-        view = _ChatView(rid, self.options.model_name, self.created, req, len(ids), tok)
+        outputs = engine.generate_many([ids], sampling, request_id=rid, deadline=deadline, n=req.n)
+        view = _ChatView(rid, self.options.model_name, record.created, req, len(ids), tok)
         if req.stream:
             return await self._stream(
-                request, streams, view.chunk, view.usage_chunk, req.include_usage, rid, _CHAT_NAMES
+                request, outputs, view.chunk, view.usage_chunk, req.include_usage, record, _CHAT_NAMES
             )
-        done = await self._collect(request, streams, req.n)
+        done = await self._collect(request, outputs, req.n, record)
         return JSONResponse(view.whole(done))
 
     async def _chat_ids(self, engine: AsyncEngine, messages: list[Any], add_generation_prompt: bool) -> list[int]:
@@ -323,14 +375,21 @@ class _Api:
         return await engine.tokenize_with(chars, tokenizer_jobs.chat_encode, template, plain, add_generation_prompt)
 
     # ------------------------------------------------------------------ running requests
-    async def _collect(self, request: Request, streams: list[AsyncIterator[RequestOutput]], n: int) -> list[Completion]:
-        """Run the requests to completion; a client disconnect aborts them all. Completions in choice order."""
+    async def _collect(
+        self, request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]], n: int, record: RequestRecord
+    ) -> list[Completion]:
+        """Run the request to completion; a client disconnect aborts it whole (`ClientGoneError`). Completions in
+        choice order."""
 
         async def gather() -> list[Completion]:
             done: dict[int, Completion] = {}
-            async for p, out in _merge(streams):
-                idx = p * n + out.index
-                done.setdefault(idx, Completion(out.request_id, idx)).add(out)
+            try:
+                async for p, out in outputs:
+                    record.tokens_out += len(out.new_token_ids)
+                    idx = p * n + out.index
+                    done.setdefault(idx, Completion(out.request_id, idx)).add(out)
+            finally:
+                await outputs.aclose()  # type: ignore[attr-defined]  # abort what still runs, now
             return [done[i] for i in sorted(done)]
 
         work = asyncio.ensure_future(gather())
@@ -341,7 +400,7 @@ class _Api:
                 work.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await work
-                raise asyncio.CancelledError
+                raise ClientGoneError("the client disconnected before its answer was complete")
             return work.result()
         finally:
             gone.cancel()
@@ -349,45 +408,87 @@ class _Api:
     async def _stream(
         self,
         request: Request,
-        streams: list[AsyncIterator[RequestOutput]],
+        merged: AsyncIterator[tuple[int, RequestOutput]],
         chunk: Callable[[int, RequestOutput], list[dict[str, Any]]],
         usage_chunk: Callable[[], dict[str, Any]],
         include_usage: bool,
-        rid: str,
+        record: RequestRecord,
         names: dict[str, str],
     ) -> Response:
-        merged = _merge(streams)
         try:
             first = await anext(merged)
         except StopAsyncIteration:
             first = None
         except BaseException:
-            await merged.aclose()
+            await merged.aclose()  # type: ignore[attr-defined]
             raise
 
         async def events() -> AsyncIterator[bytes]:
             try:
                 if first is not None:
+                    record.tokens_out += len(first[1].new_token_ids)
                     for c in chunk(*first):
                         yield _sse(c)
                 async for item in merged:
+                    record.tokens_out += len(item[1].new_token_ids)
                     for c in chunk(*item):
                         yield _sse(c)
                 if include_usage:
                     yield _sse(usage_chunk())
-            except asyncio.CancelledError:
+            except asyncio.CancelledError:  # the client went away mid-stream (or a shutdown cut the stream)
+                record.fail(self._cut())
                 raise
             except Exception as exc:  # mid-stream: one error event, in the shape of the errors
-                code, body = error_body(_in_api_terms(exc, names))
-                self.owner.metrics.observe_error(status_of(exc)[0].grpc.name)
-                if code >= 500 and not isinstance(exc, EngineStoppedError):
-                    log.error("HTTP stream %s failed: %r", rid, exc, exc_info=exc)
+                _, body = error_body(_in_api_terms(exc, names))
+                _log_if_internal(exc, "HTTP stream", record.request_id)
+                record.fail(exc)
                 yield _sse(body)
             finally:
-                await merged.aclose()  # abort now (a disconnect cancels this generator), not at garbage collection
+                await merged.aclose()  # type: ignore[attr-defined]  # abort now (a disconnect cancels this generator)
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return _RecordedStream(
+            events(),
+            record,
+            self.owner.access_log,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
+
+class _RecordedStream(StreamingResponse):
+    """A server-sent event stream whose request record ends when the stream does: CANCELLED unless its events ran
+    to their end (a disconnect may cancel it inside the transport's send, where the events never see it)."""
+
+    def __init__(self, content: AsyncIterator[bytes], record: RequestRecord, access_log: AccessLog,
+                 **kwargs: Any) -> None:  # fmt: skip
+        self._ended = False
+        self._events = content
+        self._record, self._access_log = record, access_log
+        super().__init__(self._watch(), **kwargs)
+
+    async def _watch(self) -> AsyncIterator[bytes]:
+        async for item in self._events:
+            yield item
+        self._ended = True
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._ended:
+                self._record.fail(ClientGoneError("the client disconnected mid-stream"))
+            for stream in (self.body_iterator, self._events):  # the events' engine requests abort now
+                with contextlib.suppress(Exception):
+                    await stream.aclose()  # type: ignore[attr-defined]
+            self._access_log.finish(self._record)
+
+
+def _log_if_internal(exc: BaseException, what: str, rid: str) -> None:
+    """One ERROR line with the traceback for an INTERNAL failure not logged yet; nothing for any other outcome (a
+    client's own deadline, a disconnect, a refusal: the access log has them)."""
+    if status_of(exc)[0].grpc.name == "INTERNAL" and not getattr(exc, "logged", False):
+        log.error("%s %s failed: %r", what, rid or "-", exc, exc_info=exc)
 
 
 def _request_id(request: Request, kind: str) -> str:
@@ -426,47 +527,6 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-async def _merge(streams: Sequence[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(stream index, increment) from several requests as they come. Leaving early, or an error from one of them,
-    closes them all (each close aborts its engine request)."""
-    if len(streams) == 1:
-        try:
-            async for out in streams[0]:
-                yield 0, out
-        finally:
-            await streams[0].aclose()  # type: ignore[attr-defined]
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    end = object()
-
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((i, out))
-            queue.put_nowait((i, end))
-        except Exception as exc:
-            queue.put_nowait((i, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(tasks)
-        while left:
-            i, item = await queue.get()
-            if item is end:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for s in streams:
-            with contextlib.suppress(Exception):
-                await s.aclose()  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------------------- response views
