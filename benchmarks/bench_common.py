@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -18,16 +17,12 @@ import time
 import warnings
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from inference_svc.serve_process import free_port
 
 
 def run_case(case: dict[str, Any], world: int = 2, timeout_s: float = 900) -> dict[str, Any]:
     """Train `case` (strategy, stage, precision, steps, block, batch) on `world` processes; rank 0's result."""
-    port = _free_port()
+    port = free_port()
     procs, logs = [], []
     for rank in range(world):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}

@@ -49,20 +49,23 @@ import os
 import platform
 import random
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llama_cpp  # the sibling helper module (benchmarks/ is not a package)
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(1, str(REPO))
+import llama_cpp  # noqa: E402 - the sibling helper module (benchmarks/ is not a package)
+
+from inference_svc.serve_process import ServeExited, ServeProcess  # noqa: E402 - this checkout's, after the path
+
 PAIRS = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}  # Tandem precision -> GGUF type
 CONVERTER_DEPS = {"numpy": "numpy", "transformers": "transformers", "sentencepiece": "sentencepiece>=0.1.98,<0.3.0"}
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
@@ -76,13 +79,6 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ------------------------------------------------------------------------------------------------ machine
 def cpu_summary() -> dict[str, Any]:
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
@@ -251,65 +247,43 @@ def gguf_read_bytes(source: Path, path: Path) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------ Tandem server
 class Server:
-    """`tandem serve` as a subprocess on a free loopback port; `close()` always ends it."""
+    """`tandem serve` as a subprocess on a free loopback port (`inference_svc.serve_process`), run from this
+    checkout (`REPO`); `close()` always ends it."""
 
     def __init__(
         self, bundle: Path, dtype: str, quant: str | None, threads: int, threads_flag: bool, log_path: Path,
-        compile_mode: str | None = None,
+        compile_mode: str | None = None, extra_flags: Sequence[str] = (),
     ) -> None:  # fmt: skip
-        self.port = _free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "shared_model.cli", "serve", "--model", str(bundle), "--port", str(self.port)]
-        cmd += ["--no-metrics", "--no-http", "--device", "cpu", "--dtype", dtype, "--log-level", "WARNING"]
+        flags = ["--no-metrics", "--no-http", "--device", "cpu", "--dtype", dtype, "--log-level", "WARNING"]
         if quant:
-            cmd += ["--quantization", quant]
+            flags += ["--quantization", quant]
         if compile_mode:
-            cmd += ["--compile", compile_mode]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+            flags += ["--compile", compile_mode]
+        env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         if threads_flag:
-            cmd += ["--threads", str(threads)]
+            flags += ["--threads", str(threads)]
         else:
             env["OMP_NUM_THREADS"] = str(threads)
-        self.cmd = cmd
         self.log_path = log_path
-        self.log_file = open(log_path, "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log_file, stderr=subprocess.STDOUT)
+        self.process = ServeProcess(bundle, [*flags, *extra_flags], log=log_path, env=env, cwd=REPO)
+        self.cmd, self.target = self.process.cmd, self.process.target
 
     def wait_serving(self, timeout_s: float) -> None:
-        from inference_svc.client import NO_RETRY, TandemClient
-
-        deadline = time.monotonic() + timeout_s
-        with TandemClient(self.target, retry=NO_RETRY) as c:
-            while time.monotonic() < deadline:
-                rc = self.proc.poll()
-                if rc is not None:
-                    self._raise_exited(rc)
-                try:
-                    if c.health(timeout=1.0) == "SERVING":
-                        return
-                except Exception:  # not listening yet
-                    pass
-                time.sleep(0.2)
-        raise llama_cpp.StepError(f"server did not report SERVING within {timeout_s:.0f} s; log {self.log_path}")
-
-    def _raise_exited(self, rc: int) -> None:
-        self.log_file.flush()
-        text = self.log_path.read_text(errors="replace")
-        lines = [ln for ln in text.splitlines() if ln.strip()]
-        bad = next((ln for ln in lines if "unrecognized arguments" in ln or "invalid choice" in ln), None)
-        if rc == 2 and bad is not None:
-            raise NotOffered(bad.split("error:", 1)[-1].strip())
-        raise llama_cpp.StepError(f"server exited with {rc} before SERVING: {lines[-1] if lines else '(no output)'}")
+        try:
+            self.process.wait_serving(timeout_s)
+        except ServeExited as exc:
+            text = self.log_path.read_text(errors="replace")
+            words = ("unrecognized arguments", "invalid choice")
+            bad = next((ln for ln in text.splitlines() if any(w in ln for w in words)), None)
+            if exc.code == 2 and bad is not None:
+                raise NotOffered(bad.split("error:", 1)[-1].strip()) from exc
+            raise llama_cpp.StepError(str(exc)) from exc
+        except TimeoutError as exc:
+            why = f"server did not report SERVING within {timeout_s:.0f} s; log {self.log_path}"
+            raise llama_cpp.StepError(why) from exc
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log_file.close()
+        self.process.stop(30)
 
 
 def _stream(client, prompt: list[int], max_new: int, seed: int, timeout_s: float) -> tuple[float, list[tuple]]:

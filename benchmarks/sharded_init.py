@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,8 @@ import time
 from datetime import date
 from pathlib import Path
 from typing import Any
+
+from inference_svc.serve_process import free_port
 
 MODES = {"zero3": 3, "whole": 2}
 MIB = 1024**2
@@ -159,14 +160,8 @@ def rank_main(mode: str, folder: str, out: str) -> None:
         trainer.fit(Probe(config, init_from=folder), datamodule=data)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(mode: str, folder: Path, out: Path, world: int, timeout_s: float) -> list[dict[str, Any]]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}

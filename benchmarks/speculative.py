@@ -288,17 +288,8 @@ class SpecServer(cpu_peer.Server):
     """`tandem serve` with speculation on by default (requests turn it off with num_speculative_tokens=0)."""
 
     def __init__(self, bundle: Path, dtype: str, threads: int, k: int, log_path: Path, compile_mode: str = "auto"):
-        self.port = cpu_peer._free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "shared_model.cli", "serve", "--model", str(bundle), "--port", str(self.port)]
-        cmd += ["--no-metrics", "--no-http", "--device", "cpu", "--dtype", dtype, "--log-level", "WARNING"]
-        cmd += ["--threads", str(threads), "--speculative", "ngram", "--num-speculative-tokens", str(k)]
-        cmd += ["--compile", compile_mode]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        self.cmd = cmd
-        self.log_path = log_path
-        self.log_file = open(log_path, "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log_file, stderr=subprocess.STDOUT)
+        spec = ["--speculative", "ngram", "--num-speculative-tokens", str(k)]
+        super().__init__(bundle, dtype, None, threads, True, log_path, compile_mode, extra_flags=spec)
 
 
 def stream_one(client, ids: list[int], n_gen: int, k: int, timeout_s: float) -> dict[str, Any]:

@@ -20,13 +20,14 @@ import argparse
 import csv
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from inference_svc.serve_process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,7 +85,7 @@ def run_one(name: str, overrides: list[str], args: argparse.Namespace) -> dict[s
         "trainer.log_every_n_steps=1",
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "shared_model.cli", "train", "--config", args.config, *base, *overrides]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}  # loopback only
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # loopback only
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - t0
@@ -110,12 +111,6 @@ def run_one(name: str, overrides: list[str], args: argparse.Namespace) -> dict[s
         "peak_measured_mb_per_rank": measured,
         "peak_predicted_mb_per_rank": predicted,
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _resolved_config(run_dir: Path) -> dict[str, Any]:

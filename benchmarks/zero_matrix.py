@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,8 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from inference_svc.serve_process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -366,12 +367,6 @@ def worker(cells: list[Cell], out: Path, references: bool = True) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- launching
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(cells: list[Cell], out: Path, timeout_s: float = 600, references: bool = True) -> dict[str, Any]:
     """Run `cells` in one 2-process group; rank 0's results (the DDP references unless `references` is false, and
     the cells). Ranks that outlive the timeout are killed; the cells they did not reach are `crash` rows."""

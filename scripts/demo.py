@@ -19,8 +19,6 @@ import keyword
 import math
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -169,21 +167,16 @@ class _Tee:
 
 
 def serve(bundle_dir: Path) -> PythonCheck:
-    from inference_svc.client import TandemClient
     from inference_svc.generate_cli import stream_completion
+    from inference_svc.serve_process import ServeProcess
 
     step("serve the bundle over gRPC and stream the greedy completion of a Python prompt")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "shared_model.cli", "serve", "--model", str(bundle_dir), "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--metrics-port", "0", "--http-port", "0", "--shutdown-grace", "10"]
-    print(f"$ tandem serve --model {bundle_dir} --port {port}", flush=True)
-    proc = subprocess.Popen(cmd)
+    flags = ["--metrics-port", "0", "--http-port", "0", "--shutdown-grace", "10"]
+    server = ServeProcess(bundle_dir, flags, echo=True)
+    print(f"$ tandem serve --model {bundle_dir} --port {server.port}", flush=True)
     try:
-        target = f"127.0.0.1:{port}"
-        with TandemClient(target) as client:
-            client.wait_until_serving(300)
+        target = server.target
+        server.wait_serving(300)
         print(
             f"$ tandem generate --target {target} {PROMPT!r} --max-new-tokens {MAX_NEW_TOKENS} --temperature 0 "
             f"--repetition-penalty {REPETITION_PENALTY}",
@@ -200,12 +193,8 @@ def serve(bundle_dir: Path) -> PythonCheck:
             repetition_penalty=REPETITION_PENALTY,
         )
         sys.stderr.flush()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        code = server.stop(60)  # SIGTERM: the server drains and exits 0
     if code != 0:
         raise SystemExit(f"demo: the server exited with {code}")
     check = check_python(out.text)

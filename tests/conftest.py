@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 
@@ -14,16 +13,12 @@ if not torch.cuda.is_available():
 
 import pytest
 
+from inference_svc.serve_process import free_port  # the project's one free-port helper (re-exported for tests)
 from shared_model.config import ModelConfig
 from shared_model.corpus import CorpusConfig, load_corpus
 from shared_model.tokenizer import Tokenizer
 
-
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now (bind to 0, read it back, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "tiny_config"]
 
 
 @pytest.fixture

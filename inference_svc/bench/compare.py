@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import math
@@ -46,9 +45,6 @@ import os
 import platform
 import re
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -56,6 +52,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from inference_svc.serve_process import ServeExited, ServeProcess
 
 PRESETS: dict[str, list[str]] = {
     "default": [],
@@ -164,12 +162,6 @@ def _settings(name: str, flags: Sequence[str]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------- one server
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _proc_status(pid: int) -> dict[str, int]:
     """VmRSS / VmHWM (bytes) of a live process; {} where /proc is not there."""
     out: dict[str, int] = {}
@@ -182,70 +174,6 @@ def _proc_status(pid: int) -> dict[str, int]:
         if key in ("VmRSS", "VmHWM") and value.strip().endswith("kB"):
             out[key] = int(value.split()[0]) * 1024
     return out
-
-
-def _log_reason(log: Path) -> str:
-    """The server's own last word: its last `tandem serve:` line, else its last line."""
-    try:
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    own = [ln for ln in lines if ln.startswith("tandem serve:") or "Error" in ln]
-    return (own or lines or [""])[-1][:300]
-
-
-class Server:
-    """`tandem serve` in a subprocess on a free loopback port, its output in `log`."""
-
-    def __init__(self, model: str, flags: Sequence[str], log: Path, startup_timeout: float) -> None:
-        self.port = _free_port()
-        self.log = log
-        cmd = [sys.executable, "-m", "shared_model.cli", "serve", *flags, "--model", str(model)]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--no-http", "--metrics-port", "0"]
-        cmd += ["--shutdown-grace", "10"]
-        self.cmd = cmd
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(log, "w") as fh:
-            fh.write("$ " + shlex.join(cmd) + "\n")
-            fh.flush()
-            self.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        self.startup_timeout = startup_timeout
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def wait_serving(self) -> float:
-        """Seconds until health said SERVING; RuntimeError when the server exits first or takes too long."""
-        import grpc
-
-        from inference_svc.client import TandemClient
-
-        t0 = time.perf_counter()
-        deadline = t0 + self.startup_timeout
-        with TandemClient(self.target, timeout=5.0) as client:
-            while True:
-                code = self.proc.poll()
-                if code is not None:
-                    raise RuntimeError(f"server exited with {code} before SERVING: {_log_reason(self.log)}")
-                with contextlib.suppress(grpc.RpcError):
-                    if client.health(timeout=2.0) == "SERVING":
-                        return time.perf_counter() - t0
-                if time.perf_counter() >= deadline:
-                    raise RuntimeError(f"server did not report SERVING within {self.startup_timeout:g} s")
-                time.sleep(0.2)
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        """SIGTERM, then the exit code (None: it had to be killed)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-                return None
-        return self.proc.returncode
 
 
 # ---------------------------------------------------------------------------------------- measuring
@@ -322,8 +250,9 @@ def run_config(
     server = None
     peak = None
     try:
-        server = Server(args.model, [*common, *cfg.flags], log, args.startup_timeout)
-        entry["startup_s"] = round(server.wait_serving(), 3)
+        flags = [*common, *cfg.flags, "--no-http", "--metrics-port", "0", "--shutdown-grace", "10"]
+        server = ServeProcess(args.model, flags, log=log)
+        entry["startup_s"] = round(server.wait_serving(args.startup_timeout), 3)
         entry["rss_serving_bytes"] = _proc_status(server.proc.pid).get("VmRSS")
         info = _model_info(server.target)
         entry.update(
@@ -360,7 +289,7 @@ def run_config(
             code = server.stop()
             entry["server_exit_code"] = code
             if code != 0 and entry["error"] is None:
-                entry["error"] = f"server exited {code} after SIGTERM: {_log_reason(log)}"
+                entry["error"] = f"server exited {code} after SIGTERM: {server.last_line()}"
     device = entry["device"] or ""
     if device.startswith("cuda"):
         if peak is not None:
@@ -383,7 +312,7 @@ def _describe(exc: Exception) -> str:
 
     if isinstance(exc, grpc.RpcError):
         return f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
-    if type(exc) is RuntimeError:
+    if type(exc) is RuntimeError or isinstance(exc, (ServeExited, TimeoutError)):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from inference_svc.serve_process import free_port
 from lt_plugins.checkpointing import SelectiveCheckpointing
 from lt_plugins.data import CorpusDataModule
 from lt_plugins.lit_module import LitCausalLM
@@ -35,12 +35,6 @@ class _Losses(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         self.losses.append(float(outputs["loss"].detach()))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fit(strategy: ZeroStrategy, mode: str, steps: int = 3) -> list[float]:
@@ -85,7 +79,7 @@ def test_zero3_ops_checkpointing_with_sanity_check_trains_like_no_checkpointing(
         module.configure_model()  # a module may build its layers there (a no-op for one that builds them earlier)
         assert max(p.numel() for p in module.parameters()) < 100_000
     # In a fresh process: DeepSpeed's stage 3 leaves process-wide patches behind that other tests would see.
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     out = tmp_path / "losses.json"
     proc = subprocess.run(
         [sys.executable, __file__, json.dumps(threshold), str(out)],

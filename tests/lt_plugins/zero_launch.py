@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from inference_svc.serve_process import free_port
+
 WORKER = Path(__file__).with_name("zero_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(mode: str, out: Path, world: int = 2, timeout_s: float = 420) -> None:

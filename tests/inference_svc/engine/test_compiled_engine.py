@@ -204,13 +204,19 @@ def test_compiled_verify_rows_are_bitwise_the_rows_of_plain_decode_steps(model, 
 
 def test_compiled_decoder_logits_match_eager_within_tolerance(qwen3_dir) -> None:
     model = load_bundle(qwen3_dir, dtype=torch.float32).model.eval()
-    decoder = CompiledDecoder(model)
+    decoder = CompiledDecoder(fuse_projections(model))  # compiled serving decoder against the plain one
     with torch.inference_mode():  # as the engine runs it (inference tensors: guards check the dispatch keys)
         ids = torch.randint(3, model.config.vocab_size, (1, 23))
         pos = torch.arange(23)[None]
         want = model.hidden_states(ids, pos, CAUSAL)
-        decoder.warm_up(lambda: decoder.hidden_states(ids, pos, CAUSAL))
-        shorter = decoder.hidden_states(ids[0, :9][None], pos[0, :9][None], CAUSAL)  # dynamic T
+        short_ids, short_pos = ids[0, :9][None], pos[0, :9][None]
+
+        def both() -> None:  # a prefill longer than ROW_KERNEL_MAX_ROWS and a short chunk: the row kernel's branch
+            decoder.hidden_states(ids, pos, CAUSAL)
+            decoder.hidden_states(short_ids, short_pos, CAUSAL)
+
+        decoder.warm_up(both)
+        shorter = decoder.hidden_states(short_ids, short_pos, CAUSAL)
         got = decoder.hidden_states(ids, pos, CAUSAL)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(shorter, want[:, :9], atol=1e-5, rtol=1e-5)
