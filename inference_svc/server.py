@@ -673,7 +673,16 @@ class TandemServer:
             check_key=check,
             chat_template=ChatTemplate.from_folder(s.model, s.chat_template),
         )
-        http = HttpServer(build_app(self, options), s.host, s.http_port or 0, tls_cert=s.tls_cert, tls_key=s.tls_key)
+        http = HttpServer(
+            build_app(self, options),
+            s.host,
+            s.http_port or 0,
+            max_connections=s.http.max_connections,
+            max_per_client=s.http.max_connections_per_client,
+            head_timeout=s.http.head_timeout,
+            tls_cert=s.tls_cert,
+            tls_key=s.tls_key,
+        )
         check_bindable(s.host, s.http_port or 0, "HTTP")
         self.http_port = await http.start()
         self._http = http
