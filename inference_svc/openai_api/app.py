@@ -39,12 +39,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from inference_svc import tokenizer_jobs
 from inference_svc.async_engine import AsyncEngine
+from inference_svc.bounded_log import log_failure
 from inference_svc.chat_template import ChatTemplate
 from inference_svc.engine.types import Completion, FinishReason, RequestOutput, TokenLogprob, Usage
 from inference_svc.errors import (
@@ -57,6 +59,7 @@ from inference_svc.errors import (
 )
 from inference_svc.lifecycle import Lifecycle, State
 from inference_svc.metrics import ServiceMetrics
+from inference_svc.openai_api import json_body
 from inference_svc.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -92,7 +95,8 @@ class ApiOptions:
     chat_template: ChatTemplate | None = None
 
 
-def build_app(owner: Owner, options: ApiOptions) -> Starlette:
+def build_app(owner: Owner, options: ApiOptions) -> Any:
+    """The ASGI app uvicorn runs."""
     api = _Api(owner, options)
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -103,7 +107,41 @@ def build_app(owner: Owner, options: ApiOptions) -> Starlette:
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes)
+
+    async def internal(request: Request, exc: Exception) -> Response:  # a failure no route turned into an error
+        owner.metrics.observe_error("INTERNAL")
+        return JSONResponse(_error_json("the server failed on this request", "internal_error", "INTERNAL"), 500)
+
+    async def http_error(request: Request, exc: Exception) -> Response:  # no such route, or not with this method
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 405:
+            body = _error_json(f"{request.url.path} does not take {request.method}", "invalid_request_error",
+                               "INVALID_ARGUMENT")  # fmt: skip
+        else:
+            body = _error_json(f"no route {request.url.path!r}", "not_found_error", "NOT_FOUND")
+        return JSONResponse(body, exc.status_code, headers=exc.headers)
+
+    app = Starlette(routes=routes, exception_handlers={Exception: internal, HTTPException: http_error})
+    return _Outermost(app)
+
+
+def _error_json(message: str, kind: str, code: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class _Outermost:
+    """The app as uvicorn runs it: an exception no handler caught has had its JSON 500 (Starlette's error
+    middleware sent it, then raised it again); here it is logged once, bounded, instead of uvicorn's whole
+    traceback."""
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except Exception as exc:
+            log_failure(log, f"HTTP {scope.get('method', '')} {scope.get('path', '')} failed", exc)
 
 
 # ---------------------------------------------------------------------------------------- errors
@@ -138,7 +176,7 @@ class _Api:
     def _error(self, exc: BaseException, rid: str = "") -> JSONResponse:
         code, body = error_body(exc)
         if code >= 500 and not isinstance(exc, EngineStoppedError) and not getattr(exc, "logged", False):
-            log.error("HTTP request %s failed: %r", rid or "-", exc, exc_info=exc)
+            log_failure(log, f"HTTP request {rid or '-'} failed", exc)
         self.owner.metrics.observe_error(status_of(exc)[0].grpc.name)
         return JSONResponse(body, status_code=code)
 
@@ -178,10 +216,7 @@ class _Api:
             raise RequestTimeoutError(
                 f"the request body did not arrive within {self.options.body_timeout:g} s"
             ) from None
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InvalidRequestError("body", f"the body is not valid JSON ({exc})") from None
+        return json_body.load(raw)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.options.model_name:
@@ -380,7 +415,7 @@ class _Api:
                 code, body = error_body(_in_api_terms(exc, names))
                 self.owner.metrics.observe_error(status_of(exc)[0].grpc.name)
                 if code >= 500 and not isinstance(exc, EngineStoppedError):
-                    log.error("HTTP stream %s failed: %r", rid, exc, exc_info=exc)
+                    log_failure(log, f"HTTP stream {rid} failed", exc)
                 yield _sse(body)
             finally:
                 await merged.aclose()  # abort now (a disconnect cancels this generator), not at garbage collection

@@ -1,0 +1,131 @@
+"""Bodies JSON allows but a request cannot hold (issue 34), against a real server on a loopback port: each gets a 400
+in the OpenAI shape naming the field, never a 500 with a traceback, and the server logs a bounded amount for it;
+unknown routes and methods, and a failure no route handles, answer in the same JSON shape.
+
+Over gRPC the same inputs cannot be sent as such (protobuf strings are UTF-8 and there is no JSON): a surrogate
+written in UTF-8's way (CESU bytes) is refused as INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx2 as httpx
+import pytest
+
+from inference_svc.bounded_log import MAX_MESSAGE_CHARS, MAX_TRACEBACK_CHARS, log_failure
+from inference_svc.openai_api.json_body import MAX_DEPTH
+from tests.inference_svc.server.conftest import ServerThread, make_server
+
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+SURROGATE = '"\\ud800"'
+LOG_BOUND = 20_000
+"""Characters the server may log for all the bad bodies of one test together (it logged 203 KB for one)."""
+
+
+@pytest.fixture(scope="module")
+def srv(bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    folder = tmp_path_factory.mktemp("bodies") / "chat-model"
+    shutil.copytree(bundle_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    server = make_server(folder, http_port=0, max_request_bytes=4 * 1024 * 1024)
+    yield server
+    server.close()
+
+
+def _post(srv: ServerThread, route: str, raw: str) -> httpx.Response:
+    return httpx.post(
+        f"http://127.0.0.1:{srv.server.http_port}{route}",
+        content=raw.encode(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+
+
+def _chat(content: str = '"hi"', role: str = '"user"', extra: str = "") -> str:
+    return '{"messages": [{"role": %s, "content": %s%s}], "max_tokens": 1}' % (role, content, extra)
+
+
+CASES = {
+    "nested-100000-deep": ("/v1/completions", '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", "prompt"),
+    "integer-5000-digits": ("/v1/completions", '{"prompt": "x", "max_tokens": ' + "9" * 5000 + "}", "max_tokens"),
+    "surrogate-prompt": ("/v1/completions", '{"prompt": %s, "max_tokens": 1}' % SURROGATE, "prompt"),
+    "surrogate-prompt-list": ("/v1/completions", '{"prompt": ["ok", %s]}' % SURROGATE, "prompt[1]"),
+    "surrogate-content": ("/v1/chat/completions", _chat(content=SURROGATE), "messages[0].content"),
+    "surrogate-role": ("/v1/chat/completions", _chat(role=SURROGATE), "messages[0].role"),
+    "surrogate-model": ("/v1/completions", '{"prompt": "x", "model": %s}' % SURROGATE, "model"),
+    "surrogate-tokenize": ("/tokenize", '{"prompt": %s}' % SURROGATE, "prompt"),
+    "surrogate-key": ("/v1/completions", '{"prompt": "x", "logit_bias": {%s: 1}}' % SURROGATE, "logit_bias"),
+    "extra-field-900-deep": (
+        "/v1/chat/completions",
+        _chat(extra=', "extra": ' + "[" * 900 + "]" * 900),
+        "messages[0].extra[0]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_bodies_get_a_400_naming_the_field_and_a_bounded_log(
+    srv: ServerThread, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    route, raw, field = CASES[case]
+    with caplog.at_level(logging.INFO):
+        r = _post(srv, route, raw)
+    assert r.status_code == 400, (r.status_code, r.text[:500])
+    error = r.json()["error"]
+    assert error["param"] == field and error["code"] == "INVALID_ARGUMENT", error
+    assert "Traceback" not in r.text
+    assert sum(len(rec.getMessage()) for rec in caplog.records) < LOG_BOUND
+
+
+def test_nesting_up_to_the_limit_is_accepted(srv: ServerThread) -> None:
+    deep = "[" * (MAX_DEPTH - 3) + "]" * (MAX_DEPTH - 3)
+    r = _post(srv, "/v1/chat/completions", _chat(extra=', "extra": ' + deep))
+    assert r.status_code == 200, r.text[:500]
+    r = _post(srv, "/v1/completions", '{"prompt": "x", "max_tokens": 1, "user": "\\ud83d\\ude00"}')  # a pair: text
+    assert r.status_code == 200, r.text[:500]
+
+
+def test_unknown_routes_methods_and_failures_answer_json(srv: ServerThread) -> None:
+    base = f"http://127.0.0.1:{srv.server.http_port}"
+    r = httpx.get(base + "/v2/nothing", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "NOT_FOUND"
+    r = httpx.get(base + "/v1/completions", timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "POST" in r.headers["allow"]
+
+
+def test_failure_logs_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    def recurse(n: int) -> None:
+        if n == 0:
+            raise ValueError("x" * 100_000)  # an error quoting a huge input
+        recurse(n - 1)
+
+    try:
+        recurse(500)
+    except ValueError as exc:
+        with caplog.at_level(logging.ERROR):
+            log_failure(logging.getLogger("test"), "a request failed", exc)
+    (record,) = caplog.records
+    text = record.getMessage()
+    assert len(text) < MAX_MESSAGE_CHARS + MAX_TRACEBACK_CHARS + 500
+    assert "recurse" in text and "ValueError" in text  # still says where and what
+
+
+@pytest.mark.parametrize("method,payload", [
+    ("Generate", b"\x12\x03\xed\xa0\x80"),  # GenerateRequest.prompt = the UTF-8-style bytes of U+D800
+    ("Tokenize", b"\x0a\x03\xed\xa0\x80"),  # TokenizeRequest.text
+])  # fmt: skip
+def test_grpc_refuses_a_surrogate_as_invalid_argument(srv: ServerThread, method: str, payload: bytes) -> None:
+    with grpc.insecure_channel(srv.target) as channel:
+        call = channel.unary_unary(f"/tandem.inference.v1.Inference/{method}")
+        with pytest.raises(grpc.RpcError) as info:
+            call(payload, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
