@@ -672,6 +672,7 @@ class TandemServer:
             serve_metrics=s.metrics_port is not None and bare_host(s.host) == bare_host(s.metrics_host),
             check_key=check,
             chat_template=ChatTemplate.from_folder(s.model, s.chat_template),
+            chat_template_timeout=s.http.chat_template_timeout,
         )
         http = HttpServer(
             build_app(self, options),

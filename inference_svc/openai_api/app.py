@@ -21,7 +21,9 @@ Contract:
 - Request ids: the client's `X-Request-Id` header when sent (echoed as the response `id`), else a fresh one.
 - Text prompts are tokenized as gRPC's are (no BOS added); chat messages are rendered by the folder's chat
   template (`chat_template`), and their content never becomes a control token. A server without a template
-  answers chat requests 400 saying so.
+  answers chat requests 400 saying so. The template renders in the tokenizer process, never on the event loop,
+  within `chat_template_timeout` seconds and the characters the context can hold (`max_prompt_chars`); a render
+  over either gets 400 naming `chat_template`.
 - Log-probabilities are the model's own (before penalties and temperature), as vLLM's are by default; token
   strings are each token decoded alone.
 """
@@ -47,7 +49,7 @@ from starlette.routing import Route
 from inference_svc import tokenizer_jobs
 from inference_svc.async_engine import AsyncEngine
 from inference_svc.bounded_log import log_failure
-from inference_svc.chat_template import ChatTemplate
+from inference_svc.chat_template import ChatTemplate, RenderLimits
 from inference_svc.engine.types import Completion, FinishReason, RequestOutput, TokenLogprob, Usage
 from inference_svc.errors import (
     AuthenticationError,
@@ -93,6 +95,8 @@ class ApiOptions:
     check_key: Callable[[list[str]], str | None] | None = None
     """The `authorization` header values → why they are refused, or None when they carry a valid key."""
     chat_template: ChatTemplate | None = None
+    chat_template_timeout: float = 5.0
+    """Seconds one render of the chat template may take (it writes at most the characters the context can hold)."""
 
 
 def build_app(owner: Owner, options: ApiOptions) -> Any:
@@ -354,7 +358,10 @@ class _Api:
             )
         plain = [{**m.model_dump(exclude_none=True), "content": m.content or ""} for m in messages]
         chars = sum(len(json.dumps(m)) for m in plain)
-        return await engine.tokenize_with(chars, tokenizer_jobs.chat_encode, template, plain, add_generation_prompt)
+        limits = RenderLimits(engine.max_prompt_chars, self.options.chat_template_timeout)
+        return await engine.tokenize_with(
+            chars, tokenizer_jobs.chat_encode, template, plain, add_generation_prompt, limits
+        )
 
     # ------------------------------------------------------------------ running requests
     async def _collect(self, request: Request, streams: list[AsyncIterator[RequestOutput]], n: int) -> list[Completion]:

@@ -24,6 +24,13 @@ from tests.inference_svc.server.conftest import ServerThread, make_server
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 SURROGATE = '"\\ud800"'
+
+
+def _with(template: str) -> str:
+    """`template` with its `@` replaced by a JSON string holding a lone surrogate."""
+    return template.replace("@", SURROGATE)
+
+
 LOG_BOUND = 20_000
 """Characters the server may log for all the bad bodies of one test together (it logged 203 KB for one)."""
 
@@ -50,19 +57,19 @@ def _post(srv: ServerThread, route: str, raw: str) -> httpx.Response:
 
 
 def _chat(content: str = '"hi"', role: str = '"user"', extra: str = "") -> str:
-    return '{"messages": [{"role": %s, "content": %s%s}], "max_tokens": 1}' % (role, content, extra)
+    return '{"messages": [{"role": ' + role + ', "content": ' + content + extra + '}], "max_tokens": 1}'
 
 
 CASES = {
     "nested-100000-deep": ("/v1/completions", '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", "prompt"),
     "integer-5000-digits": ("/v1/completions", '{"prompt": "x", "max_tokens": ' + "9" * 5000 + "}", "max_tokens"),
-    "surrogate-prompt": ("/v1/completions", '{"prompt": %s, "max_tokens": 1}' % SURROGATE, "prompt"),
-    "surrogate-prompt-list": ("/v1/completions", '{"prompt": ["ok", %s]}' % SURROGATE, "prompt[1]"),
+    "surrogate-prompt": ("/v1/completions", _with('{"prompt": @, "max_tokens": 1}'), "prompt"),
+    "surrogate-prompt-list": ("/v1/completions", _with('{"prompt": ["ok", @]}'), "prompt[1]"),
     "surrogate-content": ("/v1/chat/completions", _chat(content=SURROGATE), "messages[0].content"),
     "surrogate-role": ("/v1/chat/completions", _chat(role=SURROGATE), "messages[0].role"),
-    "surrogate-model": ("/v1/completions", '{"prompt": "x", "model": %s}' % SURROGATE, "model"),
-    "surrogate-tokenize": ("/tokenize", '{"prompt": %s}' % SURROGATE, "prompt"),
-    "surrogate-key": ("/v1/completions", '{"prompt": "x", "logit_bias": {%s: 1}}' % SURROGATE, "logit_bias"),
+    "surrogate-model": ("/v1/completions", _with('{"prompt": "x", "model": @}'), "model"),
+    "surrogate-tokenize": ("/tokenize", _with('{"prompt": @}'), "prompt"),
+    "surrogate-key": ("/v1/completions", _with('{"prompt": "x", "logit_bias": {@: 1}}'), "logit_bias"),
     "extra-field-900-deep": (
         "/v1/chat/completions",
         _chat(extra=', "extra": ' + "[" * 900 + "]" * 900),
