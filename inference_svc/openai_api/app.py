@@ -47,7 +47,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from inference_svc import tokenizer_jobs
-from inference_svc.async_engine import AsyncEngine
+from inference_svc.async_engine import MAX_REQUEST_ID_CHARS, AsyncEngine
 from inference_svc.bounded_log import log_failure
 from inference_svc.chat_template import ChatTemplate, RenderLimits
 from inference_svc.engine.types import Completion, FinishReason, RequestOutput, TokenLogprob, Usage
@@ -280,6 +280,14 @@ class _Api:
         prompts = [await engine.prompt_ids(p) for p in req.prompts()]
         tok = engine.engine.tokenizer
         rid = _request_id(request, "cmpl")
+        if len(prompts) > 1 and "x-request-id" in request.headers:
+            room = MAX_REQUEST_ID_CHARS - len(f"-{len(prompts) - 1}")  # each prompt's request is the id plus "-i"
+            if len(rid) > room:
+                raise InvalidRequestError(
+                    "x-request-id",
+                    f"has {len(rid)} characters; with {len(prompts)} prompts it may have at most {room} (each "
+                    f"prompt runs as the id plus '-<index>', at most {MAX_REQUEST_ID_CHARS} characters)",
+                )
         deadline = None if req.timeout is None else time.monotonic() + req.timeout
         streams = [
             engine.generate(ids, sampling, request_id=rid if len(prompts) == 1 else f"{rid}-{i}", deadline=deadline,
@@ -356,7 +364,9 @@ class _Api:
                 "this model folder has no chat template (tokenizer_config.json chat_template or chat_template.jinja); "
                 "start the server with --chat-template FILE, or use /v1/completions",
             )
-        plain = [{**m.model_dump(exclude_none=True), "content": m.content or ""} for m in messages]
+        plain = [
+            {**m.model_dump(exclude_none=True), "content": "" if m.content is None else m.content} for m in messages
+        ]
         chars = sum(len(json.dumps(m)) for m in plain)
         limits = RenderLimits(engine.max_prompt_chars, self.options.chat_template_timeout)
         return await engine.tokenize_with(

@@ -9,7 +9,9 @@ Contract:
     it would recurse as deep);
   - an integer literal of more digits than Python converts (`sys.get_int_max_str_digits()`, 4,300 by default);
   - a string (value or key) holding a lone UTF-16 surrogate written as a `\\ud800` escape: it is not text, so no
-    tokenizer, template or JSON encoder can take it.
+    tokenizer, template or JSON encoder can take it;
+  - an object with the same key twice (JSON decoders keep one of them silently; `field` is the object, the
+    message names the key).
 - Cost: a body that has no `\\u` surrogate escape and fewer brackets than `MAX_DEPTH` is only `json.loads`ed;
   others are walked once, iteratively, in Python. The error paths re-parse or scan the text once more.
 """
@@ -31,6 +33,29 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"(\s*:)?|[\[\]{}]', re.S)
 
 
+class _DuplicateKeys(dict):
+    """An object that had a key twice (kept so that the walk can name where it is)."""
+
+    key: str
+
+
+def _objects() -> tuple[Any, list[bool]]:
+    """A JSON object hook that marks objects with a repeated key, and the list it appends to when it does."""
+    found: list[bool] = []
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj = dict(pairs)
+        if len(obj) == len(pairs):
+            return obj
+        seen: set[str] = set()
+        marked = _DuplicateKeys(obj)
+        marked.key = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        found.append(True)
+        return marked
+
+    return hook, found
+
+
 class _LongInt:
     """Stands for an integer literal too long to convert, so that its place in the body can be found."""
 
@@ -44,17 +69,18 @@ def load(raw: bytes) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidRequestError("body", f"the body is not valid UTF-8 (byte {exc.start})") from None
+    hook, duplicates = _objects()
     try:
-        body = json.loads(text)
+        body = json.loads(text, object_pairs_hook=hook)
     except json.JSONDecodeError as exc:
         raise InvalidRequestError("body", f"the body is not valid JSON ({exc})") from None
     except RecursionError:
         raise InvalidRequestError(_deep_field(text), f"JSON nested more than {MAX_DEPTH} levels deep") from None
     except ValueError:  # an integer literal over the conversion limit: find where it is
-        body = json.loads(text, parse_int=_int_or_marker)
+        body = json.loads(text, parse_int=_int_or_marker, object_pairs_hook=hook)
         _check(body)
         raise InvalidRequestError("body", "an integer is too long") from None  # pragma: no cover (found above)
-    if _SURROGATE_ESCAPE.search(raw) or raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
+    if _SURROGATE_ESCAPE.search(raw) or raw.count(b"[") + raw.count(b"{") > MAX_DEPTH or duplicates:
         _check(body)
     return body
 
@@ -84,6 +110,8 @@ def _check(body: Any) -> None:
         elif isinstance(value, dict | list):
             if len(path) >= MAX_DEPTH:
                 raise InvalidRequestError(_name(path), f"JSON nested more than {MAX_DEPTH} levels deep")
+            if isinstance(value, _DuplicateKeys):
+                raise InvalidRequestError(_name(path), f"the key {value.key!r} appears more than once")
             if isinstance(value, dict):
                 for key, item in value.items():
                     if not _is_text(key):

@@ -136,3 +136,67 @@ def test_grpc_refuses_a_surrogate_as_invalid_argument(srv: ServerThread, method:
         with pytest.raises(grpc.RpcError) as info:
             call(payload, timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+
+
+# ---------------------------------------------------------------------------------------- the documented contract
+def _json(srv: ServerThread, route: str, body: dict, **headers: str) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{srv.server.http_port}{route}", json=body, headers=headers, timeout=60)
+
+
+CONTRACT = {
+    "empty-content-list": ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]},
+                           "messages[0].content", "empty"),
+    "bool-token-ids": ("/v1/completions", {"prompt": [True, False]}, "prompt", ""),
+    "bool-token-id-lists": ("/v1/completions", {"prompt": [[1, True]]}, "prompt", ""),
+    "bool-detokenize": ("/detokenize", {"tokens": [True]}, "tokens[0]", ""),
+    "bool-stop-token-ids": ("/v1/completions", {"prompt": "x", "stop_token_ids": [True]}, "stop_token_ids[0]", ""),
+    "arabic-digit-key": ("/v1/completions", {"prompt": "x", "logit_bias": {"٥": 1}}, "logit_bias", "'٥'"),
+    "underscore-key": ("/v1/completions", {"prompt": "x", "logit_bias": {"1_0": 1}}, "logit_bias", "'1_0'"),
+    "leading-zero-key": ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1, "05": 2}}, "logit_bias", "'05'"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CONTRACT))
+def test_what_the_docs_refuse_is_refused(srv: ServerThread, case: str) -> None:
+    route, body, field, words = CONTRACT[case]
+    r = _json(srv, route, body)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == field and words in error["message"], error
+
+
+def test_a_key_twice_in_one_object_is_refused(srv: ServerThread) -> None:
+    r = _post(srv, "/v1/completions", '{"prompt": "x", "logit_bias": {"5": 1, "5": -100}}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text[:300]
+    assert "'5' appears more than once" in r.json()["error"]["message"]
+    r = _json(srv, "/v1/completions", {"prompt": "x", "max_tokens": 1, "logit_bias": {"5": 1, "0": -1}})
+    assert r.status_code == 200, r.text[:300]
+
+
+def test_request_id_limit_speaks_of_what_the_client_sent(srv: ServerThread) -> None:
+    body = {"prompt": ["a", "b"], "max_tokens": 1}
+    r = _json(srv, "/v1/completions", body, **{"X-Request-Id": "r" * 127})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-id"
+    message = r.json()["error"]["message"]
+    assert "has 127 characters" in message and "at most 126" in message and "129" not in message
+    assert _json(srv, "/v1/completions", body, **{"X-Request-Id": "r" * 126}).status_code == 200
+    assert (
+        _json(srv, "/v1/completions", {"prompt": "a", "max_tokens": 1}, **{"X-Request-Id": "s" * 128}).status_code
+        == 200
+    )
+
+
+def test_min_tokens_with_every_id_a_stop_token_is_refused(srv: ServerThread) -> None:
+    engine = srv.server.engine
+    assert engine is not None
+    vocab = engine.engine.model_config.vocab_size
+    every = {"prompt": "x", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": list(range(vocab))}
+    r = _json(srv, "/v1/completions", every)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text[:300]
+    all_but_one = {**every, "stop_token_ids": list(range(1, vocab)), "ignore_eos": True}
+    assert _json(srv, "/v1/completions", all_but_one).status_code == 200
+    from inference_svc.client import NO_RETRY
+
+    with srv.client(retry=NO_RETRY) as c, pytest.raises(grpc.RpcError) as info:
+        c.generate("x", max_new_tokens=4, min_tokens=2, stop_token_ids=list(range(vocab)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in info.value.details()
