@@ -130,7 +130,8 @@ class _RenderTimeout(Exception):
 
 
 _budget: contextvars.ContextVar[int | None] = contextvars.ContextVar("chat_template_budget", default=None)
-"""The most characters the render in progress may still produce in one piece (None: unbounded)."""
+"""The most characters the render in progress may write, and the bound on any one string or list it makes
+(None: unbounded)."""
 
 
 def _check_size(n: int) -> None:
