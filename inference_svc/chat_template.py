@@ -29,11 +29,13 @@ Contract:
   context, the characters `max_model_len` tokens can stand for): a render that writes more than `max_chars`
   characters is stopped as soon as it has (output is collected piece by piece, and the producers that can make
   one huge piece at once are bounded before they allocate it: `tojson`'s `indent` and its output, `*` and `+` on
-  strings and lists); a render still running `timeout` seconds after it started is interrupted (SIGALRM, so only
-  where `encode` runs on a process's main thread: the server renders in its tokenizer process, whose memory is
-  also capped, see `inference_svc.tokenizer_process`). Either, and a template that runs out of memory, is an
-  `InvalidRequestError` on "chat_template" saying which bound it hit. `limits` is therefore not a template
-  variable name a request can set.
+  strings and lists, the `center`, `indent` and `replace` filters; a `~` concatenation is checked once made, so
+  repeated joins stop within twice the bound; these filters and `format` never run when the template is
+  compiled, as Jinja otherwise does with constant arguments, unbounded); a render still running `timeout` seconds
+  after it started is interrupted (SIGALRM, so only where `encode` runs on a process's main thread: the server
+  renders in its tokenizer process, whose memory is also capped, see `inference_svc.tokenizer_process`). Either,
+  and a template that runs out of memory, is an `InvalidRequestError` on "chat_template" saying which bound it
+  hit. `limits` is therefore not a template variable name a request can set.
 - Failures inside the template are the request's: `raise_exception("...")` becomes `InvalidRequestError("messages",
   "...")`; a sandbox violation or any other error while rendering becomes an `InvalidRequestError` on "messages"
   saying so, never a traceback.
@@ -82,6 +84,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.compiler
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
@@ -204,6 +207,58 @@ def _sized_binop(op: str, left: Any, right: Any) -> Any:
 _BINOPS = {"*": operator.mul, "+": operator.add}
 
 
+def _sized(value: Any) -> Any:
+    """A `~` concatenation's result, refused when over the render's bound (so repeated joins, which at most double
+    a string each time, never get far past it)."""
+    if isinstance(value, str):
+        _check_size(len(value))
+    return value
+
+
+def _width(width: Any) -> int:
+    return width if isinstance(width, int) else len(width) if isinstance(width, str) else 0
+
+
+def _bounded_filters(filters: dict[str, Any]) -> None:
+    """`center`, `indent` and `replace`, whose result can be far larger than their input, refused before they make
+    a result over the render's bound; they, `format` and `tojson` take the context, so that Jinja never calls
+    them while it compiles a template (it evaluates filters of constants then, outside any bound)."""
+    center, indent, replace, format_ = filters["center"], filters["indent"], filters["replace"], filters["format"]
+
+    @jinja2.pass_context
+    def bounded_center(context: Any, value: Any, width: Any = 80) -> str:
+        _check_size(_width(width))
+        return center(value, width)
+
+    @jinja2.pass_context
+    def bounded_indent(context: Any, s: Any, width: Any = 4, *args: Any, **kwargs: Any) -> str:
+        text = str(s)
+        _check_size(len(text) + (text.count("\n") + 1) * _width(width))
+        return indent(s, width, *args, **kwargs)
+
+    @jinja2.pass_context
+    def bounded_replace(context: Any, s: Any, old: Any, new: Any, count: Any = None) -> str:
+        text, old_s, new_s = str(s), str(old), str(new)
+        times = text.count(old_s) if old_s else len(text) + 1
+        if isinstance(count, int) and count >= 0:
+            times = min(times, count)
+        _check_size(len(text) + times * max(len(new_s) - len(old_s), 0))
+        return replace(context.eval_ctx, s, old, new, count)
+
+    @jinja2.pass_context
+    def unfolded_format(context: Any, value: Any, *args: Any, **kwargs: Any) -> str:
+        return format_(value, *args, **kwargs)
+
+    @jinja2.pass_context
+    def unfolded_tojson(context: Any, value: Any, *args: Any, **kwargs: Any) -> str:
+        return _tojson(value, *args, **kwargs)
+
+    filters.update(
+        center=bounded_center, indent=bounded_indent, replace=bounded_replace, format=unfolded_format,
+        tojson=unfolded_tojson,
+    )  # fmt: skip
+
+
 def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
@@ -253,10 +308,21 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
+class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
+    """Jinja's code generator, with every `~` concatenation's result passed through `_sized`."""
+
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame: Any) -> None:
+        self.write("environment.sized_concat(")
+        super().visit_Concat(node, frame)
+        self.write(")")
+
+
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """The sandbox, with `*` and `+` checked against the render's size bound."""
+    """The sandbox, with `*`, `+`, `~` and the widening filters checked against the render's size bound."""
 
     intercepted_binops = frozenset(_BINOPS)
+    code_generator_class = _BoundedCodeGenerator
+    sized_concat = staticmethod(_sized)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         return _sized_binop(operator, left, right)
@@ -276,6 +342,7 @@ def _env() -> ImmutableSandboxedEnvironment:
             trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
         )
         env.filters["tojson"] = _tojson
+        _bounded_filters(env.filters)
         env.globals.update(
             raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_DictFactory(), namespace=_Namespace
         )

@@ -31,6 +31,11 @@ WORDS = "{% for i in range(100000) %}{% for j in range(100) %}word {% endfor %}{
 INDENT = "{{ messages | tojson(indent=100000000) }}"
 REPEAT = "{{ 'word ' * 10000000000 }}"
 DOUBLING = "{% set ns = namespace(s='xy') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}"
+CONCAT = "{% set ns = namespace(s='xy') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"
+MACRO = "{% macro f(s, n) %}{% if n %}{{ f(s ~ s, n - 1) }}{% else %}{{ s }}{% endif %}{% endmacro %}{{ f('ab', 64) }}"
+CENTER = "{{ 'x' | center(10000000000) }}"
+INDENT_FILTER = "{{ (('a\n' * 5000) | indent(1000000)) }}"
+REPLACE = "{{ ('x' * 5000) | replace('x', 'y' * 1000000) }}"
 PLAIN = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 CHAT = [{"role": "user", "content": "hi"}]
 MAX_CHARS = 10_000
@@ -38,7 +43,11 @@ PEAK_BYTES = 4 * 1024 * 1024
 """What a refused render may allocate at its peak (the bound is 10,000 characters; the attacks want gigabytes)."""
 
 
-@pytest.mark.parametrize("source", [WORDS, INDENT, REPEAT, DOUBLING], ids=["words", "indent", "repeat", "doubling"])
+SIZE_ATTACKS = {"words": WORDS, "indent": INDENT, "repeat": REPEAT, "doubling": DOUBLING, "concat": CONCAT,
+                "macro": MACRO, "center": CENTER, "indent-filter": INDENT_FILTER, "replace": REPLACE}  # fmt: skip
+
+
+@pytest.mark.parametrize("source", list(SIZE_ATTACKS.values()), ids=list(SIZE_ATTACKS))
 def test_a_render_over_its_size_bound_is_refused_before_it_grows(source: str) -> None:
     template = ChatTemplate(source)
     tracemalloc.start()
@@ -52,6 +61,22 @@ def test_a_render_over_its_size_bound_is_refused_before_it_grows(source: str) ->
     assert peak < PEAK_BYTES, peak
 
 
+@pytest.mark.parametrize(
+    "source",
+    ["{{ 'x' | center(100000000) }}", "{{ '%100000000s' | format(1) }}", "{{ {'a': 1} | tojson(indent=100000000) }}"],
+    ids=["center", "format", "tojson"],
+)
+def test_compiling_a_template_runs_none_of_it(source: str) -> None:
+    """Jinja evaluates filters of constants while it compiles, outside any bound (100 MB each on the old code)."""
+    tracemalloc.start()
+    try:
+        ChatTemplate(source)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < PEAK_BYTES, peak
+
+
 def test_a_render_past_its_time_bound_is_interrupted() -> None:
     with pytest.raises(InvalidRequestError) as info:
         ChatTemplate(FOREVER).render(CHAT, limits=RenderLimits(MAX_CHARS, timeout=0.3))
@@ -59,8 +84,12 @@ def test_a_render_past_its_time_bound_is_interrupted() -> None:
 
 
 def test_renders_within_the_bounds_are_unchanged() -> None:
-    template = ChatTemplate(PLAIN + "{{ messages | tojson(indent=2) }}{{ '-' * 10 }}")
-    assert template.render(CHAT, limits=RenderLimits(MAX_CHARS, timeout=30)) == template.render(CHAT)
+    extras = (
+        "{{ messages | tojson(indent=2) }}{{ '-' * 10 }}{{ 'a' ~ 'b' }}{{ 'ab' | center(9) }}{{ 'a\nb' | indent(2) }}"
+    )
+    template = ChatTemplate(PLAIN + extras + "{{ 'abc' | replace('b', 'xyz') }}")
+    bounded = template.render(CHAT, limits=RenderLimits(MAX_CHARS, timeout=30))
+    assert bounded == template.render(CHAT) and "ab" in bounded and "axyzc" in bounded
 
 
 # ---------------------------------------------------------------------------------------- a real server
