@@ -94,9 +94,10 @@ class HttpLimits:
     max_connections: int = 1024
     """Most HTTP connections open at once. A new one beyond it closes the oldest connection still waiting for a
     request head; when none is waiting it gets 503."""
-    max_connections_per_client: int = 128
+    max_connections_per_client: int = 512
     """Most HTTP connections open at once from one IP address; beyond it that address's oldest connection still
-    waiting for a request head is closed (503 when none is waiting)."""
+    waiting for a request head is closed (503 when none is waiting). Half the total by default: one address can
+    hold at most half the slots, and a load generator on one host may keep up to this many requests in flight."""
     head_timeout: float = 5.0
     """Seconds an HTTP connection may take to send a complete request head, from its accept or its previous
     response; then it is closed (408 when part of a head had arrived)."""

@@ -48,7 +48,7 @@ class HttpServer:
         port: int,
         *,
         max_connections: int = 1024,
-        max_per_client: int = 128,
+        max_per_client: int = 512,
         head_timeout: float = 5.0,
         keep_alive: float = 5.0,
         tls_cert: str | None = None,
