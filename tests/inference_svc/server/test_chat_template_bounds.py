@@ -132,3 +132,20 @@ def test_attack_templates_get_400_while_health_answers(srv: ServerThread, attack
     assert r.json()["error"]["param"] == "chat_template" and r.json()["error"]["code"] == "INVALID_ARGUMENT"
     ok = httpx.post(base + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1}, timeout=120)
     assert ok.status_code == 200, ok.text[:300]
+
+
+def test_the_tokenizer_process_does_not_grow_with_the_attacks(srv: ServerThread) -> None:
+    """The renders happen in the tokenizer process and stop at the bound: its peak resident memory stays near its
+    working set however often the attacks come (the issue saw 5.5 GB in the server for one of them)."""
+    engine = srv.server.engine
+    assert engine is not None
+    base = f"http://127.0.0.1:{srv.server.http_port}"
+    for attack in ("words", "indent") * 3:
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": attack}]},
+                       timeout=120)  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+    process = engine._tokenizer_gate.process
+    assert process is not None and process.pid is not None
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    peak_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+    assert peak_kib < 300 * 1024, f"tokenizer process peak RSS {peak_kib} KiB"
