@@ -2,8 +2,8 @@
 
 Sources (read, never edited):
 - the training schema: `lt_plugins.config.TrainConfig` and its section dataclasses (YAML keys `section.field`);
-- the service: `inference_svc.settings.ServerSettings` / `AdmissionLimits` / `HttpLimits`, `inference_svc.engine.config.EngineConfig`
-  and the `tandem serve` argument parser (flags, defaults, help);
+- the service: `inference_svc.settings.ServerSettings` / `AdmissionLimits` / `HttpLimits`,
+  `inference_svc.engine.config.EngineConfig` and the `tandem serve` argument parser (flags, defaults, help);
 - `tandem bench`'s argument parser;
 - docker-compose.yml's `${VAR:-default}` variables.
 Each field's text is the docstring written under it in its dataclass (read with `ast`); defaults are the live values.
