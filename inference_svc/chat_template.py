@@ -25,6 +25,17 @@ Contract:
   message are passed to the template unchanged (JSON values only; keys whose value is null are dropped, and a
   `reasoning_content` / `thinking` / `reasoning` value is copied under the first two names, as transformers does).
   Every refusal is an `InvalidRequestError` naming the field, e.g. `messages[2].role`.
+- Bounds (`limits=RenderLimits(max_chars, timeout)` on `render`/`encode`; the server derives `max_chars` from its
+  context, the characters `max_model_len` tokens can stand for): a render that writes more than `max_chars`
+  characters is stopped as soon as it has (output is collected piece by piece, and the producers that can make
+  one huge piece at once are bounded before they allocate it: `tojson`'s `indent` and its output, `*` and `+` on
+  strings and lists, the `center`, `indent` and `replace` filters; a `~` concatenation is checked once made, so
+  repeated joins stop within twice the bound; these filters and `format` never run when the template is
+  compiled, as Jinja otherwise does with constant arguments, unbounded); a render still running `timeout` seconds
+  after it started is interrupted (SIGALRM, so only where `encode` runs on a process's main thread: the server
+  renders in its tokenizer process, whose memory is also capped, see `inference_svc.tokenizer_process`). Either,
+  and a template that runs out of memory, is an `InvalidRequestError` on "chat_template" saying which bound it
+  hit. `limits` is therefore not a template variable name a request can set.
 - Failures inside the template are the request's: `raise_exception("...")` becomes `InvalidRequestError("messages",
   "...")`; a sandbox violation or any other error while rendering becomes an `InvalidRequestError` on "messages"
   saying so, never a traceback.
@@ -57,17 +68,23 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
+import operator
 import re
+import signal
+import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.compiler
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
@@ -83,6 +100,8 @@ SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 """Legacy file transformers still merges into the special tokens when the config has no `added_tokens_decoder`."""
 PART_SEPARATOR = "\n"
 """Joins the text parts of one message's content."""
+TEMPLATE_FIELD = "chat_template"
+"""The request field that errors about the template itself name (a render over its bounds)."""
 KWARGS_FIELD = "chat_template_kwargs"
 """The request field that errors about extra template variables name (`chat_template_kwargs.enable_thinking`)."""
 
@@ -94,6 +113,53 @@ _SENTINEL_CANDIDATES = range(0x10FFFD, 0x100000, -1)
 """Supplementary Private Use Area-B, from the top: the sentinels are the first two absent from the request."""
 _MIN_JINJA = (3, 1, 6)
 """Older jinja2 releases have known sandbox escapes (transformers refuses them too)."""
+
+
+# ---------------------------------------------------------------------------------------------- bounds
+@dataclass(frozen=True)
+class RenderLimits:
+    """How much one render may write (characters) and how long it may run (seconds; None: no time bound)."""
+
+    max_chars: int
+    timeout: float | None = None
+
+
+class _TooLarge(Exception):
+    """The render would write more than its `max_chars`."""
+
+
+class _RenderTimeout(Exception):
+    """The render ran past its `timeout` (raised by the SIGALRM handler)."""
+
+
+_budget: contextvars.ContextVar[int | None] = contextvars.ContextVar("chat_template_budget", default=None)
+"""The most characters the render in progress may write, and the bound on any one string or list it makes
+(None: unbounded)."""
+
+
+def _check_size(n: int) -> None:
+    limit = _budget.get()
+    if limit is not None and n > limit:
+        raise _TooLarge(n)
+
+
+@contextlib.contextmanager
+def _time_limit(timeout: float | None) -> Iterator[None]:
+    """Interrupt the block after `timeout` seconds, where a signal can (the main thread); else no bound."""
+    if timeout is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum: int, frame: Any) -> None:
+        raise _RenderTimeout()
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 # ---------------------------------------------------------------------------------------------- the environment
@@ -109,7 +175,88 @@ def _tojson(
     value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
 ) -> str:
     # Unlike Jinja's own tojson: no HTML escaping of < > & ', and non-ASCII text kept as is.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    # Within a bounded render, encoded piece by piece and stopped at the bound (an indent wider than the bound is
+    # refused before one line of it is made).
+    limit = _budget.get()
+    if limit is None:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    if isinstance(indent, int) and not isinstance(indent, bool):
+        _check_size(indent)
+    elif isinstance(indent, str):
+        _check_size(len(indent))
+    encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    pieces, size = [], 0
+    for piece in encoder.iterencode(value):
+        size += len(piece)
+        _check_size(size)
+        pieces.append(piece)
+    return "".join(pieces)
+
+
+def _sized_binop(op: str, left: Any, right: Any) -> Any:
+    """`*` and `+` that refuse a string or list over the render's bound before making it."""
+    if op == "*":
+        for seq, times in ((left, right), (right, left)):
+            if isinstance(seq, str | list | tuple) and isinstance(times, int):
+                _check_size(len(seq) * max(times, 0))
+    elif op == "+" and isinstance(left, str | list | tuple) and isinstance(right, str | list | tuple):
+        _check_size(len(left) + len(right))
+    return _BINOPS[op](left, right)
+
+
+_BINOPS = {"*": operator.mul, "+": operator.add}
+
+
+def _sized(value: Any) -> Any:
+    """A `~` concatenation's result, refused when over the render's bound (so repeated joins, which at most double
+    a string each time, never get far past it)."""
+    if isinstance(value, str):
+        _check_size(len(value))
+    return value
+
+
+def _width(width: Any) -> int:
+    return width if isinstance(width, int) else len(width) if isinstance(width, str) else 0
+
+
+def _bounded_filters(filters: dict[str, Any]) -> None:
+    """`center`, `indent` and `replace`, whose result can be far larger than their input, refused before they make
+    a result over the render's bound; they, `format` and `tojson` take the context, so that Jinja never calls
+    them while it compiles a template (it evaluates filters of constants then, outside any bound)."""
+    center, indent, replace, format_ = filters["center"], filters["indent"], filters["replace"], filters["format"]
+
+    @jinja2.pass_context
+    def bounded_center(context: Any, value: Any, width: Any = 80) -> str:
+        _check_size(_width(width))
+        return center(value, width)
+
+    @jinja2.pass_context
+    def bounded_indent(context: Any, s: Any, width: Any = 4, *args: Any, **kwargs: Any) -> str:
+        text = str(s)
+        _check_size(len(text) + (text.count("\n") + 1) * _width(width))
+        return indent(s, width, *args, **kwargs)
+
+    @jinja2.pass_context
+    def bounded_replace(context: Any, s: Any, old: Any, new: Any, count: Any = None) -> str:
+        text, old_s, new_s = str(s), str(old), str(new)
+        times = text.count(old_s) if old_s else len(text) + 1
+        if isinstance(count, int) and count >= 0:
+            times = min(times, count)
+        _check_size(len(text) + times * max(len(new_s) - len(old_s), 0))
+        return replace(context.eval_ctx, s, old, new, count)
+
+    @jinja2.pass_context
+    def unfolded_format(context: Any, value: Any, *args: Any, **kwargs: Any) -> str:
+        return format_(value, *args, **kwargs)
+
+    @jinja2.pass_context
+    def unfolded_tojson(context: Any, value: Any, *args: Any, **kwargs: Any) -> str:
+        return _tojson(value, *args, **kwargs)
+
+    filters.update(
+        center=bounded_center, indent=bounded_indent, replace=bounded_replace, format=unfolded_format,
+        tojson=unfolded_tojson,
+    )  # fmt: skip
 
 
 def _strftime_now(format: str) -> str:
@@ -161,6 +308,26 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
+class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
+    """Jinja's code generator, with every `~` concatenation's result passed through `_sized`."""
+
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame: Any) -> None:
+        self.write("environment.sized_concat(")
+        super().visit_Concat(node, frame)
+        self.write(")")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with `*`, `+`, `~` and the widening filters checked against the render's size bound."""
+
+    intercepted_binops = frozenset(_BINOPS)
+    code_generator_class = _BoundedCodeGenerator
+    sized_concat = staticmethod(_sized)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        return _sized_binop(operator, left, right)
+
+
 _environment: ImmutableSandboxedEnvironment | None = None
 
 
@@ -171,10 +338,11 @@ def _env() -> ImmutableSandboxedEnvironment:
         version = tuple(int(p) for p in re.findall(r"\d+", jinja2.__version__)[:3])
         if version < _MIN_JINJA:
             raise ModelLoadError(f"chat templates need jinja2>=3.1.6 (sandbox fixes); installed: {jinja2.__version__}")
-        env = ImmutableSandboxedEnvironment(
+        env = _BoundedSandbox(
             trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
         )
         env.filters["tojson"] = _tojson
+        _bounded_filters(env.filters)
         env.globals.update(
             raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_DictFactory(), namespace=_Namespace
         )
@@ -250,16 +418,64 @@ class ChatTemplate:
         )
 
     # ------------------------------------------------------------------ use
-    def render(self, messages: Any, /, add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+    def render(
+        self,
+        messages: Any,
+        /,
+        add_generation_prompt: bool = True,
+        limits: RenderLimits | None = None,
+        **template_kwargs: Any,
+    ) -> str:
         """The prompt text for `messages` (checked first; see the module docstring)."""
-        return self._render(_checked_messages(messages), add_generation_prompt, self._checked_kwargs(template_kwargs))
+        chat, extra = _checked_messages(messages), self._checked_kwargs(template_kwargs)
+        with self._bounded(limits):
+            return self._render(chat, add_generation_prompt, extra)
 
     def encode(
-        self, messages: Any, tokenizer: Tokenizer, /, add_generation_prompt: bool = True, **template_kwargs: Any
+        self,
+        messages: Any,
+        tokenizer: Tokenizer,
+        /,
+        add_generation_prompt: bool = True,
+        limits: RenderLimits | None = None,
+        **template_kwargs: Any,
     ) -> tuple[str, list[int]]:
         """The prompt text and its token ids; content text never becomes a control token (module docstring)."""
         chat = _checked_messages(messages)
         extra = self._checked_kwargs(template_kwargs)
+        with self._bounded(limits):
+            return self._encode(chat, tokenizer, add_generation_prompt, extra)
+
+    @contextlib.contextmanager
+    def _bounded(self, limits: RenderLimits | None) -> Iterator[None]:
+        """Renders inside run under `limits`; their overruns become InvalidRequestError on "chat_template"."""
+        if limits is None:
+            yield
+            return
+        token = _budget.set(limits.max_chars)
+        try:
+            with _time_limit(limits.timeout):
+                yield
+        except _TooLarge:
+            raise InvalidRequestError(
+                TEMPLATE_FIELD,
+                f"the chat template writes more than {limits.max_chars} characters for these messages, more than "
+                "this server's context can hold; rendering was stopped there",
+            ) from None
+        except _RenderTimeout:
+            raise InvalidRequestError(
+                TEMPLATE_FIELD, f"the chat template did not finish rendering within {limits.timeout:g} s"
+            ) from None
+        except MemoryError:
+            raise InvalidRequestError(
+                TEMPLATE_FIELD, "the chat template needed more memory than a render may use"
+            ) from None
+        finally:
+            _budget.reset(token)
+
+    def _encode(
+        self, chat: list[dict[str, Any]], tokenizer: Tokenizer, add_generation_prompt: bool, extra: dict[str, Any]
+    ) -> tuple[str, list[int]]:
         specials = _special_texts(tokenizer)
         for i, message in enumerate(chat):
             for key, value in message.items():
@@ -309,7 +525,7 @@ class ChatTemplate:
 
     def _render(self, chat: list[dict[str, Any]], add_generation_prompt: bool, extra: dict[str, Any]) -> str:
         try:
-            return self._template.render(
+            pieces = self._template.generate(
                 messages=chat,
                 tools=None,
                 documents=None,
@@ -317,6 +533,16 @@ class ChatTemplate:
                 **self.variables,
                 **extra,
             )
+            if _budget.get() is None:
+                return "".join(pieces)
+            out, size = [], 0
+            for piece in pieces:  # stopped at the bound, not after the whole text exists
+                size += len(piece)
+                _check_size(size)
+                out.append(piece)
+            return "".join(out)
+        except (_TooLarge, _RenderTimeout, MemoryError):
+            raise
         except _TemplateRaised as exc:
             raise InvalidRequestError("messages", str(exc)) from exc
         except SecurityError as exc:

@@ -35,7 +35,7 @@ from inference_svc.engine.config import (
     EngineConfig,
 )
 from inference_svc.errors import InferenceError
-from inference_svc.settings import AdmissionLimits, ServerSettings, host_port
+from inference_svc.settings import AdmissionLimits, HttpLimits, ServerSettings, host_port
 from shared_model.ledger import INT4_GROUP_SIZES, QUANTIZATIONS
 
 log = logging.getLogger("tandem.serve")
@@ -64,6 +64,14 @@ before they were derived (the dataclass's own spelling, e.g. `--max-num-seqs`, i
 
 SERVER_DERIVED = frozenset({"access_log"})
 """The `ServerSettings` fields whose flags are derived from the dataclass (the others are declared below)."""
+HTTP_FLAGS = FlagSpec(
+    names={
+        "max_connections": ["--http-max-connections"],
+        "max_connections_per_client": ["--http-max-connections-per-client"],
+        "head_timeout": ["--http-head-timeout"],
+    }
+)
+"""`HttpLimits` fields as `tandem serve` flags (the connection bounds spelled with the `--http-` prefix)."""
 
 
 # ---------------------------------------------------------------------------------------- serve
@@ -92,6 +100,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
     add_flags(p.add_argument_group("engine (inference_svc.engine.config.EngineConfig)"), EngineConfig, ENGINE_FLAGS)
+    add_flags(p.add_argument_group("HTTP limits (inference_svc.settings.HttpLimits)"), HttpLimits, HTTP_FLAGS)
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-queue", type=int, default=256, help="most requests waiting for their first token")
     lim.add_argument("--max-queue-tokens", type=int, default=262144, help="most prompt tokens waiting, summed")
@@ -142,6 +151,7 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
             served_model_name=args.served_model_name,
             chat_template=args.chat_template,
             http_body_timeout=args.http_body_timeout,
+            http=from_args(HttpLimits, args),
             admission=AdmissionLimits(
                 max_queued_requests=args.max_queue,
                 max_queued_tokens=args.max_queue_tokens,

@@ -727,8 +727,18 @@ class TandemServer:
             serve_metrics=s.metrics_port is not None and bare_host(s.host) == bare_host(s.metrics_host),
             check_key=check,
             chat_template=ChatTemplate.from_folder(s.model, s.chat_template),
+            chat_template_timeout=s.http.chat_template_timeout,
         )
-        http = HttpServer(build_app(self, options), s.host, s.http_port or 0, tls_cert=s.tls_cert, tls_key=s.tls_key)
+        http = HttpServer(
+            build_app(self, options),
+            s.host,
+            s.http_port or 0,
+            max_connections=s.http.max_connections,
+            max_per_client=s.http.max_connections_per_client,
+            head_timeout=s.http.head_timeout,
+            tls_cert=s.tls_cert,
+            tls_key=s.tls_key,
+        )
         check_bindable(s.host, s.http_port or 0, "HTTP")
         self.http_port = await http.start()
         self._http = http

@@ -88,6 +88,33 @@ class AdmissionLimits:
 
 
 @dataclass(frozen=True)
+class HttpLimits:
+    """How the OpenAI-compatible HTTP listener bounds its connections and chat-template rendering."""
+
+    max_connections: int = 1024
+    """Most HTTP connections open at once. A new one beyond it closes the oldest connection still waiting for a
+    request head; when none is waiting it gets 503."""
+    max_connections_per_client: int = 512
+    """Most HTTP connections open at once from one IP address; beyond it that address's oldest connection still
+    waiting for a request head is closed (503 when none is waiting). Half the total by default: one address can
+    hold at most half the slots, and a load generator on one host may keep up to this many requests in flight."""
+    head_timeout: float = 5.0
+    """Seconds an HTTP connection may take to send a complete request head, from its accept or its previous
+    response; then it is closed (408 when part of a head had arrived)."""
+    chat_template_timeout: float = 5.0
+    """Seconds the chat template may take to render one request (in the tokenizer process); a slower render is
+    stopped and the request gets 400 naming chat_template."""
+
+    def __post_init__(self) -> None:
+        _check_int("max_connections", self.max_connections, 1)
+        _check_int("max_connections_per_client", self.max_connections_per_client, 1)
+        for name in ("head_timeout", "chat_template_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise SettingsError(name, f"must be seconds > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     """How `tandem serve` listens, protects itself and shuts down."""
 
@@ -116,6 +143,8 @@ class ServerSettings:
     """Seconds a /metrics connection may take from accept to the end of the response; then it is closed."""
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     """Bounded-queue limits."""
+    http: HttpLimits = field(default_factory=HttpLimits)
+    """HTTP connection and chat-template bounds."""
     max_request_bytes: int = 1024 * 1024
     """Largest serialized request the service accepts (INVALID_ARGUMENT above it). The transport limit is set to
     4× this, so a request up to there gets the named INVALID_ARGUMENT; above it gRPC itself answers
@@ -160,6 +189,8 @@ class ServerSettings:
             raise SettingsError("http_body_timeout", f"must be seconds > 0, got {self.http_body_timeout!r}")
         if not isinstance(self.admission, AdmissionLimits):
             raise SettingsError("admission", "must be an AdmissionLimits")
+        if not isinstance(self.http, HttpLimits):
+            raise SettingsError("http", "must be an HttpLimits")
         _check_int("max_request_bytes", self.max_request_bytes, 1024)
         if self.max_request_bytes * 4 > 2**31 - 1:
             raise SettingsError("max_request_bytes", "must be below 512 MiB")

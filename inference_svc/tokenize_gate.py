@@ -4,7 +4,8 @@ Contract:
 - `TokenizeGate.run(chars, job, *args)` returns `job(tokenizer, *args)`, a job of `inference_svc.tokenizer_jobs`
   (encode a prompt, build a Tokenize response, render and encode a chat, decode ids) metered as `chars`
   characters of tokenizer work; `encode(text, add_bos)` is `run` of the encode job.
-- Short work (at most `inline_chars`) runs inline on the caller's thread: that costs less than any hop.
+- Short work (at most `inline_chars`) runs inline on the caller's thread: that costs less than any hop. Jobs in
+  `tokenizer_jobs.OFF_LOOP` (a chat template's render, whose cost the input does not bound) never do.
 - Longer work goes to the gate's single worker thread, which hands it to a `TokenizerProcess`: a child process at
   lower CPU priority with its own copy of the tokenizer. So a large text costs the server's process no GIL time
   and no heap beyond the text and the result, and on a busy machine the decode loop gets the cores first.
@@ -100,7 +101,7 @@ class TokenizeGate:
     async def run(self, n: int, job: Callable[..., Any], *args: Any, field: str = "prompt") -> Any:
         """`job(tokenizer, *args)` metered as tokenizing `n` characters: inline when short, else in the tokenizer
         process (or on the worker) within the budget, refused beyond it (see the module docstring)."""
-        if n <= self.inline_chars:
+        if n <= self.inline_chars and job not in tokenizer_jobs.OFF_LOOP:
             self.encoded_chars += n
             self._meter()
             return job(self.tokenizer, *args)

@@ -6,6 +6,7 @@ Contract:
   their arguments and results travel pickled.
 - The same job gives the same result whether it runs on the caller's thread, the gate's worker thread or the
   tokenizer process: it depends on nothing but the tokenizer and its arguments.
+- `OFF_LOOP` jobs (rendering a chat template) always go to the gate's worker, never inline on the event loop.
 - This module imports neither torch nor gRPC (a tokenizer process starts in a fraction of a second): only the
   tokenizer, the generated protobuf messages and the chat template.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
-from inference_svc.chat_template import ChatTemplate
+from inference_svc.chat_template import ChatTemplate, RenderLimits
 from inference_svc.proto_gen import inference_pb2 as pb
 from shared_model.tokenizer import Tokenizer
 
@@ -57,7 +58,16 @@ def tokenize_response(
 
 
 def chat_encode(
-    tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict[str, Any]], add_generation_prompt: bool
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    limits: RenderLimits | None = None,
 ) -> list[int]:
-    """The ids of `messages` rendered by `template`; content text never becomes a control token."""
-    return template.encode(messages, tokenizer, add_generation_prompt=add_generation_prompt)[1]
+    """The ids of `messages` rendered by `template` within `limits`; content text never becomes a control token."""
+    return template.encode(messages, tokenizer, add_generation_prompt=add_generation_prompt, limits=limits)[1]
+
+
+OFF_LOOP = frozenset({chat_encode})
+"""Jobs that run code the request does not bound (a chat template): never run on the caller's thread, however
+short their input."""

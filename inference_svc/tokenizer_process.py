@@ -19,6 +19,10 @@ Contract:
   killed, that call raises `RequestFailedError` naming its exit status, and the next call starts a new child
   (`starts` counts them; `calls` counts answered jobs). Failure to start at all (or within `START_TIMEOUT_S`)
   raises `TokenizerProcessError`; the gate then tokenizes on its own thread.
+- The child's memory is capped (RLIMIT_DATA) at what it uses once the tokenizer is loaded plus
+  `MEMORY_HEADROOM_BYTES`: a job that would need more (a chat template building a huge string) gets a
+  MemoryError in the child instead of growing it without bound; its caller decides what that means (a chat
+  render's is the request's 400).
 - After each call the child hands freed heap pages back to the system, so its memory between calls is its
   working set, not its largest text plus everything freed since.
 - The child ignores SIGINT and SIGTERM (a terminal's or a process group's signal is the server's to handle)
@@ -52,6 +56,9 @@ START_TIMEOUT_S = 60.0
 """How long a new child may take to import and load the tokenizer before it counts as failed to start."""
 CALL_TIMEOUT_S = 120.0
 """The default bound on one job; the gate gives each call a bound scaled by its characters."""
+MEMORY_HEADROOM_BYTES = 4 * 1024**3
+"""How much memory the child's jobs may use beyond the loaded tokenizer (about 20x what tokenizing the largest text
+the gate admits needs)."""
 _HEADER = struct.Struct("<Q")  # the byte length of the pickled frame that follows
 _CHILD = (
     "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
@@ -227,6 +234,22 @@ def _reply(frame: bytes, tokenizer: Any) -> bytes:
             return pickle.dumps((False, failure), protocol=pickle.HIGHEST_PROTOCOL)
 
 
+def _cap_memory(headroom: int) -> None:
+    """Cap this process's data memory at its present size plus `headroom` (Linux; elsewhere no cap)."""
+    try:
+        import resource
+
+        with open("/proc/self/status") as f:
+            data_kb = next(int(line.split()[1]) for line in f if line.startswith("VmData:"))
+        _soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        limit = data_kb * 1024 + headroom
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    except (ImportError, OSError, StopIteration, ValueError):
+        pass
+
+
 def main(argv: list[str]) -> int:
     """The child's loop: read the tokenizer, answer "ready", then one reply per job until stdin closes."""
     # A terminal's Ctrl-C and a process group's SIGTERM are the server's to handle: it drains, then closes
@@ -243,6 +266,7 @@ def main(argv: list[str]) -> int:
 
     try:
         tokenizer = pickle.loads(_read(requests))
+        _cap_memory(MEMORY_HEADROOM_BYTES)
         _write(replies, pickle.dumps("ready"))
         while True:
             reply = _reply(_read(requests), tokenizer)

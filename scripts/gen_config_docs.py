@@ -2,8 +2,8 @@
 
 Sources (read, never edited):
 - the training schema: `lt_plugins.config.TrainConfig` and its section dataclasses (YAML keys `section.field`);
-- the service: `inference_svc.settings.ServerSettings` / `AdmissionLimits`, `inference_svc.engine.config.EngineConfig`
-  and the `tandem serve` argument parser (flags, defaults, help);
+- the service: `inference_svc.settings.ServerSettings` / `AdmissionLimits` / `HttpLimits`,
+  `inference_svc.engine.config.EngineConfig` and the `tandem serve` argument parser (flags, defaults, help);
 - `tandem bench`'s argument parser;
 - docker-compose.yml's `${VAR:-default}` variables.
 Each field's text is the docstring written under it in its dataclass (read with `ast`); defaults are the live values.
@@ -147,7 +147,7 @@ def render() -> str:
     from inference_svc.bench.cli import build_parser as bench_parser
     from inference_svc.cli import _serve_parser
     from inference_svc.engine.config import EngineConfig
-    from inference_svc.settings import AdmissionLimits, ServerSettings
+    from inference_svc.settings import AdmissionLimits, HttpLimits, ServerSettings
     from lt_plugins.config import TrainConfig
 
     lines = [
@@ -163,7 +163,7 @@ def render() -> str:
         "  `configs/` or on the command line:",
         "  `tandem train --config configs/tiny-cpu.yaml trainer.max_steps=50 strategy.stage=3`.",
         "  Unknown keys and wrong types are errors naming the key.",
-        "- Serving: `tandem serve` flags, which build `ServerSettings` + `AdmissionLimits`",
+        "- Serving: `tandem serve` flags, which build `ServerSettings` + `AdmissionLimits` + `HttpLimits`",
         "  (`inference_svc/settings.py`) and `EngineConfig` (`inference_svc/engine/config.py`).",
         "  Invalid values exit 2 naming the flag.",
         "- Load benchmark: `tandem bench` flags.",
@@ -184,7 +184,7 @@ def render() -> str:
         lines += dataclass_table(cls, prefix=f"{f.name}.", yaml_style=True)
     lines += ["", "## Serving (`tandem serve`)", "", "### Flags", ""]
     lines += parser_table(_serve_parser())
-    for cls in (ServerSettings, AdmissionLimits, EngineConfig):
+    for cls in (ServerSettings, AdmissionLimits, HttpLimits, EngineConfig):
         lines += ["", f"### `{cls.__name__}` (`{cls.__module__}`)", "", " ".join((cls.__doc__ or "").split()), ""]
         lines += dataclass_table(cls)
     lines += ["", "## Load benchmark (`tandem bench`)", ""]

@@ -16,9 +16,11 @@ Contract:
   the manifest is optional) in a chosen dtype. Refused with a one-line `BundleError` naming the file and the
   field or tensor: a missing file, an unknown model_type, an invalid config.json field (e.g.
   max_position_embeddings below `shared_model.config.MIN_POSITIONS`), a tokenizer whose ids exceed config.json's
-  vocab_size, a missing, unexpected or misshapen tensor (both shapes named), a NaN/Inf weight. With
+  vocab_size, a missing, unexpected or misshapen tensor (both shapes named), a weight that is not floating point
+  (its dtype named), a NaN/Inf weight, a shard index that names a file outside the folder. With
   `verify_checksums=True` every manifest entry is checked (size, SHA-256) and every file the loader reads must be
-  listed; a folder without a manifest is then refused (nothing to verify against).
+  listed, by its path (the index's shards are plain names of the folder, so the file verified is the file read);
+  a folder without a manifest is then refused (nothing to verify against).
 - `FolderTensors(folder)` reads such a folder's weights one tensor at a time (shapes from the headers, no data read
   until `get`; a file is unmapped once all its tensors were read), so a caller can fill a model that is built
   piecewise (e.g. partitioned under ZeRO-3) without ever holding the whole state dict; `check(config)` refuses
@@ -139,6 +141,12 @@ def weight_files(folder: str | Path) -> list[Path]:
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise BundleError(f"{folder / INDEX_FILE} has no weight_map")
+        for tensor, name in weight_map.items():
+            if not _plain_name(name):
+                raise BundleError(
+                    f"{folder / INDEX_FILE}: weight_map puts {tensor} in {name!r}, which is not a file of this folder "
+                    "(a shard must be named plainly, with no path: nothing outside the folder is read)"
+                )
         files = [folder / name for name in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
@@ -150,6 +158,11 @@ def weight_files(folder: str | Path) -> list[Path]:
     if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
         raise BundleError(f"{folder} holds only pickle weights (*.bin/*.pt); Tandem loads safetensors only")
     raise BundleError(f"missing file: {single} (and no {INDEX_FILE})")
+
+
+def _plain_name(name: object) -> bool:
+    """A file name of the folder itself: no path, no separator, not '.' or '..'."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
 
 
 def read_state_dict(folder: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -433,9 +446,7 @@ def read_manifest(folder: str | Path) -> dict[str, dict] | None:
     if not isinstance(files, dict):
         raise BundleError(f"{path}: 'files' must be an object of file name → {{bytes, sha256}}")
     for name, meta in files.items():
-        plain = isinstance(name, str) and name not in ("", ".", "..", MANIFEST_FILE) and "/" not in name
-        plain = plain and "\\" not in name
-        if not plain:
+        if not _plain_name(name) or name == MANIFEST_FILE:
             raise BundleError(f"{path}: files: {name!r} is not a plain file name of this folder")
         ok = isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and isinstance(meta.get("sha256"), str)
         if not ok:
@@ -465,8 +476,8 @@ def verify_bundle(folder: str | Path) -> None:
             )
         raise BundleError(f"{path}: SHA-256 does not match {MANIFEST_FILE} (corrupt or altered file)")
     read = [folder / CONFIG_FILE, folder / INDEX_FILE, folder / TOKENIZER_FILE, folder / TOKENIZER_CONFIG_FILE]
-    read += weight_files(folder)
-    unlisted = [p for p in read if p.is_file() and p.name not in files]
+    read += weight_files(folder)  # the very paths the loader reads (a shard outside the folder is refused there)
+    unlisted = [p for p in read if p.is_file() and (p.parent != folder or p.name not in files)]
     if unlisted:
         raise BundleError(f"{unlisted[0]}: not listed in {MANIFEST_FILE}, so its checksum cannot be verified")
 
@@ -487,6 +498,11 @@ def _check_tensors(
         if name in found and tuple(found[name].shape) != tuple(ref.shape):
             raise BundleError(
                 f"tensor {name} has shape {tuple(found[name].shape)}, expected {tuple(ref.shape)} from config.json"
+            )
+        if name in found and not found[name].is_floating_point():
+            raise BundleError(
+                f"tensor {name} has dtype {dtype_name(found[name].dtype)}; model weights are floating point "
+                "(float32, float16 or bfloat16)"
             )
 
 

@@ -367,6 +367,7 @@ class Engine:
         bad_bias = [t for t, _ in sampling.logit_bias if t >= vocab]
         if bad_bias:
             raise InvalidRequestError("logit_bias", f"token ids {bad_bias[:5]} are outside the vocabulary [0, {vocab})")
+        check_min_tokens(sampling, vocab, self._eos_ids)
 
     def check_prompt_length(self, num_tokens: int) -> None:
         """InvalidRequestError when a prompt of `num_tokens` tokens cannot fit the context (prompt + at least one
@@ -590,6 +591,20 @@ def check_text_prompt(text: str) -> None:
     """The checks a text prompt gets before it is tokenized (the engine's and the async engine's, one place)."""
     if not text:
         raise InvalidRequestError("prompt", "the prompt is empty")
+
+
+def check_min_tokens(sampling: SamplingParams, vocab: int, eos_ids: frozenset[int]) -> None:
+    """Refuse `min_tokens` > 0 when the tokens it keeps out until then (the stop token ids, and EOS unless
+    `ignore_eos`) are the whole vocabulary: nothing could be sampled before `min_tokens`."""
+    if sampling.min_tokens <= 0:
+        return
+    banned = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_ids))
+    if len({t for t in banned if 0 <= t < vocab}) >= vocab:
+        raise InvalidRequestError(
+            "min_tokens",
+            f"every token id of the vocabulary ({vocab}) is a stop token (stop_token_ids, and EOS unless ignore_eos), "
+            "so no token could be sampled before min_tokens; lower min_tokens to 0 or stop on fewer ids",
+        )
 
 
 def check_encoded(ids: list[int]) -> list[int]:

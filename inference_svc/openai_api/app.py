@@ -30,7 +30,9 @@ Contract:
 - Request ids: the client's `X-Request-Id` header when sent (echoed as the response `id`), else a fresh one.
 - Text prompts are tokenized as gRPC's are (no BOS added); chat messages are rendered by the folder's chat
   template (`chat_template`), and their content never becomes a control token. A server without a template
-  answers chat requests 400 saying so.
+  answers chat requests 400 saying so. The template renders in the tokenizer process, never on the event loop,
+  within `chat_template_timeout` seconds and the characters the context can hold (`max_prompt_chars`); a render
+  over either gets 400 naming `chat_template`.
 - Log-probabilities are the model's own (before penalties and temperature), as vLLM's are by default; token
   strings are each token decoded alone.
 """
@@ -48,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -55,7 +58,8 @@ from starlette.routing import Route
 from inference_svc import tokenizer_jobs
 from inference_svc.access_log import AccessLog, RequestRecord
 from inference_svc.async_engine import MAX_REQUEST_ID_CHARS, AsyncEngine
-from inference_svc.chat_template import ChatTemplate
+from inference_svc.bounded_log import log_failure
+from inference_svc.chat_template import ChatTemplate, RenderLimits
 from inference_svc.engine.types import Completion, FinishReason, RequestOutput, TokenLogprob, Usage
 from inference_svc.errors import (
     AuthenticationError,
@@ -68,6 +72,7 @@ from inference_svc.errors import (
 )
 from inference_svc.lifecycle import Lifecycle, State
 from inference_svc.metrics import ServiceMetrics
+from inference_svc.openai_api import json_body
 from inference_svc.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -102,9 +107,12 @@ class ApiOptions:
     check_key: Callable[[list[str]], str | None] | None = None
     """The `authorization` header values → why they are refused, or None when they carry a valid key."""
     chat_template: ChatTemplate | None = None
+    chat_template_timeout: float = 5.0
+    """Seconds one render of the chat template may take (it writes at most the characters the context can hold)."""
 
 
-def build_app(owner: Owner, options: ApiOptions) -> Starlette:
+def build_app(owner: Owner, options: ApiOptions) -> Any:
+    """The ASGI app uvicorn runs."""
     api = _Api(owner, options)
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -115,7 +123,41 @@ def build_app(owner: Owner, options: ApiOptions) -> Starlette:
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes)
+
+    async def internal(request: Request, exc: Exception) -> Response:  # a failure no route turned into an error
+        owner.metrics.observe_error("INTERNAL")
+        return JSONResponse(_error_json("the server failed on this request", "internal_error", "INTERNAL"), 500)
+
+    async def http_error(request: Request, exc: Exception) -> Response:  # no such route, or not with this method
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 405:
+            body = _error_json(f"{request.url.path} does not take {request.method}", "invalid_request_error",
+                               "INVALID_ARGUMENT")  # fmt: skip
+        else:
+            body = _error_json(f"no route {request.url.path!r}", "not_found_error", "NOT_FOUND")
+        return JSONResponse(body, exc.status_code, headers=exc.headers)
+
+    app = Starlette(routes=routes, exception_handlers={Exception: internal, HTTPException: http_error})
+    return _Outermost(app)
+
+
+def _error_json(message: str, kind: str, code: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class _Outermost:
+    """The app as uvicorn runs it: an exception no handler caught has had its JSON 500 (Starlette's error
+    middleware sent it, then raised it again); here it is logged once, bounded, instead of uvicorn's whole
+    traceback."""
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except Exception as exc:
+            log_failure(log, f"HTTP {scope.get('method', '')} {scope.get('path', '')} failed", exc)
 
 
 # ---------------------------------------------------------------------------------------- errors
@@ -204,10 +246,7 @@ class _Api:
             raise RequestTimeoutError(
                 f"the request body did not arrive within {self.options.body_timeout:g} s"
             ) from None
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InvalidRequestError("body", f"the body is not valid JSON ({exc})") from None
+        return json_body.load(raw)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.options.model_name:
@@ -290,6 +329,14 @@ class _Api:
         sampling = req.to_sampling(16)
         rid = record.request_id = _request_id(request, "cmpl")
         texts = req.prompts()
+        if len(texts) > 1 and "x-request-id" in request.headers:
+            room = MAX_REQUEST_ID_CHARS - len(f"-{len(texts) - 1}")  # each prompt's request is the id plus "-i"
+            if len(rid) > room:
+                raise InvalidRequestError(
+                    "x-request-id",
+                    f"has {len(rid)} characters; with {len(texts)} prompts it may have at most {room} (each "
+                    f"prompt runs as the id plus '-<index>', at most {MAX_REQUEST_ID_CHARS} characters)",
+                )
         engine.check_fits(len(texts), req.n)  # before tokenizing: the count alone may prove it can never fit
         prompts = [await engine.prompt_ids(p) for p in texts]
         record.tokens_in = sum(len(ids) for ids in prompts)
@@ -370,9 +417,14 @@ class _Api:
                 "this model folder has no chat template (tokenizer_config.json chat_template or chat_template.jinja); "
                 "start the server with --chat-template FILE, or use /v1/completions",
             )
-        plain = [{**m.model_dump(exclude_none=True), "content": m.content or ""} for m in messages]
+        plain = [
+            {**m.model_dump(exclude_none=True), "content": "" if m.content is None else m.content} for m in messages
+        ]
         chars = sum(len(json.dumps(m)) for m in plain)
-        return await engine.tokenize_with(chars, tokenizer_jobs.chat_encode, template, plain, add_generation_prompt)
+        limits = RenderLimits(engine.max_prompt_chars, self.options.chat_template_timeout)
+        return await engine.tokenize_with(
+            chars, tokenizer_jobs.chat_encode, template, plain, add_generation_prompt, limits
+        )
 
     # ------------------------------------------------------------------ running requests
     async def _collect(
@@ -488,7 +540,7 @@ def _log_if_internal(exc: BaseException, what: str, rid: str) -> None:
     """One ERROR line with the traceback for an INTERNAL failure not logged yet; nothing for any other outcome (a
     client's own deadline, a disconnect, a refusal: the access log has them)."""
     if status_of(exc)[0].grpc.name == "INTERNAL" and not getattr(exc, "logged", False):
-        log.error("%s %s failed: %r", what, rid or "-", exc, exc_info=exc)
+        log_failure(log, f"{what} {rid or '-'} failed", exc)  # bounded: message, innermost frames
 
 
 def _request_id(request: Request, kind: str) -> str:

@@ -4,8 +4,11 @@ Contract:
 - `HttpServer(app, host, port).start()` binds the address itself (IPv4 or IPv6, port 0 picks a free one; a busy
   or foreign address raises `ServerStartError` naming `HTTP: HOST:PORT`) and returns the bound port once uvicorn
   accepts connections. uvicorn installs no signal handlers: the CLI's SIGTERM handler drains gRPC and HTTP alike.
-- Connection limits: at most `max_connections` at once (uvicorn answers 503 beyond it), idle keep-alive
-  connections are closed after `keep_alive` seconds, and h11 refuses request heads above 64 KiB.
+- Connection limits (`ConnectionGuard`, inference_svc.openai_api.connection_guard): a connection must send a
+  complete request head within `head_timeout` seconds of its accept (or of its previous response), at most
+  `max_connections` are open at once and `max_per_client` from one IP address, a new connection displaces the
+  oldest one still waiting for a head, a head above 64 KiB gets 431; idle keep-alive connections are also closed
+  after `keep_alive` seconds. Every answer given below the app has the OpenAI error shape.
 - TLS: with `tls_cert` and `tls_key` (the gRPC server's pair), HTTPS only.
 - `close(grace)` stops accepting, lets responses in progress finish for `grace` seconds, then cancels them.
 """
@@ -23,11 +26,10 @@ from typing import Any
 import uvicorn
 
 from inference_svc.errors import ServerStartError
+from inference_svc.openai_api.connection_guard import ConnectionGuard
 from inference_svc.settings import bare_host, host_port
 
 log = logging.getLogger(__name__)
-
-_MAX_HEAD_BYTES = 64 * 1024
 
 
 class _Uvicorn(uvicorn.Server):
@@ -46,6 +48,8 @@ class HttpServer:
         port: int,
         *,
         max_connections: int = 1024,
+        max_per_client: int = 512,
+        head_timeout: float = 5.0,
         keep_alive: float = 5.0,
         tls_cert: str | None = None,
         tls_key: str | None = None,
@@ -54,7 +58,7 @@ class HttpServer:
         self.tls_cert, self.tls_key = tls_cert, tls_key
         self.host = host
         self.port = port
-        self.max_connections = max_connections
+        self.guard = ConnectionGuard(max_connections, max_per_client, head_timeout)
         self.keep_alive = keep_alive
         self._server: _Uvicorn | None = None
         self._task: asyncio.Task | None = None
@@ -66,9 +70,9 @@ class HttpServer:
             lifespan="off",
             log_level="warning",
             access_log=False,
+            http=self.guard.protocol_class(),
             timeout_keep_alive=int(max(1, self.keep_alive)),
-            limit_concurrency=self.max_connections,
-            h11_max_incomplete_event_size=_MAX_HEAD_BYTES,
+            limit_concurrency=None,  # the guard limits connections (uvicorn's limit counts idle ones, in plain text)
             timeout_graceful_shutdown=1,
             ssl_certfile=self.tls_cert,
             ssl_keyfile=self.tls_key,

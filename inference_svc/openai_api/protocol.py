@@ -11,7 +11,10 @@ Contract:
   - chat: `max_completion_tokens` (or its older name `max_tokens`) defaults to the server's limit, `logprobs` is
     a boolean and `top_logprobs` a count 0..20;
   - `top_k` -1 or 0 disables it (vLLM's spelling and Tandem's);
-  - `logit_bias` maps token ids, written as JSON strings, to biases in [-100, 100].
+  - `logit_bias` maps token ids, written as JSON strings in plain decimal ("5"; not "05", "٥" or "1_0", so no
+    two keys name one id), to biases in [-100, 100];
+  - token ids (a token-id `prompt`, `stop_token_ids`, `/detokenize`'s `tokens`) are JSON integers: `true` is not
+    a token id.
 - Unknown fields are refused (a typo must not silently change nothing). Fields OpenAI has that Tandem does not
   serve (`tools`, `response_format`, `suffix`, ...) are refused by name with a 400 that says so.
 - Every refusal is `InvalidRequestError` whose `field` is the request parameter (`messages[0].content`), turned into
@@ -21,9 +24,10 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from inference_svc.engine.types import MAX_N, SamplingParams
 from inference_svc.errors import InvalidRequestError
@@ -36,6 +40,8 @@ UNSUPPORTED = (
 """OpenAI (and vLLM) fields outside this server's scope: a request that sets one gets a 400 naming it."""
 
 COMPLETIONS_MAX_LOGPROBS = 5
+_CANONICAL_ID = re.compile(r"0|[1-9][0-9]*")
+"""A `logit_bias` key: a token id in plain ASCII decimal, so that two keys never name the same id."""
 
 
 class StreamOptions(BaseModel):
@@ -67,7 +73,7 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     prompt_logprobs: int | None = None
     # Tandem's
     timeout: float | None = Field(None, gt=0)
@@ -84,10 +90,11 @@ class _Common(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         bias: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
-            try:
-                bias[int(key)] = value
-            except ValueError:
-                raise InvalidRequestError("logit_bias", f"keys are token ids, got {key!r}") from None
+            if not _CANONICAL_ID.fullmatch(key):  # not "٥", "1_0", " 5", "+5" or "05": int() takes them all
+                raise InvalidRequestError(
+                    "logit_bias", f'keys are token ids in plain decimal ("5", not "05"), got {key!r}'
+                )
+            bias[int(key)] = value
         top_k = self.top_k if self.top_k is not None else 0
         if top_k == -1:
             top_k = 0
@@ -119,7 +126,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=COMPLETIONS_MAX_LOGPROBS)
     echo: bool = False
@@ -179,7 +186,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 def _with(params: SamplingParams, **changes: Any) -> SamplingParams:

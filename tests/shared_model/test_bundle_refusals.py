@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from shared_model.bundle import MANIFEST_FILE, load_bundle, save_bundle
@@ -148,3 +149,49 @@ def test_a_folder_without_a_manifest_is_never_overwritten(bundle: Path, small_to
     with pytest.raises(BundleError, match="not a Tandem bundle"):
         save_bundle(bundle, cfg, build_model(cfg, seed=1), small_tokenizer, overwrite=True)
     assert {p.name: p.read_bytes() for p in bundle.iterdir()} == before
+
+
+# ------------------------------------------------------------------------------------------------ issue 34
+def test_an_integer_weight_is_refused_naming_tensor_and_dtype(bundle: Path) -> None:
+    weights = bundle / "model.safetensors"
+    tensors = load_file(weights)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = tensors[name].to(torch.int64)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    message = _refusal(bundle)
+    assert f"tensor {name} has dtype int64" in message and "floating point" in message
+
+
+@pytest.fixture
+def sharded(tmp_path: Path, small_tokenizer: Tokenizer) -> Path:
+    cfg = tiny_config()
+    folder = save_bundle(tmp_path / "sharded", cfg, build_model(cfg, seed=0), small_tokenizer, max_shard_bytes=50_000)
+    assert (folder / "model.safetensors.index.json").is_file()
+    return folder
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute", "subfolder"])
+def test_a_shard_outside_the_folder_is_refused_and_never_verified_by_name(
+    sharded: Path, tmp_path: Path, where: str
+) -> None:
+    index_path = sharded / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    # an altered copy of the shard, outside the folder (or below it), with the same file name: the manifest entry
+    # for that name still matches the untouched shard inside the folder
+    outside = {"parent": tmp_path / "elsewhere", "absolute": tmp_path / "abs", "subfolder": sharded / "sub"}[where]
+    outside.mkdir()
+    tensors = load_file(sharded / shard)
+    first = sorted(tensors)[0]
+    tensors[first] = tensors[first] + 1.0
+    save_file(tensors, outside / shard, metadata={"format": "pt"})
+    pointer = {"parent": f"../elsewhere/{shard}", "absolute": str(outside / shard), "subfolder": f"sub/{shard}"}[where]
+    index["weight_map"] = {k: (pointer if v == shard else v) for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    manifest = json.loads((sharded / MANIFEST_FILE).read_text())  # the manifest rewritten to match the new index
+    data = index_path.read_bytes()
+    manifest["files"][index_path.name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (sharded / MANIFEST_FILE).write_text(json.dumps(manifest))
+    for verify in (False, True):
+        message = _refusal(sharded, verify_checksums=verify)
+        assert "weight_map" in message and "not a file of this folder" in message and repr(pointer) in message

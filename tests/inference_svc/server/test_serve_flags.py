@@ -39,3 +39,14 @@ def test_an_invalid_value_names_the_field(bundle_dir, capsys) -> None:
         build_serve_config(["--model", str(bundle_dir), "--gpu-memory-fraction", "1.5"])
     assert info.value.code == 2
     assert "gpu_memory_fraction" in capsys.readouterr().err
+
+
+def test_http_limits_are_derived_flags(bundle_dir) -> None:
+    settings, _, _ = build_serve_config(
+        ["--model", str(bundle_dir), "--http-max-connections", "7", "--http-max-connections-per-client", "3",
+         "--http-head-timeout", "2.5", "--chat-template-timeout", "1.5"]
+    )  # fmt: skip
+    assert settings.http.max_connections == 7 and settings.http.max_connections_per_client == 3
+    assert settings.http.head_timeout == 2.5 and settings.http.chat_template_timeout == 1.5
+    with pytest.raises(SystemExit):
+        build_serve_config(["--model", str(bundle_dir), "--http-head-timeout", "0"])

@@ -193,3 +193,26 @@ def test_a_busy_tokenizer_refuses_large_texts_before_parsing(bundle_dir, tmp_pat
             assert len(client.tokenize("\U0001f600" * 2100).token_ids) > 0 and gate.encoded_chars == 5100
     finally:
         srv.close()
+
+
+def test_the_childs_memory_is_capped_and_it_survives_the_cap(child: TokenizerProcess) -> None:
+    too_much = tokenizer_process.MEMORY_HEADROOM_BYTES + 2**30
+    with pytest.raises(MemoryError):
+        child.call(jobs.allocate, too_much)
+    pid = child.pid
+    assert child.call(jobs.allocate, 10**6) == 10**6 and child.pid == pid  # the same child goes on
+
+
+def test_chat_renders_never_run_inline_however_short(small_tokenizer: Tokenizer) -> None:
+    gate = TokenizeGate(small_tokenizer, max_pending_chars=10 * len(TEXT))
+    template = ChatTemplate("{{ messages[0]['content'] }}")
+    chat = [{"role": "user", "content": "hi"}]
+
+    async def render() -> list[int]:
+        return await gate.run(2, tokenizer_jobs.chat_encode, template, chat, True)
+
+    try:
+        assert asyncio.run(render()) == small_tokenizer.encode("hi")
+        assert gate.process is not None and gate.process.calls == 1  # it went to the child
+    finally:
+        gate.close()

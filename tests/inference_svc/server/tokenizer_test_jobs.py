@@ -44,3 +44,8 @@ class Unpicklable(Exception):
 
 def raise_unpicklable(tokenizer: Tokenizer) -> None:
     raise Unpicklable(1, 2)
+
+
+def allocate(tokenizer: Tokenizer, n: int) -> int:
+    """Build a string of `n` characters (the child's memory cap refuses a large one with MemoryError)."""
+    return len("x" * n)
