@@ -28,7 +28,7 @@ from inference_svc.dataclass_flags import FlagSpec, add_flags, from_args
 from inference_svc.engine.config import ATTENTION_BACKENDS, COMPILE_MODES, KV_CACHE_DTYPES, EngineConfig
 from inference_svc.errors import InferenceError
 from inference_svc.generate_cli import stream_completion
-from inference_svc.settings import AdmissionLimits, ServerSettings, host_port
+from inference_svc.settings import METRIC_NAMES, AdmissionLimits, ScaleOutSettings, ServerSettings, host_port
 from shared_model.ledger import INT4_GROUP_SIZES, QUANTIZATIONS
 
 log = logging.getLogger("tandem.serve")
@@ -52,6 +52,9 @@ ENGINE_FLAGS = FlagSpec(
 )
 """Every `EngineConfig` field is a `tandem serve` flag (`dataclass_flags`); these keep the names the flags had
 before they were derived (the dataclass's own spelling, e.g. `--max-num-seqs`, is an alias)."""
+
+SCALE_OUT_FLAGS = FlagSpec(choices={"metrics_names": METRIC_NAMES})
+"""Every `ScaleOutSettings` field is a `tandem serve` flag (`--metrics-names`, ...)."""
 
 
 # ---------------------------------------------------------------------------------------- serve
@@ -80,6 +83,8 @@ def _serve_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
     add_flags(p.add_argument_group("engine (inference_svc.engine.config.EngineConfig)"), EngineConfig, ENGINE_FLAGS)
+    add_flags(p.add_argument_group("scale-out (inference_svc.settings.ScaleOutSettings)"), ScaleOutSettings,
+              SCALE_OUT_FLAGS)  # fmt: skip
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-queue", type=int, default=256, help="most requests waiting for their first token")
     lim.add_argument("--max-queue-tokens", type=int, default=262144, help="most prompt tokens waiting, summed")
@@ -139,6 +144,7 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
             tls_key=args.tls_key,
             api_key_file=args.api_key_file,
             warmup=not args.no_warmup,
+            scale_out=from_args(ScaleOutSettings, args),
         )
         engine_config = from_args(EngineConfig, args, dtype=_resolve_dtype(args.dtype, args.device))
     except (InferenceError, ValueError) as exc:

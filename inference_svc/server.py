@@ -526,7 +526,7 @@ class TandemServer:
     ) -> None:
         self.settings = settings
         self.engine_config = engine_config or EngineConfig()
-        self.metrics = ServiceMetrics(model_name=settings.model_name)
+        self.metrics = ServiceMetrics(model_name=settings.model_name, names=settings.scale_out.metrics_names)
         self.engine: AsyncEngine | None = None
         self._prebuilt_engine = engine
         self._fault_hook = fault_hook
