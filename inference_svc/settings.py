@@ -20,8 +20,12 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from inference_svc.errors import InferenceError
+
+if TYPE_CHECKING:
+    from inference_svc.kv_events import KVEventsConfig
 
 
 class SettingsError(InferenceError, ValueError):
@@ -100,12 +104,30 @@ class ScaleOutSettings:
     metrics_names: str = "both"
     """Metric families /metrics exports: tandem (`tandem_*`), vllm (vLLM's `vllm:*` names, which the Gateway API
     Inference Extension's endpoint picker reads) or both."""
+    kv_events_config: str | None = None
+    """KV-cache events as vLLM publishes them, configured by the JSON vLLM's flag takes, e.g.
+    '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}'. None:
+    no events (see inference_svc/kv_events.py and docs/scale-out.md)."""
 
     def __post_init__(self) -> None:
         if self.metrics_names not in METRIC_NAMES:
             raise SettingsError(
                 "metrics_names", f"must be one of {', '.join(METRIC_NAMES)}, got {self.metrics_names!r}"
             )
+        if self.kv_events_config is not None:
+            try:
+                self.kv_events  # noqa: B018  # parsed and validated
+            except ValueError as exc:
+                raise SettingsError("kv_events_config", str(exc)) from None
+
+    @property
+    def kv_events(self) -> KVEventsConfig:
+        """`kv_events_config` parsed (disabled when it is None)."""
+        from inference_svc.kv_events import KVEventsConfig
+
+        if self.kv_events_config is None:
+            return KVEventsConfig()
+        return KVEventsConfig.from_json(self.kv_events_config)
 
 
 @dataclass(frozen=True)
