@@ -39,6 +39,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "inference_svc.eval_cli:main", "held-out perplexity and bits per byte, offline and through a server", "serve"
     ),
     "bench": Subcommand("inference_svc.bench.cli:main", "load-test a server and plot latency/throughput", "serve"),
+    "serve-ray": Subcommand(
+        "inference_svc.ray_serve:main", "serve N replicas on Ray Serve behind its prefix-affinity router", "ray"
+    ),
 }
 
 _OWN_PACKAGES = ("shared_model", "lt_plugins", "inference_svc")
