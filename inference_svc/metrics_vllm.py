@@ -7,7 +7,9 @@ Contract:
   (`model_name`, `engine`) and histogram bucket edges (`VLLM_*_BUCKETS`; see docs/operations.md for the side-by-side
   table and where each figure comes from in Tandem):
   gauges `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (a fraction 0..1 of
-  the pool's blocks in use, cached-but-free blocks counted free, as vLLM's block pool does);
+  the pool's blocks in use, cached-but-free blocks counted free, as vLLM's block pool does) and its deprecated
+  twin `vllm:gpu_cache_usage_perc` (same value: endpoint pickers before the Gateway API Inference Extension v1.0
+  read that name);
   counters (in tokens) `vllm:prefix_cache_queries`, `vllm:prefix_cache_hits`, and `vllm:prompt_tokens`,
   `vllm:generation_tokens`, `vllm:num_preemptions`, `vllm:request_success{finished_reason}`;
   histograms in seconds `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
@@ -81,6 +83,10 @@ class VllmMetrics:
                                  names, registry=r))  # fmt: skip
         self.kv_usage = one(Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                                   names, registry=r))  # fmt: skip
+        self.gpu_usage = one(Gauge("vllm:gpu_cache_usage_perc",
+                                   "GPU KV-cache usage. 1 means 100 percent usage. "
+                                   "DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+                                   names, registry=r))  # fmt: skip
         self.prefix_queries = one(Counter("vllm:prefix_cache_queries",
                                           "Prefix cache queries, in terms of number of queried tokens.",
                                           names, registry=r))  # fmt: skip
@@ -120,7 +126,9 @@ class VllmMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         total = stats.kv_blocks_total
-        self.kv_usage.set(stats.kv_blocks_used / total if total > 0 else 0.0)
+        usage = stats.kv_blocks_used / total if total > 0 else 0.0
+        self.kv_usage.set(usage)
+        self.gpu_usage.set(usage)
         for field, attr in _COUNTERS:
             value = float(getattr(stats, field))
             delta = value - self._last.get(field, 0.0)

@@ -44,6 +44,7 @@ VLLM_TABLE: dict[str, tuple[str, set[str], tuple[float, ...] | None]] = {
     "vllm:num_requests_running": ("gauge", ENGINE_LABELS, None),
     "vllm:num_requests_waiting": ("gauge", ENGINE_LABELS, None),
     "vllm:kv_cache_usage_perc": ("gauge", ENGINE_LABELS, None),
+    "vllm:gpu_cache_usage_perc": ("gauge", ENGINE_LABELS, None),  # deprecated in vLLM 0.9; older pickers read it
     "vllm:prefix_cache_queries": ("counter", ENGINE_LABELS, None),
     "vllm:prefix_cache_hits": ("counter", ENGINE_LABELS, None),
     "vllm:prompt_tokens": ("counter", ENGINE_LABELS, None),
@@ -125,6 +126,7 @@ def test_vllm_names_types_labels_and_buckets_match_vllms_table() -> None:
     _check_table(families, MODEL)
     # the figures are the same quantities as Tandem's
     assert _value(families, "vllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc") == 0.25  # 16 of 64 blocks
+    assert _value(families, "vllm:gpu_cache_usage_perc", "vllm:gpu_cache_usage_perc") == 0.25
     assert _value(families, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == 32
     assert _value(families, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 100
     assert _value(families, "vllm:num_requests_running", "vllm:num_requests_running") == 2

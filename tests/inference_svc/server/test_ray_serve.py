@@ -27,7 +27,6 @@ from tests.conftest import free_port  # noqa: E402
 from tests.inference_svc.server.conftest import engine_config  # noqa: E402
 from tests.inference_svc.server.serve_with_slow_steps import slow_steps  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "bundle"
 PREFIX = "def handle_request(self, request, context):\n    " + "value = compute(value, context) + 1\n    " * 6
 
@@ -78,6 +77,16 @@ def replica_stats(seen_at_least: int = 2, exclude: frozenset[str] = frozenset(),
             found.clear()
 
 
+def test_serve_ray_flags_and_app_are_validated(tmp_path: Path) -> None:
+    from inference_svc.ray_serve import _parser, prefix_affinity_router
+
+    args = _parser().parse_args(["--model", str(tmp_path), "--replicas", "3", "--kv-cache-memory", "64MiB"])
+    assert args.replicas == 3 and args.kv_cache_memory == "64MiB" and args.imbalanced_threshold == float("inf")
+    with pytest.raises(ValueError, match="replicas"):
+        build_app(str(tmp_path), replicas=0)
+    assert prefix_affinity_router().__name__ == "PrefixCacheAffinityRouter"
+
+
 def test_routing_text_is_what_the_router_matches() -> None:
     assert routing_text("/v1/completions", json.dumps({"prompt": "abc"}).encode()) == "abc"
     chat = {
@@ -89,6 +98,8 @@ def test_routing_text_is_what_the_router_matches() -> None:
     assert routing_text("/v1/completions", b"{not json") == "/v1/completions"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_shared_prefix_lands_on_the_replica_that_holds_it(app: int) -> None:
     before = replica_stats()
     status, headers, first = post(app, "/v1/completions", {"model": MODEL, "prompt": PREFIX + "first", "max_tokens": 2})
@@ -111,6 +122,8 @@ def test_a_shared_prefix_lands_on_the_replica_that_holds_it(app: int) -> None:
     assert hits[other] == 0
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_killed_replica_ends_its_stream_with_an_error_and_is_replaced(app: int) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", app, timeout=120)
     body = {"model": MODEL, "prompt": "while True:", "max_tokens": 450, "stream": True, "ignore_eos": True}
