@@ -352,3 +352,16 @@ def test_a_served_engine_publishes_from_warmup_on(bundle_dir: Path) -> None:
         assert b"tandem_kv_events_published_batches_total" in srv.server.metrics.render()
     finally:
         srv.close()
+
+
+def test_an_endpoint_that_cannot_be_bound_is_named() -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = f"tcp://127.0.0.1:{busy.getsockname()[1]}"
+        config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*", replay_endpoint=taken)
+        publisher = KVEventPublisher(config)
+        with pytest.raises(ValueError, match=taken.replace(".", r"\.")):
+            publisher.start()
