@@ -39,7 +39,7 @@ Contract:
   the resolved addresses (a `*` port resolved). `flush(timeout)` waits until what is queued has been sent;
   `close()` sends what is queued and stops the thread.
 - `published` counts batches sent (`tandem_kv_events_published_batches_total`); with a registry the three counters
-  are registered there.
+  are registered there, labelled `model_name` like every `tandem_*` series when one is given.
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ class KVEventRecorder:
 class KVEventPublisher:
     """ZeroMQ PUB (+ ROUTER replay) on its own thread; a bounded queue in front (see the module docstring)."""
 
-    def __init__(self, config: KVEventsConfig, registry: Any = None) -> None:
+    def __init__(self, config: KVEventsConfig, registry: Any = None, model_name: str = "") -> None:
         self.config = config
         self.endpoint: str = config.endpoint
         self.replay_endpoint: str | None = config.replay_endpoint
@@ -290,13 +290,18 @@ class KVEventPublisher:
         if registry is not None:
             from prometheus_client import Counter
 
+            labels = {"model_name": model_name} if model_name else {}
+
+            def counter(name: str, text: str) -> Any:
+                c = Counter(name, text, tuple(labels), registry=registry)
+                return c.labels(**labels) if labels else c
+
             self._counters = (
-                Counter("tandem_kv_events_published_batches", "KV-event batches published.", registry=registry),
-                Counter("tandem_kv_events_dropped_batches",
-                        "KV-event batches dropped because the publisher's queue was full (a resync follows).",
-                        registry=registry),
-                Counter("tandem_kv_events_resyncs",
-                        "Resync batches (all-cleared + every cached block) sent after a drop.", registry=registry),
+                counter("tandem_kv_events_published_batches", "KV-event batches published."),
+                counter("tandem_kv_events_dropped_batches",
+                        "KV-event batches dropped because the publisher's queue was full (a resync follows)."),
+                counter("tandem_kv_events_resyncs",
+                        "Resync batches (all-cleared + every cached block) sent after a drop."),
             )  # fmt: skip
 
     # -- any thread

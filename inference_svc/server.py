@@ -667,7 +667,7 @@ class TandemServer:
         config = self.settings.scale_out.kv_events
         if not config.enabled:
             return
-        publisher = KVEventPublisher(config, registry=self.metrics.registry)
+        publisher = KVEventPublisher(config, registry=self.metrics.registry, model_name=self.metrics.model_name)
         try:
             await asyncio.to_thread(publisher.start)
         except ValueError as exc:

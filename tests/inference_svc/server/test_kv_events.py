@@ -349,7 +349,8 @@ def test_a_served_engine_publishes_from_warmup_on(bundle_dir: Path) -> None:
             assert len(sub.blocks) >= 8  # the 35-token prompt's 8 whole blocks at least
         finally:
             sub.close()
-        assert b"tandem_kv_events_published_batches_total" in srv.server.metrics.render()
+        text = srv.server.metrics.render().decode()
+        assert f'tandem_kv_events_published_batches_total{{model_name="bundle"}} {float(publisher.published)}' in text
     finally:
         srv.close()
 
