@@ -35,7 +35,14 @@ from inference_svc.engine.config import (
     EngineConfig,
 )
 from inference_svc.errors import InferenceError
-from inference_svc.settings import AdmissionLimits, HttpLimits, ServerSettings, host_port
+from inference_svc.settings import (
+    METRIC_NAMES,
+    AdmissionLimits,
+    HttpLimits,
+    ScaleOutSettings,
+    ServerSettings,
+    host_port,
+)
 from shared_model.ledger import INT4_GROUP_SIZES, QUANTIZATIONS
 
 log = logging.getLogger("tandem.serve")
@@ -72,6 +79,8 @@ HTTP_FLAGS = FlagSpec(
     }
 )
 """`HttpLimits` fields as `tandem serve` flags (the connection bounds spelled with the `--http-` prefix)."""
+SCALE_OUT_FLAGS = FlagSpec(choices={"metrics_names": METRIC_NAMES})
+"""Every `ScaleOutSettings` field is a `tandem serve` flag (`--metrics-names`, ...)."""
 
 
 # ---------------------------------------------------------------------------------------- serve
@@ -101,6 +110,8 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
     add_flags(p.add_argument_group("engine (inference_svc.engine.config.EngineConfig)"), EngineConfig, ENGINE_FLAGS)
     add_flags(p.add_argument_group("HTTP limits (inference_svc.settings.HttpLimits)"), HttpLimits, HTTP_FLAGS)
+    add_flags(p.add_argument_group("scale-out (inference_svc.settings.ScaleOutSettings)"), ScaleOutSettings,
+              SCALE_OUT_FLAGS)  # fmt: skip
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-queue", type=int, default=256, help="most requests waiting for their first token")
     lim.add_argument("--max-queue-tokens", type=int, default=262144, help="most prompt tokens waiting, summed")
@@ -164,6 +175,7 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
             api_key_file=args.api_key_file,
             warmup=not args.no_warmup,
             **{name: getattr(args, name) for name in SERVER_DERIVED},
+            scale_out=from_args(ScaleOutSettings, args),
         )
         engine_config = from_args(EngineConfig, args, dtype=_resolve_dtype(args.dtype, args.device))
     except (InferenceError, ValueError) as exc:

@@ -34,6 +34,9 @@ Contract:
   `rate(tandem_spec_decode_accepted_tokens_total) / rate(tandem_spec_decode_draft_tokens_total)`, and the tokens
   per verify step `rate(..._emitted_tokens_total) / rate(..._verify_steps_total)`.
 - Requests are counted once at their end: by finish reason when they finish, by gRPC status code when they fail.
+- `names` chooses the families exported: "tandem" (the `tandem_*` series), "vllm" (vLLM's names, from
+  `inference_svc.metrics_vllm`, fed from the same observations) or "both" (the default). With "vllm" the `tandem_*`
+  series are still kept in the registry but left out of `render()`.
 - Thread-safe (prometheus_client is): the engine thread and the event loop both record here. Nothing here blocks.
 """
 
@@ -52,6 +55,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from inference_svc.engine.types import Timing
+from inference_svc.metrics_vllm import VllmMetrics
+from inference_svc.settings import METRIC_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +92,17 @@ def _version(distribution: str) -> str:
 
 
 class _WithoutCreated(Collector):
-    """`registry`'s metric families less their `<family>_created` samples (see the module docstring)."""
+    """`registry`'s metric families less their `<family>_created` samples (see the module docstring), and less the
+    families whose name starts with one of `drop`."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, drop: tuple[str, ...] = ()) -> None:
         self._registry = registry
+        self._drop = drop
 
     def collect(self) -> Iterator[Metric]:
         for family in self._registry.collect():
+            if self._drop and family.name.startswith(self._drop):
+                continue
             created = family.name + "_created"
             if any(s.name == created for s in family.samples):
                 family = copy.copy(family)
@@ -104,9 +113,15 @@ class _WithoutCreated(Collector):
 class ServiceMetrics:
     """Every metric the service exports, on its own registry, each series labelled with `model_name`."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "") -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "", names: str = "both") -> None:
+        if names not in METRIC_NAMES:
+            raise ValueError(f"metrics names must be one of {', '.join(METRIC_NAMES)}, got {names!r}")
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
+        self.names = names
+        self.vllm = None if names == "tandem" else VllmMetrics(self.registry, model_name)
+        """vLLM's names for the same figures (None when `names` is "tandem")."""
+        self._drop = ("tandem_",) if names == "vllm" else ()
         self._model: dict[str, str] = {"model_name": model_name} if model_name else {}
         """The `model_name` label of every series; empty (no label) when no name was given."""
         r = self.registry
@@ -280,6 +295,8 @@ class ServiceMetrics:
 
     # ------------------------------------------------------------------ per request
     def observe_finished(self, finish_reason: str, timing: Timing | None) -> None:
+        if self.vllm is not None:
+            self.vllm.observe_finished(finish_reason, timing)
         self.finished.labels(**self._model, finish_reason=finish_reason).inc()
         if timing is None:
             return
@@ -294,11 +311,15 @@ class ServiceMetrics:
         self.errors.labels(**self._model, code=code_name).inc()
 
     def observe_inter_token(self, seconds: float) -> None:
+        if self.vllm is not None:
+            self.vllm.observe_inter_token(seconds)
         self.itl.observe(seconds)
 
     # ------------------------------------------------------------------ engine-wide
     def observe_stats(self, stats: Any) -> None:
         """Refresh gauges and advance counters from an `EngineStats` snapshot."""
+        if self.vllm is not None:
+            self.vllm.observe_stats(stats)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_used.set(stats.kv_blocks_used)
@@ -325,6 +346,8 @@ class ServiceMetrics:
 
     def observe_model(self, info: Any) -> None:
         """Once, when the engine is built: what its weights and its KV pool occupy (`EngineInfo`)."""
+        if self.vllm is not None:
+            self.vllm.observe_model(info)
         labels = {**self._model, "dtype": info.dtype, "quantization": info.quantization}
         self.weight_bytes.labels(**labels).set(info.weight_bytes)
         kv = {**self._model, "kv_cache_dtype": info.kv_cache_dtype}
@@ -349,7 +372,7 @@ class ServiceMetrics:
     # ------------------------------------------------------------------ exposition
     def render(self) -> bytes:
         """The Prometheus text format of every metric, without `_created` samples (what /metrics serves)."""
-        return generate_latest(_WithoutCreated(self.registry))
+        return generate_latest(_WithoutCreated(self.registry, self._drop))
 
 
 class MetricsHTTPServer:

@@ -572,7 +572,7 @@ class TandemServer:
     ) -> None:
         self.settings = settings
         self.engine_config = engine_config or EngineConfig()
-        self.metrics = ServiceMetrics(model_name=settings.model_name)
+        self.metrics = ServiceMetrics(model_name=settings.model_name, names=settings.scale_out.metrics_names)
         self.access_log = AccessLog(self.metrics, settings.access_log)
         """Ends every request's record, HTTP and gRPC: its count and its access-log line."""
         self.engine: AsyncEngine | None = None
@@ -591,6 +591,8 @@ class TandemServer:
         self.lifecycle.on_change(self._health_follows)
         self._health_tasks: set[asyncio.Future] = set()
         self._stopped = asyncio.Event()
+        self.kv_events: Any = None
+        """The KV-cache event publisher (`inference_svc.kv_events.KVEventPublisher`) when enabled."""
 
     @property
     def serving(self) -> bool:
@@ -687,6 +689,7 @@ class TandemServer:
                 from inference_svc.engine.engine import Engine
 
                 engine = await thread.run(Engine.from_bundle, s.model, self.engine_config)
+            await self._start_kv_events(engine)
             async_engine = AsyncEngine(
                 engine, s.admission, self.metrics, fault_hook=self._fault_hook, lifecycle=self.lifecycle, thread=thread
             )
@@ -704,11 +707,33 @@ class TandemServer:
             await async_engine.start()
         except BaseException:
             thread.close()
+            await self._close_kv_events()
             raise
         self.engine = async_engine
         self.lifecycle.to(State.SERVING)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("SERVING %s", s.model)
+
+    async def _start_kv_events(self, engine: Any) -> None:
+        """With `--kv-events-config` enabled: start the publisher and make it the block manager's event sink, before
+        any request (warm-up included) can register a block (inference_svc.kv_events)."""
+        from inference_svc.kv_events import KVEventPublisher, KVEventRecorder
+
+        config = self.settings.scale_out.kv_events
+        if not config.enabled:
+            return
+        publisher = KVEventPublisher(config, registry=self.metrics.registry, model_name=self.metrics.model_name)
+        try:
+            await asyncio.to_thread(publisher.start)
+        except ValueError as exc:
+            raise ServerStartError(str(exc)) from None
+        self.kv_events = publisher
+        engine.block_manager.events = KVEventRecorder(publisher, engine.block_manager.block_size)
+        log.info("KV-cache events on %s (replay %s)", publisher.endpoint, publisher.replay_endpoint or "off")
+
+    async def _close_kv_events(self) -> None:
+        if self.kv_events is not None:
+            await asyncio.to_thread(self.kv_events.close)
 
     async def _start_http(self, keys_check: ApiKeyInterceptor | None) -> None:
         """The OpenAI-compatible API on `host:http_port`, over the same engine (503 until SERVING)."""
@@ -756,6 +781,7 @@ class TandemServer:
             log.info("draining %d in-flight requests (grace %.1f s)", self.engine.num_in_flight, grace)
             cut = await self.engine.drain(grace)
             await self.engine.stop()
+        await self._close_kv_events()
         if self._http is not None:
             with contextlib.suppress(Exception):
                 await self._http.close(1.0)

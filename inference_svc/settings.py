@@ -9,6 +9,8 @@ Contract:
   or `localhost`. `bare_host` / `host_port` are the one place that turns them into a socket address or `HOST:PORT`.
 - Metrics are exposed on `metrics_host` (loopback by default), never implicitly on the gRPC `host`: /metrics is
   plaintext and unauthenticated, so making it reachable from elsewhere is an explicit choice.
+- `ScaleOutSettings` (a section of `ServerSettings`) holds what a replica publishes for routers: the metric
+  families (`metrics_names`) and the KV-cache event stream.
 - Nothing here reads files' contents or opens sockets; `server.py` does that.
 """
 
@@ -18,8 +20,12 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from inference_svc.errors import InferenceError
+
+if TYPE_CHECKING:
+    from inference_svc.kv_events import KVEventsConfig
 
 
 class SettingsError(InferenceError, ValueError):
@@ -85,6 +91,43 @@ class AdmissionLimits:
         _check_int("max_queued_requests", self.max_queued_requests, 1)
         _check_int("max_queued_tokens", self.max_queued_tokens, 1)
         _check_int("max_tokenizing_chars", self.max_tokenizing_chars, 1)
+
+
+METRIC_NAMES = ("tandem", "vllm", "both")
+"""The metric families /metrics can export (`ScaleOutSettings.metrics_names`)."""
+
+
+@dataclass(frozen=True)
+class ScaleOutSettings:
+    """What one replica publishes for the routers and scrapers in front of several (docs/scale-out.md)."""
+
+    metrics_names: str = "both"
+    """Metric families /metrics exports: tandem (`tandem_*`), vllm (vLLM's `vllm:*` names, which the Gateway API
+    Inference Extension's endpoint picker reads) or both."""
+    kv_events_config: str | None = None
+    """KV-cache events as vLLM publishes them, configured by the JSON vLLM's flag takes, e.g.
+    '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}'. None:
+    no events (see inference_svc/kv_events.py and docs/scale-out.md)."""
+
+    def __post_init__(self) -> None:
+        if self.metrics_names not in METRIC_NAMES:
+            raise SettingsError(
+                "metrics_names", f"must be one of {', '.join(METRIC_NAMES)}, got {self.metrics_names!r}"
+            )
+        if self.kv_events_config is not None:
+            try:
+                self.kv_events  # noqa: B018  # parsed and validated
+            except ValueError as exc:
+                raise SettingsError("kv_events_config", str(exc)) from None
+
+    @property
+    def kv_events(self) -> KVEventsConfig:
+        """`kv_events_config` parsed (disabled when it is None)."""
+        from inference_svc.kv_events import KVEventsConfig
+
+        if self.kv_events_config is None:
+            return KVEventsConfig()
+        return KVEventsConfig.from_json(self.kv_events_config)
 
 
 @dataclass(frozen=True)
@@ -166,6 +209,8 @@ class ServerSettings:
     served_model_name: str | None = None
     """The name clients use for the model (OpenAI's `model` field, GetModelInfo, metrics); None: the folder's
     own name."""
+    scale_out: ScaleOutSettings = field(default_factory=ScaleOutSettings)
+    """Metric names and KV-cache events for routers in front of several replicas."""
 
     @property
     def model_name(self) -> str:
@@ -191,6 +236,8 @@ class ServerSettings:
             raise SettingsError("admission", "must be an AdmissionLimits")
         if not isinstance(self.http, HttpLimits):
             raise SettingsError("http", "must be an HttpLimits")
+        if not isinstance(self.scale_out, ScaleOutSettings):
+            raise SettingsError("scale_out", "must be a ScaleOutSettings")
         _check_int("max_request_bytes", self.max_request_bytes, 1024)
         if self.max_request_bytes * 4 > 2**31 - 1:
             raise SettingsError("max_request_bytes", "must be below 512 MiB")

@@ -42,6 +42,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "tandem_native.loader:main", "build Tandem's native CPU kernels now (else the first start does)", None
     ),
     "bench": Subcommand("inference_svc.bench.cli:main", "load-test a server and plot latency/throughput", "serve"),
+    "serve-ray": Subcommand(
+        "inference_svc.ray_serve:main", "serve N replicas on Ray Serve behind its prefix-affinity router", "ray"
+    ),
 }
 
 _OWN_PACKAGES = ("shared_model", "lt_plugins", "inference_svc", "tandem_native")

@@ -16,6 +16,11 @@ Contract:
   empty blocks first, then the least recently freed cached block (its hash is dropped: evicted).
 - `free(blocks)` releases in reverse so a sequence's tail is evicted before its head. `discard(blocks)` releases
   blocks whose K/V must not be reused (no prefix hash survives) and says which ones the caller must scrub.
+- `reset_prefix_cache()` forgets every cached prefix when no block is in use (False, and nothing changes,
+  otherwise).
+- `events` (None by default) is told of every change to the set of registered hashes, as it happens:
+  `stored(hash, parent_hash or None, tokens)` when a block is registered, `removed(hash)` when a registered block
+  loses its hash (evicted or discarded), `cleared()` on a reset (`inference_svc.kv_events.KVEventRecorder`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 _ROOT_HASH = 0x7A3D5E1F
 
@@ -30,6 +36,14 @@ _ROOT_HASH = 0x7A3D5E1F
 def chain_hash(parent: int, tokens: Sequence[int]) -> int:
     """Hash of a full block given the hash of the block before it (deterministic across runs)."""
     return hash((parent, *tokens))
+
+
+class PrefixEvents(Protocol):
+    """What `BlockManager.events` is told (see the module docstring)."""
+
+    def stored(self, h: int, parent: int | None, tokens: tuple[int, ...]) -> None: ...
+    def removed(self, h: int) -> None: ...
+    def cleared(self) -> None: ...
 
 
 @dataclass
@@ -64,6 +78,7 @@ class BlockManager:
         self._by_hash: dict[int, int] = {}
         self.hit_tokens = 0
         self.queried_tokens = 0
+        self.events: PrefixEvents | None = None
 
     # ------------------------------------------------------------------ counts
     @property
@@ -155,6 +170,8 @@ class BlockManager:
                 continue
             if block.hash is not None:
                 del self._by_hash[block.hash]
+                if self.events is not None:
+                    self.events.removed(block.hash)
                 block.hash, block.tokens = None, ()
             self._empty.append(bid)
         return released
@@ -174,7 +191,22 @@ class BlockManager:
             return h
         block.hash, block.tokens = h, chunk
         self._by_hash[h] = block_id
+        if self.events is not None:
+            self.events.stored(h, parent_hash, chunk)
         return h
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (all cached blocks become empty) if no block is in use; else False."""
+        if self.num_used:
+            return False
+        for bid in self._evictable:
+            self.blocks[bid].hash, self.blocks[bid].tokens = None, ()
+            self._empty.append(bid)
+        self._evictable.clear()
+        self._by_hash.clear()
+        if self.events is not None:
+            self.events.cleared()
+        return True
 
     # ------------------------------------------------------------------ internals
     def _ref(self, bid: int) -> None:
@@ -190,6 +222,8 @@ class BlockManager:
             bid, _ = self._evictable.popitem(last=False)  # evict the least recently freed cached block
             block = self.blocks[bid]
             del self._by_hash[block.hash]  # type: ignore[arg-type]
+            if self.events is not None:
+                self.events.removed(block.hash)  # type: ignore[arg-type]
             block.hash, block.tokens = None, ()
         self.blocks[bid].ref_count = 1
         return bid

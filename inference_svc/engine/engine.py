@@ -436,6 +436,8 @@ class Engine:
         for e in events:
             if e.finished:
                 self._requests.pop(e.seq.request_id, None)
+        if self.block_manager.events is not None:  # KV-cache events: one batch per step (inference_svc.kv_events)
+            self.block_manager.events.end_step()  # type: ignore[attr-defined]
         return outputs
 
     def _sample(self, items: list[ScheduledSeq], rows: torch.Tensor) -> list[Emitted]:

@@ -111,3 +111,58 @@ def test_lru_eviction_keeps_recent_prefixes():
     bm.free(again.blocks)
     bm.allocate([7, 7, 7, 7, 7, 7, 7])  # 4 blocks: evicts both cached ones
     assert bm.num_cached == 0
+
+
+class _Events:
+    """A `PrefixEvents` sink that keeps the registered set the events describe."""
+
+    def __init__(self) -> None:
+        self.cached: dict[int, tuple[int, ...]] = {}
+        self.log: list[str] = []
+
+    def stored(self, h: int, parent: int | None, tokens: tuple[int, ...]) -> None:
+        assert h not in self.cached
+        self.cached[h] = tokens
+        self.log.append("stored")
+
+    def removed(self, h: int) -> None:
+        del self.cached[h]
+        self.log.append("removed")
+
+    def cleared(self) -> None:
+        self.cached.clear()
+        self.log.append("cleared")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_events_describe_the_registered_set_and_reset(seed):
+    """Every registration, eviction and discard reaches `events` as it happens; `reset_prefix_cache` clears the
+    cache (refused while a block is in use) and says so."""
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks=rng.randrange(6, 20), block_size=2)
+    sink = bm.events = _Events()
+    m = _Model(bm)
+    prefixes = [[rng.randrange(20) for _ in range(10)] for _ in range(3)]
+    for n in range(300):
+        live = list(m.seqs)
+        if live and rng.random() < 0.4:
+            s = m.seqs.pop(rng.choice(live))
+            (bm.discard if rng.random() < 0.2 else bm.free)(s["blocks"])
+        else:
+            tokens = [*rng.choice(prefixes)[: rng.randrange(2, 11)], rng.randrange(20)]
+            if bm.can_allocate(tokens):
+                alloc = bm.allocate(tokens)
+                s = m.seqs[n] = {"tokens": tokens, "blocks": alloc.blocks, "hashes": list(alloc.hashes)}
+                m.register_full(s)
+        m.check()
+        assert sink.cached == {b.hash: b.tokens for b in bm.blocks if b.hash is not None}
+    assert "removed" in sink.log
+    if m.seqs:
+        assert not bm.reset_prefix_cache()  # blocks in use: refused, nothing changed
+        assert sink.log[-1] != "cleared"
+    for s in m.seqs.values():
+        bm.free(s["blocks"])
+    m.seqs.clear()
+    assert bm.reset_prefix_cache()
+    assert sink.log[-1] == "cleared" and sink.cached == {} and bm.num_cached == 0 and bm.num_free == bm.num_blocks
+    m.check()

@@ -37,7 +37,9 @@ def _stats(**overrides: float) -> EngineStats:
 
 
 def _samples(metrics: ServiceMetrics) -> list:
-    return [s for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples]
+    """Tandem's own `tandem_*` samples (the `vllm:*` ones, labelled as vLLM's: tests/.../test_metrics_vllm.py)."""
+    families = text_string_to_metric_families(metrics.render().decode())
+    return [s for family in families for s in family.samples if s.name.startswith("tandem_")]
 
 
 def _value(metrics: ServiceMetrics, name: str, **labels: str) -> float:
@@ -54,6 +56,7 @@ def _exercised(model_name: str = MODEL) -> ServiceMetrics:
         SimpleNamespace(
             dtype="float32", quantization="int8", weight_bytes=1234,
             kv_cache_dtype="int8", kv_cache_bytes=8320, kv_bytes_per_token=130, compile_seconds=12.5,
+            kv_blocks_total=64, config=SimpleNamespace(block_size=16, enable_prefix_caching=True),
         )
     )  # fmt: skip
     m.observe_stats(_stats())
