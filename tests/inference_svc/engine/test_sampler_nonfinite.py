@@ -81,7 +81,7 @@ def test_nan_logits_fail_that_request_alone(make_engine, llama_dir, caplog) -> N
     bystander_prompt = [5, 6, 7, 8, 9]
     (alone,) = engine.generate([bystander_prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))
     with torch.no_grad():  # a NaN embedding row: every sequence that reads token 300 gets NaN logits
-        engine.runner.model.model.embed_tokens.weight[poison] = math.nan
+        engine.runner.model.embed_tokens.weight[poison] = math.nan
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     engine.add_request("bystander", bystander_prompt, params)
     engine.add_request("poisoned", [5, poison, 7], params)
@@ -110,7 +110,7 @@ def test_a_failed_request_leaves_no_nan_behind(make_engine, llama_dir) -> None:
     prompts = [[5, 6, 7], list(range(20, 60)), [9] * 21]  # uneven lengths: padded decode rows
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     alone = [engine.generate([p], params)[0].token_ids for p in prompts]
-    embed = engine.runner.model.model.embed_tokens.weight
+    embed = engine.runner.model.embed_tokens.weight
     saved = embed[300].clone()
     with torch.no_grad():
         embed[300] = math.nan

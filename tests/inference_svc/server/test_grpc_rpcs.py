@@ -98,8 +98,9 @@ def test_model_info(client) -> None:
     # the ledger's 2·N·d·b per token: 2 layers × 2 kv heads × 16 × 4 bytes × (K and V)
     assert info.ledger.kv_bytes_per_token == 2 * 2 * 32 * 4
     assert info.ledger.kv_cache_bytes == info.ledger.kv_blocks_total * 16 * info.ledger.kv_bytes_per_token
-    # every parameter in fp32, plus the merged q/k-norm table: 2 layers × (4 + 2) heads × 16 × 4 bytes
-    assert info.ledger.weight_bytes == info.config.num_parameters * 4 + 2 * 6 * 16 * 4
+    # every parameter in fp32, with each layer's q_norm and k_norm (2 × 16) replaced by the merged q/k-norm table:
+    # 2 layers × (4 + 2 - 2) heads × 16 × 4 bytes more
+    assert info.ledger.weight_bytes == info.config.num_parameters * 4 + 2 * 4 * 16 * 4
     assert info.quantization == "none"
     assert info.ledger.extra["ledger.weight_bytes"] == info.ledger.weight_bytes
     assert '"qk_norm": true' in info.config.config_json

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inference_svc.engine.engine import EngineStats
 from inference_svc.engine.types import Timing
+from inference_svc.executor.plan import Choice, LoadPlan
 from inference_svc.metrics import ServiceMetrics
 
 MODEL = "tiny-coder"
@@ -57,6 +58,7 @@ def _exercised(model_name: str = MODEL) -> ServiceMetrics:
             dtype="float32", quantization="int8", weight_bytes=1234,
             kv_cache_dtype="int8", kv_cache_bytes=8320, kv_bytes_per_token=130, compile_seconds=12.5,
             kv_blocks_total=64, config=SimpleNamespace(block_size=16, enable_prefix_caching=True),
+            load_plan=LoadPlan((Choice("compile", "on", "--compile on"),)),
         )
     )  # fmt: skip
     m.observe_stats(_stats())

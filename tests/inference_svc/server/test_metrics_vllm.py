@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from inference_svc.cli import build_serve_config
 from inference_svc.engine.engine import EngineStats
 from inference_svc.engine.types import Timing
+from inference_svc.executor.plan import LoadPlan
 from inference_svc.metrics import ServiceMetrics
 from inference_svc.settings import ScaleOutSettings, SettingsError
 from tests.inference_svc.server.conftest import engine_config, make_server
@@ -79,7 +80,7 @@ def _info() -> SimpleNamespace:
     return SimpleNamespace(
         dtype="float32", quantization="none", weight_bytes=1, kv_cache_dtype="float32", kv_cache_bytes=2,
         kv_bytes_per_token=3, compile_seconds=0.0, kv_blocks_total=64,
-        config=SimpleNamespace(block_size=16, enable_prefix_caching=True),
+        config=SimpleNamespace(block_size=16, enable_prefix_caching=True), load_plan=LoadPlan(),
     )  # fmt: skip
 
 

@@ -24,7 +24,7 @@ def test_nan_logits_fail_one_request_with_one_log_line(bundle_dir, caplog) -> No
             engine = srv.server.engine
             assert engine is not None
             with torch.no_grad():
-                engine.engine.runner.model.model.embed_tokens.weight[POISON] = math.nan
+                engine.engine.runner.model.embed_tokens.weight[POISON] = math.nan
             results: dict[str, object] = {}
 
             def bystander() -> None:
