@@ -1,5 +1,5 @@
 # The two entry points named at the top of README.md. Both create/reuse .venv and install everything first.
-.PHONY: demo test lint format venv
+.PHONY: demo test test-fast lint format venv
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -10,7 +10,13 @@ demo: venv
 test: venv
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=15
+
+# The inner loop: the unit tier (no test marked slow or distributed: no training runs, served subprocesses or
+# compiles); about 2-3 minutes on 2 cores. `make test` (and .ci/run) still run everything.
+test-fast: venv
+	.venv/bin/ruff check .
+	.venv/bin/python -m pytest -q -m "not slow and not distributed"
 
 lint: venv
 	.venv/bin/ruff check .

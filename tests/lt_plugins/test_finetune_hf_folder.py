@@ -22,6 +22,8 @@ from lt_plugins.lit_module import model_source
 sys.path.insert(0, str(Path(__file__).parent))
 from finetune_folder import CHAT_TEMPLATE, make_hf_folder
 
+pytestmark = pytest.mark.slow  # training runs (not in make test-fast)
+
 pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,12 +16,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 from lt_plugins.checkpoint_io import MANIFEST, latest_checkpoint
 from lt_plugins.export import consolidate
 from lt_plugins.finite import loss_from_outputs, loss_is_finite, nonfinite_tensor
+
+pytestmark = pytest.mark.slow  # training runs (not in make test-fast)
 
 WORKER = Path(__file__).with_name("nonfinite_worker.py")
 REPO = Path(__file__).resolve().parents[2]

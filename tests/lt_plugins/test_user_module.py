@@ -15,6 +15,8 @@ import yaml
 from lt_plugins.config import load_config
 from lt_plugins.errors import TrainingConfigError
 
+pytestmark = pytest.mark.slow  # a training run (not in make test-fast)
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))

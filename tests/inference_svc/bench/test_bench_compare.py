@@ -19,6 +19,8 @@ from shared_model.model import build_model
 from shared_model.tokenizer import Tokenizer
 from tests.conftest import tiny_config
 
+pytestmark = pytest.mark.slow  # one served subprocess per configuration (not in make test-fast)
+
 TINY_RUN = ["--num-requests", "16", "--input-len", "16", "--output-len", "8", "--eval-tokens", "256"]
 TINY_RUN += ["--eval-window", "128", "--warmup", "1", "--corpus-docs", "4"]
 SERVE = ["--", "--device", "cpu", "--attention-backend", "torch", "--kv-cache-memory", "4MiB", "--threads", "1"]

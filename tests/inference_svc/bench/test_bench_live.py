@@ -22,6 +22,8 @@ from shared_model.model import build_model
 from shared_model.tokenizer import Tokenizer
 from tests.conftest import free_port, tiny_config
 
+pytestmark = pytest.mark.slow  # a served subprocess and load sweeps (not in make test-fast)
+
 
 @pytest.fixture(scope="module")
 def bench_bundle(tmp_path_factory: pytest.TempPathFactory, small_tokenizer: Tokenizer) -> Path:

@@ -39,9 +39,12 @@ from tests.inference_svc.engine.test_speculative_exactness import KnownContinuat
 NEW_TOKENS = 16
 NEAR_TIE = 1e-4  # logit units: fp32 kernels that only reorder sums differ by ~1e-6 here
 
-pytestmark = pytest.mark.skipif(
-    not compiler_available(torch.device("cpu"))[0], reason=compiler_available(torch.device("cpu"))[1]
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not compiler_available(torch.device("cpu"))[0], reason=compiler_available(torch.device("cpu"))[1]
+    ),
+]  # slow: compiles decoders (the full suite only)
 
 
 @pytest.fixture(scope="module")

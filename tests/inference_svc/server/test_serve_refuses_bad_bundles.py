@@ -26,6 +26,8 @@ from shared_model.model import build_model
 from shared_model.tokenizer import Tokenizer
 from tests.conftest import tiny_config
 
+pytestmark = pytest.mark.slow  # a tandem serve subprocess per folder (not in make test-fast)
+
 REPO = str(Path(__file__).resolve().parents[3])
 FLAGS = ["--port", "0", "--no-metrics", "--no-http", "--device", "cpu", "--kv-cache-memory", "2MiB", "--no-warmup"]
 

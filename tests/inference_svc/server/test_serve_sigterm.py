@@ -25,6 +25,8 @@ from shared_model.bundle import save_bundle
 from shared_model.model import build_model
 from tests.conftest import free_port, tiny_config
 
+pytestmark = pytest.mark.slow  # a tandem serve subprocess and its drain (not in make test-fast)
+
 REPO = Path(__file__).resolve().parents[3]
 GRACE_S = 1.5
 LONG_TOKENS = 2000  # with the hook's 20 ms per token: at least 40 s, far beyond GRACE_S

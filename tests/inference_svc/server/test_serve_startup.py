@@ -17,6 +17,8 @@ import pytest
 from inference_svc.client import NO_RETRY, TandemClient
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.slow  # tandem serve subprocesses (not in make test-fast)
+
 REPO = Path(__file__).resolve().parents[3]
 COMMON = ["--device", "cpu", "--kv-cache-memory", "2MiB", "--no-warmup", "--log-level", "WARNING"]
 
