@@ -9,19 +9,16 @@ Contract:
   `finite.NonFiniteLossGuard`, `checkpoint_io.PeriodicCheckpoint`, `export.ExportBundle` / `export_bundle`,
   `lit_module.LitCausalLM`, `data.CorpusDataModule`, `config.TrainConfig` / `load_config`,
   `cli.train_main` / `cli.export_main`; `planner` (+ `auto_strategy` for `strategy.name: auto`) are modules.
-- Importing `lt_plugins` registers ZeroStrategy's names in Lightning's `StrategyRegistry` (`STRATEGY_NAMES`:
-  `Trainer(strategy="tandem_zero_stage_3")`), lazily: at once if Lightning is already imported, otherwise when
-  `lightning.pytorch.strategies` is first imported. The registered entry imports `lt_plugins.strategy` only when a
-  Trainer asks for the name.
+- ZeroStrategy's names (`STRATEGY_NAMES`: `Trainer(strategy="tandem_zero_stage_3")`) are registered in Lightning's
+  `StrategyRegistry` explicitly: by `register_strategies()` (which imports Lightning's strategies module, not
+  DeepSpeed; the registered entry imports `lt_plugins.strategy` only when a Trainer asks for the name), and when
+  `lt_plugins.strategy` itself is imported. Importing `lt_plugins` changes nothing outside it (no import hook).
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import warnings
 from collections.abc import Callable
-from importlib.abc import MetaPathFinder
 from typing import TYPE_CHECKING, Any
 
 from lt_plugins.errors import CheckpointError, PrecisionError, StrategyError, TrainingConfigError, TrainingError
@@ -126,60 +123,14 @@ def _zero_strategy(**kwargs: Any) -> Any:
     return ZeroStrategy(**kwargs)
 
 
-def register_strategies(registry: Any, strategy: Callable[..., Any] | None = None, *, override: bool = False) -> None:
-    """Add `STRATEGY_NAMES` to a Lightning `StrategyRegistry`. Names already there are kept unless `override`."""
+def register_strategies(
+    registry: Any | None = None, strategy: Callable[..., Any] | None = None, *, override: bool = False
+) -> None:
+    """Add `STRATEGY_NAMES` to a Lightning `StrategyRegistry` (Lightning's own when None). Names already there are
+    kept unless `override`."""
+    if registry is None:
+        from lightning.pytorch.strategies import StrategyRegistry as registry
     for name, (description, params) in STRATEGY_NAMES.items():
         if name in registry and not override:
             continue
         registry.register(name, strategy or _zero_strategy, description=description, override=True, **params)
-
-
-_LIGHTNING_STRATEGIES = "lightning.pytorch.strategies"
-
-
-class _RegisterWhenImported(MetaPathFinder):
-    """One-shot import hook: once `lightning.pytorch.strategies` has run, register our names in its registry."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != _LIGHTNING_STRATEGIES:
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        exec_module = getattr(loader, "exec_module", None)
-        if exec_module is None:  # pragma: no cover - every standard loader has exec_module
-            return spec
-
-        def exec_then_register(module: Any) -> None:
-            exec_module(module)
-            _register_in(module)
-
-        loader.exec_module = exec_then_register  # type: ignore[union-attr]  (this spec's own loader instance)
-        return spec
-
-
-def _register_in(module: Any) -> None:
-    try:
-        register_strategies(module.StrategyRegistry)
-    except Exception as exc:  # never break Lightning's import over our names
-        warnings.warn(f"lt_plugins could not register its strategy names with Lightning: {exc}", stacklevel=2)
-
-
-def _register_with_lightning() -> None:
-    module = sys.modules.get(_LIGHTNING_STRATEGIES)
-    if module is not None:
-        if hasattr(module, "StrategyRegistry"):
-            _register_in(module)
-        return
-    if not any(isinstance(f, _RegisterWhenImported) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterWhenImported())
-
-
-_register_with_lightning()

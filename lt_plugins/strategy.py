@@ -3,8 +3,8 @@
 Contract:
 - `ZeroStrategy(stage=3)` or `ZeroStrategy(ZeroConfig(...), extra={...})`, or by name:
   `Trainer(strategy="tandem_zero_stage_3")` (the names are `lt_plugins.STRATEGY_NAMES`, registered with Lightning
-  when `lt_plugins` is imported). DeepSpeed does the sharding; this class only builds its config from a typed
-  `ZeroConfig` and lifts the three places where Lightning's DeepSpeedStrategy refuses the CPU: the CUDA-only
+  when this module is imported, or by `lt_plugins.register_strategies()`). DeepSpeed does the sharding; this class
+  only builds its config from a typed `ZeroConfig` and lifts the three places where Lightning's DeepSpeedStrategy refuses the CPU: the CUDA-only
   accelerator check, the device-index validation and `device_rank=None`.
 - DeepSpeedStrategy's argument names are accepted where ZeroConfig has the field: `offload_parameters`
   (offload_params), `allgather_bucket_size` / `reduce_bucket_size` (bucket_size), `timeout` (timeout_s),
@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
-from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
 
 from lt_plugins.checkpoint_io import MANIFEST, latest_checkpoint, write_manifest
@@ -540,7 +540,7 @@ class ZeroStrategy(DeepSpeedStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Lightning's convention (DeepSpeedStrategy.register_strategies): add this class's names,
-        `lt_plugins.STRATEGY_NAMES` (importing `lt_plugins` already registers them)."""
+        `lt_plugins.STRATEGY_NAMES` (done when this module is imported)."""
         from lt_plugins import register_strategies
 
         register_strategies(strategy_registry, cls, override=True)
@@ -695,3 +695,6 @@ def _use_deepspeed_cpu_accelerator() -> None:
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
         set_accelerator(CPU_Accelerator())
+
+
+ZeroStrategy.register_strategies(StrategyRegistry)  # the names, explicitly, now that the class exists

@@ -46,13 +46,20 @@ def test_registered_names_resolve_to_zero_strategy(name, stage, offload_optimize
     }
 
 
-def test_import_is_cheap_and_registers_the_names_when_lightning_loads() -> None:
-    # lt_plugins first, Lightning after: the names must still be there, and nothing heavy imported before it is used
+def test_import_is_cheap_and_the_names_are_registered_explicitly() -> None:
+    # importing lt_plugins changes nothing outside it (no import hook, nothing heavy); register_strategies() adds the
+    # names to Lightning's registry without importing DeepSpeed, and a Trainer then resolves them
     code = (
-        "import sys, lt_plugins\n"
+        "import sys\n"
+        "hooks = list(sys.meta_path)\n"
+        "import lt_plugins\n"
         "heavy = [m for m in ('lightning', 'deepspeed', 'torch') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
+        "assert sys.meta_path == hooks, sys.meta_path\n"
         "import lightning.pytorch as pl\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert 'tandem_zero_stage_2' not in StrategyRegistry\n"
+        "lt_plugins.register_strategies()\n"
         "assert 'deepspeed' not in sys.modules\n"
         "t = pl.Trainer(strategy='tandem_zero_stage_2', accelerator='cpu', devices=1, logger=False)\n"
         "from lt_plugins import ZeroStrategy\n"
