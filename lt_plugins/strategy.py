@@ -4,8 +4,8 @@ Contract:
 - `ZeroStrategy(stage=3)` or `ZeroStrategy(ZeroConfig(...), extra={...})`, or by name:
   `Trainer(strategy="tandem_zero_stage_3")` (the names are `lt_plugins.STRATEGY_NAMES`, registered with Lightning
   when this module is imported, or by `lt_plugins.register_strategies()`). DeepSpeed does the sharding; this class
-  only builds its config from a typed `ZeroConfig` and lifts the three places where Lightning's DeepSpeedStrategy refuses the CPU: the CUDA-only
-  accelerator check, the device-index validation and `device_rank=None`.
+  only builds its config from a typed `ZeroConfig` and lifts the three places where Lightning's DeepSpeedStrategy
+  refuses the CPU: the CUDA-only accelerator check, the device-index validation and `device_rank=None`.
 - DeepSpeedStrategy's argument names are accepted where ZeroConfig has the field: `offload_parameters`
   (offload_params), `allgather_bucket_size` / `reduce_bucket_size` (bucket_size), `timeout` (timeout_s),
   `zero_optimization=False` (stage 0), `offload_*_device="cpu"`; Lightning's own (`precision_plugin`, `loss_scale`,
