@@ -34,11 +34,12 @@ if TYPE_CHECKING:  # what the lazy attributes below resolve to, for type checker
     from lt_plugins.ledger_callback import MemoryLedger
     from lt_plugins.lit_module import LitCausalLM
     from lt_plugins.precision import PrecisionPolicy, PrecisionPolicyCallback
-    from lt_plugins.strategy import ZeroConfig, ZeroStrategy
+    from lt_plugins.strategy import ZeroStrategy
+    from lt_plugins.zero_config import ZeroConfig
 
 _LAZY: dict[str, str] = {
     "ZeroStrategy": "lt_plugins.strategy",
-    "ZeroConfig": "lt_plugins.strategy",
+    "ZeroConfig": "lt_plugins.zero_config",
     "PrecisionPolicy": "lt_plugins.precision",
     "PrecisionPolicyCallback": "lt_plugins.precision",
     "SelectiveCheckpointing": "lt_plugins.checkpointing",

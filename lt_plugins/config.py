@@ -36,7 +36,7 @@ from lt_plugins.checkpointing import MODES, CheckpointingConfig
 from lt_plugins.errors import TrainingConfigError
 from lt_plugins.ledger_callback import LedgerSection
 from lt_plugins.precision import SUPPORTED_PRECISIONS
-from lt_plugins.strategy import ZeroConfig, merge_deepspeed_config
+from lt_plugins.zero_config import ZeroConfig, merge_deepspeed_config
 
 FLOAT32_MAX = 3.4028234663852886e38
 """Largest finite float32: optimizer step sizes beyond it cannot be applied to the weights."""

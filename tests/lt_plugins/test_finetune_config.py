@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from inference_svc.dataclass_flags import field_docs
 from lt_plugins.checkpointing import CheckpointingConfig
 from lt_plugins.config import CheckpointingSection, StrategySection, build_from_section, load_config, section_fields
-from lt_plugins.strategy import ZeroConfig
+from lt_plugins.zero_config import ZeroConfig
 
 
 def test_sections_carry_every_field_of_their_dataclass() -> None:

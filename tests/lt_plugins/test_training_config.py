@@ -12,7 +12,8 @@ from torch import nn
 from lt_plugins.config import load_config, to_yaml
 from lt_plugins.errors import PrecisionError, TrainingConfigError
 from lt_plugins.precision import check_precision
-from lt_plugins.strategy import ZeroConfig, ZeroStrategy, merge_deepspeed_config
+from lt_plugins.strategy import ZeroStrategy
+from lt_plugins.zero_config import ZeroConfig, merge_deepspeed_config
 
 
 @pytest.mark.parametrize(
@@ -115,3 +116,23 @@ def test_only_launched_processes_read_the_run_dir_handed_down(tmp_path, monkeypa
     assert resolve_run_dir(cfg).parent == tmp_path / "runs"
     monkeypatch.setenv("LOCAL_RANK", "1")  # a process Lightning launched
     assert resolve_run_dir(cfg) == tmp_path / "stale"
+
+
+def test_loading_a_training_config_imports_no_deepspeed() -> None:
+    """The typed ZeRO settings (`lt_plugins.zero_config`) are Lightning-free: validating a YAML config imports neither
+    DeepSpeed nor the strategy module (the callbacks' config sections still bring Lightning's core)."""
+    config = Path(__file__).resolve().parents[2] / "configs/tiny-cpu.yaml"
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from lt_plugins.config import load_config\n"
+        f"cfg = load_config({str(config)!r}, ['strategy.stage=3'])\n"
+        "assert cfg.strategy.stage == 3\n"
+        "heavy = [m for m in ('deepspeed', 'lt_plugins.strategy') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

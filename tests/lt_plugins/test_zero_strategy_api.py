@@ -14,7 +14,8 @@ import pytest
 
 import lt_plugins
 from lt_plugins.errors import TrainingConfigError
-from lt_plugins.strategy import DEEPSPEED_TOP_LEVEL_KEYS, ZeroConfig, ZeroStrategy
+from lt_plugins.strategy import ZeroStrategy
+from lt_plugins.zero_config import DEEPSPEED_TOP_LEVEL_KEYS, ZeroConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
