@@ -1,4 +1,4 @@
-"""The ZeRO settings of a training run, typed and validated, and their DeepSpeed config: no Lightning, no DeepSpeed.
+"""The ZeRO settings of a training run, typed and validated, and their DeepSpeed config; no Lightning.
 
 Contract:
 - `ZeroConfig` is the typed form of `strategy.*` (stage, offload, buckets, timeout, ...): frozen, every field checked
@@ -8,8 +8,8 @@ Contract:
   strategy owns are refused naming the key (`DEEPSPEED_TOP_LEVEL_KEYS`, `check_sections`).
 - `zero_fields(arguments)` maps DeepSpeedStrategy's argument names onto `ZeroConfig` fields (`LIGHTNING_ARGS` are
   Lightning's own, passed through), for `lt_plugins.strategy.ZeroStrategy`.
-- Loading a YAML training config (`lt_plugins.config`) imports this module only: Lightning and DeepSpeed load when
-  a strategy is built.
+- Loading a YAML training config (`lt_plugins.config`) imports this module, not the strategy: Lightning's DeepSpeed
+  strategy loads when a strategy is built (DeepSpeed's config classes are read to check `strategy.extra` keys).
 """
 
 from __future__ import annotations

@@ -118,9 +118,10 @@ def test_only_launched_processes_read_the_run_dir_handed_down(tmp_path, monkeypa
     assert resolve_run_dir(cfg) == tmp_path / "stale"
 
 
-def test_loading_a_training_config_imports_no_deepspeed() -> None:
-    """The typed ZeRO settings (`lt_plugins.zero_config`) are Lightning-free: validating a YAML config imports neither
-    DeepSpeed nor the strategy module (the callbacks' config sections still bring Lightning's core)."""
+def test_loading_a_training_config_does_not_import_the_strategy() -> None:
+    """The typed ZeRO settings (`lt_plugins.zero_config`) are Lightning-free: validating a YAML config does not import
+    the strategy module (DeepSpeed's own config classes are read to check `strategy.extra` keys, and the callbacks'
+    config sections bring Lightning's core)."""
     config = Path(__file__).resolve().parents[2] / "configs/tiny-cpu.yaml"
     import subprocess
     import sys
@@ -130,7 +131,7 @@ def test_loading_a_training_config_imports_no_deepspeed() -> None:
         "from lt_plugins.config import load_config\n"
         f"cfg = load_config({str(config)!r}, ['strategy.stage=3'])\n"
         "assert cfg.strategy.stage == 3\n"
-        "heavy = [m for m in ('deepspeed', 'lt_plugins.strategy') if m in sys.modules]\n"
+        "heavy = [m for m in ('lt_plugins.strategy',) if m in sys.modules]\n"
         "assert not heavy, heavy\n"
         "print('ok')\n"
     )
