@@ -4,7 +4,7 @@ checkpointing, a measured memory ledger, a planner, and export to a bundle.
 Contract:
 - Importing `lt_plugins` is cheap: it imports neither Lightning nor DeepSpeed. The public classes live in their own
   files and are also reachable from here, imported on first use (`from lt_plugins import ZeroStrategy`):
-  `strategy.ZeroStrategy` / `ZeroConfig`, `precision.PrecisionPolicy` / `PrecisionPolicyCallback`,
+  `strategy.ZeroStrategy`, `zero_config.ZeroConfig`, `precision.PrecisionPolicy` / `PrecisionPolicyCallback`,
   `checkpointing.SelectiveCheckpointing` / `CheckpointingConfig`, `ledger_callback.MemoryLedger`,
   `finite.NonFiniteLossGuard`, `checkpoint_io.PeriodicCheckpoint`, `export.ExportBundle` / `export_bundle`,
   `lit_module.LitCausalLM`, `data.CorpusDataModule`, `config.TrainConfig` / `load_config`,
