@@ -121,8 +121,9 @@ class LitCausalLM(pl.LightningModule):
         # matrices decay, vectors do not; a ZeRO-3 partition is flat, so read the full shape (ds_shape)
         decay = [p for p in self.parameters() if p.requires_grad and len(_full_shape(p)) >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and len(_full_shape(p)) < 2]
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [g for g in groups if g["params"]],  # LoRA has no trainable vector: DeepSpeed drops an empty group
             lr=o.lr,
             betas=(o.beta1, o.beta2),
         )

@@ -1,0 +1,114 @@
+"""`tandem train` with a `lora:` section on a random Hugging Face Qwen3 folder, 2 CPU processes over gloo, ZeRO-2 and
+ZeRO-3: the loss falls; only the adapters change (every base tensor of the consolidated checkpoint equals the
+folder's bit for bit, and the folder's files are unchanged); DeepSpeed keeps optimizer state for the adapters only;
+the PEFT folder it exports loads in `peft` with the logits of `tandem export --merge`'s bundle."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from finetune_folder import make_hf_folder
+
+pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("hf") / "qwen3-tiny"
+    make_hf_folder(out)
+    return out
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def _train(folder: Path, tmp_path: Path, stage: int) -> tuple[subprocess.CompletedProcess, Path]:  # type: ignore[type-arg]
+    from tests.conftest import free_port
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"text": f"<|im_start|>user\nadd {i} and {i + 1}<|im_end|>\n" * 3}) + "\n"
+                            for i in range(60)))  # fmt: skip
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "shared_model.cli", "train", "--config", str(REPO / "configs/lora-example.yaml")]
+    cmd += [f"model.init_from={folder}", f"data.extra=[{data}]", f"run_dir={run_dir}", "trainer.devices=2"]
+    cmd += [f"strategy.stage={stage}", "trainer.max_steps=4", "data.block_size=32", "data.batch_size=2"]
+    cmd += ["optim.lr=1e-2", "optim.warmup_steps=1", "trainer.limit_val_batches=0", "trainer.log_every_n_steps=1"]
+    cmd += ["trainer.enable_progress_bar=false", "logging.tensorboard=false", "lora.rank=4", "lora.alpha=8"]
+    cmd += ["lora.dropout=0.0", "checkpoints.every_n_steps=4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
+    return proc, run_dir
+
+
+def _optimizer_numel(ckpt: Path) -> int:
+    """Elements of fp32 master weights DeepSpeed keeps, summed over the ranks' optimizer shards."""
+    total = 0
+    for f in sorted(ckpt.glob("**/*optim_states.pt")):
+        saved = torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        groups = saved.get("fp32_flat_groups") or saved["single_partition_of_fp32_groups"]  # ZeRO-3 or ZeRO-1/2
+        total += sum(t.numel() for t in groups)
+    assert total > 0
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_run_trains_only_the_adapters(folder: Path, tmp_path: Path, stage: int) -> None:
+    from lt_plugins.export import consolidate, resolve_checkpoint
+    from lt_plugins.metrics_csv import read_metrics
+    from shared_model.bundle import FolderTensors, read_config
+
+    before = _digests(folder)
+    proc, run_dir = _train(folder, tmp_path, stage)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().splitlines()[-1] == f"adapter: {run_dir / 'adapter'}"
+    assert _digests(folder) == before  # the base folder's files, byte for byte
+
+    losses = [r["train_loss"] for r in read_metrics(run_dir) if r.get("train_loss") is not None]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+
+    ckpt = resolve_checkpoint(run_dir)
+    state = {k.removeprefix("model."): v for k, v in consolidate(ckpt).items()}
+    adapters = {k: v for k, v in state.items() if ".lora_" in k}
+    base = {k: v for k, v in state.items() if ".lora_" not in k}
+    config = read_config(folder)
+    with FolderTensors(folder) as tensors:
+        for name, value in base.items():  # every frozen tensor, as the folder holds it
+            expected = torch.empty(value.shape, dtype=torch.float32)
+            tensors.copy_into(name, expected)
+            assert torch.equal(value, expected), name
+    assert len(adapters) == 2 * 7 * config.num_layers
+    assert all(v.abs().max() > 0 for k, v in adapters.items() if k.endswith("lora_B.weight"))  # B moved off zero
+    adapter_numel = sum(v.numel() for v in adapters.values())
+    assert adapter_numel <= _optimizer_numel(ckpt) < adapter_numel + 1024  # no optimizer state for the base
+
+    if stage != 2:
+        return
+    # the exported PEFT folder on the transformers base = the merged bundle `tandem export --merge` writes
+    import transformers
+
+    from shared_model.bundle import load_bundle
+    from shared_model.cli import main
+
+    merged = tmp_path / "merged"
+    assert main(["export", str(run_dir), str(merged), "--merge", "--dtype", "float32"]) == 0
+    ids = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(0))  # [B, T]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(hf, run_dir / "adapter").eval()(ids).logits
+        ours = load_bundle(merged, dtype=torch.float32).model.eval()(ids)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
