@@ -46,7 +46,7 @@ def _train(folder: Path, tmp_path: Path, stage: int) -> tuple[subprocess.Complet
     cmd += [f"strategy.stage={stage}", "trainer.max_steps=4", "data.block_size=32", "data.batch_size=2"]
     cmd += ["optim.lr=1e-2", "optim.warmup_steps=1", "trainer.limit_val_batches=0", "trainer.log_every_n_steps=1"]
     cmd += ["trainer.enable_progress_bar=false", "logging.tensorboard=false", "lora.rank=4", "lora.alpha=8"]
-    cmd += ["lora.dropout=0.0", "checkpoints.every_n_steps=4"]
+    cmd += ["lora.dropout=0.0", "checkpoints.every_n_steps=4", "ledger.enabled=true"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
@@ -95,6 +95,15 @@ def test_lora_run_trains_only_the_adapters(folder: Path, tmp_path: Path, stage: 
     assert all(v.abs().max() > 0 for k, v in adapters.items() if k.endswith("lora_B.weight"))  # B moved off zero
     adapter_numel = sum(v.numel() for v in adapters.values())
     assert adapter_numel <= _optimizer_numel(ckpt) < adapter_numel + 1024  # no optimizer state for the base
+
+    for rank in (0, 1):  # the memory ledger: the frozen base is its own term; every term within 10% on each rank
+        rows = {
+            r["term"]: r
+            for r in json.loads((run_dir / "memory" / f"memory_ledger_rank{rank}.json").read_text())["rows"]
+        }
+        assert rows["Frozen base weights"]["measured"] > 4 * adapter_numel
+        bad = [r for r in rows.values() if r["ratio"] is not None and abs(r["ratio"] - 1) > 0.10]
+        assert not bad, bad
 
     if stage != 2:
         return
