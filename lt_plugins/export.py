@@ -171,6 +171,9 @@ def consolidate(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     """One fp32 state dict from the shards of a verified DeepSpeed checkpoint."""
     ckpt_dir = Path(ckpt_dir)
     tag_dir = verify_checkpoint(ckpt_dir)
+    whole = _unsharded_module_state(tag_dir)
+    if whole is not None:
+        return whole
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     try:  # DeepSpeed prints its progress ("Loading checkpoint shards", "Reconstructed ...") on stdout/stderr
@@ -179,6 +182,22 @@ def consolidate(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     except Exception as exc:  # DeepSpeed raises ValueError/FileNotFoundError/RuntimeError/pickle errors
         raise CheckpointError(f"cannot consolidate the ZeRO shards in {tag_dir}: {type(exc).__name__}: {exc}") from exc
     return dict(state)
+
+
+def _unsharded_module_state(tag_dir: Path) -> dict[str, torch.Tensor] | None:
+    """Stage 0 without a ZeRO optimizer (32-true) saves no optimizer shards and no `param_shapes`, which DeepSpeed's
+    zero_to_fp32 cannot read: there the model-states file's `module` is the whole state dict (as fp32). None when
+    the checkpoint is sharded."""
+    from lt_plugins.checkpoint_read import _load
+
+    files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+    if not files or any(tag_dir.glob("*optim_states.pt")):
+        return None
+    data = _load(files[0])
+    module = data.get("module")
+    if data.get("param_shapes") is not None or not isinstance(module, dict):
+        return None
+    return {k: (v.float() if v.is_floating_point() else v).clone() for k, v in module.items()}
 
 
 def load_module_state(ckpt: Path) -> dict[str, torch.Tensor]:

@@ -34,7 +34,9 @@ def _digests(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
-def _train(folder: Path, tmp_path: Path, stage: int) -> tuple[subprocess.CompletedProcess, Path]:  # type: ignore[type-arg]
+def _train(
+    folder: Path, tmp_path: Path, stage: int, devices: int = 2, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.CompletedProcess, Path]:  # type: ignore[type-arg]
     from tests.conftest import free_port
 
     data = tmp_path / "chat.jsonl"
@@ -42,11 +44,11 @@ def _train(folder: Path, tmp_path: Path, stage: int) -> tuple[subprocess.Complet
                             for i in range(60)))  # fmt: skip
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "shared_model.cli", "train", "--config", str(REPO / "configs/lora-example.yaml")]
-    cmd += [f"model.init_from={folder}", f"data.extra=[{data}]", f"run_dir={run_dir}", "trainer.devices=2"]
+    cmd += [f"model.init_from={folder}", f"data.extra=[{data}]", f"run_dir={run_dir}", f"trainer.devices={devices}"]
     cmd += [f"strategy.stage={stage}", "trainer.max_steps=4", "data.block_size=32", "data.batch_size=2"]
     cmd += ["optim.lr=1e-2", "optim.warmup_steps=1", "trainer.limit_val_batches=0", "trainer.log_every_n_steps=1"]
     cmd += ["trainer.enable_progress_bar=false", "logging.tensorboard=false", "lora.rank=4", "lora.alpha=8"]
-    cmd += ["lora.dropout=0.0", "checkpoints.every_n_steps=4", "ledger.enabled=true"]
+    cmd += ["lora.dropout=0.0", "checkpoints.every_n_steps=4", "ledger.enabled=true", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
@@ -121,3 +123,26 @@ def test_lora_run_trains_only_the_adapters(folder: Path, tmp_path: Path, stage: 
         theirs = peft.PeftModel.from_pretrained(hf, run_dir / "adapter").eval()(ids).logits
         ours = load_bundle(merged, dtype=torch.float32).model.eval()(ids)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_stage0_int8_lora_run_exports_the_adapter_and_the_merged_bundle(folder: Path, tmp_path: Path) -> None:
+    """One process, stage 0 in 32-true (no ZeRO optimizer: DeepSpeed's zero_to_fp32 cannot read that checkpoint,
+    export reads the whole module state instead), the base frozen in int8, dropout on, lora.export_merged: both the
+    adapter folder and the merged bundle are written; the bundle's adapted weights are the int8 base plus B·A."""
+    from shared_model.bundle import load_bundle, read_state_dict
+
+    extra = ("lora.base_dtype=int8", "lora.dropout=0.1", "lora.export_merged=true")
+    proc, run_dir = _train(folder, tmp_path, 0, devices=1, extra=extra)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().splitlines()[-2:] == [f"adapter: {run_dir / 'adapter'}", f"bundle: {run_dir / 'bundle'}"]
+    merged = read_state_dict(run_dir / "bundle")
+    source = make_hf_folder(tmp_path / "again")  # the same seeded weights as `folder`
+    q = "model.layers.0.self_attn.q_proj.weight"
+    delta = (merged[q].float() - source[q]).abs().max().item()
+    assert 0 < delta < 0.05  # int8 rounding (<= half a step of each row's absmax/127) plus the small update
+    assert torch.equal(
+        merged["model.embed_tokens.weight"].float(), source["model.embed_tokens.weight"].bfloat16().float()
+    )
+    ids = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(load_bundle(run_dir / "bundle", dtype=torch.float32).model(ids)).all()
