@@ -146,3 +146,19 @@ def test_the_yaml_section_validates_and_names_the_key() -> None:
         load_config(None, ["lora.alpha=-2"])
     with pytest.raises(TrainingConfigError, match=r"lora\.base_dtype=int8 needs strategy\.stage <= 2"):
         load_config(None, ["lora.enabled=true", "lora.base_dtype=int8", "strategy.stage=3"])
+
+
+def test_a_class_path_module_gets_lora_after_its_own_configure_model() -> None:
+    """`tandem train` with model.class_path and a lora section: `with_lora` makes the module's configure_model (the
+    hook Lightning calls before the optimizer and the strategy's engine exist) end with apply_lora."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+    from user_module_example import BagOfTokens
+
+    from lt_plugins.lit_module import with_lora
+
+    module = with_lora(BagOfTokens(vocab_size=50), LoraConfig(enabled=True, rank=2, targets=("head",)))
+    assert is_overridden("configure_model", module)  # Lightning will call it
+    assert isinstance(module.head, torch.nn.Linear) and not isinstance(module.head, LoraLinear)
+    module.configure_model()
+    assert isinstance(module.head, LoraLinear)
+    assert {n for n, p in module.named_parameters() if p.requires_grad} == {"head.lora_A.weight", "head.lora_B.weight"}
