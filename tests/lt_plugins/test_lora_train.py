@@ -146,3 +146,34 @@ def test_stage0_int8_lora_run_exports_the_adapter_and_the_merged_bundle(folder: 
     ids = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.isfinite(load_bundle(run_dir / "bundle", dtype=torch.float32).model(ids)).all()
+
+
+def test_the_planners_lora_recommendation_trains(folder: Path, tmp_path: Path) -> None:
+    """`tandem plan` on the folder with a GPU too small for full fine-tuning without offload recommends LoRA; its
+    overrides (on CPU, one process) train: the loss falls and the adapter folder is written."""
+    from lt_plugins.memory_model import Hardware
+    from lt_plugins.planner import PlanRequest, plan
+    from shared_model.ledger_cli import resolve_model
+
+    config, name, _ = resolve_model(str(folder))
+
+    def request(memory: float, lora: str) -> PlanRequest:
+        return PlanRequest(gpus=1, micro_batch=2, seq_len=32, hardware=Hardware(gpu_memory=memory), lora=lora)
+
+    lora_min = min(c.total for c in plan(config, request(1e12, "only"), name).candidates)
+    full_min = min(c.total for c in plan(config, request(1e12, "off"), name).candidates if c.offload == "none")
+    assert lora_min < full_min
+    memory = (lora_min + full_min) / 2 / 0.9  # usable = 90%: LoRA fits, full fine-tuning only with offload
+    result = plan(config, request(memory, "auto"), name)
+    best = result.recommended
+    assert result.lora_fallback and best is not None and best.lora_rank == 16
+    keep = ("strategy.", "lora.", "checkpointing.", "trainer.precision=", "data.")
+    overrides = [o for o in result.overrides(best) if o.startswith(keep)]
+    assert "lora.enabled=true" in overrides
+    proc, run_dir = _train(folder, tmp_path, best.stage, devices=1, extra=tuple(overrides))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    from lt_plugins.metrics_csv import read_metrics
+
+    losses = [r["train_loss"] for r in read_metrics(run_dir) if r.get("train_loss") is not None]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
