@@ -249,6 +249,10 @@ def run_training(cfg: TrainConfig) -> Path | None:
 
     # a preset, or model.init_from's config.json + tokenizer (then no tokenizer is trained)
     model_config, tokenizer = model_source(cfg.model, cfg.data.block_size)
+    if cfg.lora.enabled and cfg.model.class_path is None:  # a target matching nothing: refused before any data
+        from lt_plugins.lora import check_targets
+
+        check_targets(model_config, cfg.lora.to_config())
     blocks = prepare_blocks(cfg.data, run_dir / "cache", model_config.vocab_size, tokenizer)
     if _is_rank_zero():
         _write_run_files(cfg, run_dir, model_config, blocks.tokenizer)

@@ -183,6 +183,17 @@ def matched_linears(module: nn.Module, config: LoraConfig) -> list[str]:
     return [n for n in linears if n in chosen]  # module order
 
 
+def check_targets(model_config: Any, config: LoraConfig) -> list[str]:
+    """The module names `config.targets` select in shared_model's CausalLM for `model_config`, checked on a
+    meta-device build (no memory, no weights): `tandem train` refuses a pattern that matches nothing before it
+    reads any data."""
+    from shared_model.model import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(model_config)
+    return matched_linears(model, config)
+
+
 def apply_lora(module: nn.Module, config: LoraConfig) -> list[str]:
     """Wrap the targeted linear layers of `module` in LoraLinear and freeze the rest (see the module contract);
     returns the qualified names of the LoRA layers."""

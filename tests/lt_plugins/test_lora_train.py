@@ -147,6 +147,22 @@ def test_stage0_int8_lora_run_exports_the_adapter_and_the_merged_bundle(folder: 
     with torch.no_grad():
         assert torch.isfinite(load_bundle(run_dir / "bundle", dtype=torch.float32).model(ids)).all()
 
+    from shared_model.cli import main  # tandem export: auto picks the adapter; a plain bundle needs --merge
+
+    assert main(["export", str(run_dir), str(tmp_path / "auto")]) == 0
+    assert (tmp_path / "auto" / "adapter_config.json").is_file()
+    assert main(["export", str(run_dir), str(tmp_path / "plain"), "--format", "bundle"]) == 2
+    assert not (tmp_path / "plain").exists()
+
+
+def test_a_target_matching_nothing_is_refused_before_any_data(folder: Path, tmp_path: Path) -> None:
+    proc, run_dir = _train(folder, tmp_path, 0, devices=1, extra=("lora.targets=['*.q_proj','*.qkv_proj']",))
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("tandem train: error: lora.targets: pattern '*.qkv_proj' matches no nn.Linear of CausalLM")
+    assert "model.layers.0.self_attn.q_proj" in line
+    assert not (run_dir / "cache").exists()  # refused before the data was read
+
 
 def test_the_planners_lora_recommendation_trains(folder: Path, tmp_path: Path) -> None:
     """`tandem plan` on the folder with a GPU too small for full fine-tuning without offload recommends LoRA; its
