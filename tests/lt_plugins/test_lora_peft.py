@@ -80,6 +80,9 @@ def test_exported_adapter_loads_in_peft_with_equal_logits(folder: Path, tmp_path
 
 
 def test_apply_lora_freezes_the_base_and_starts_as_the_base(folder: Path) -> None:
+    import lt_plugins
+
+    assert lt_plugins.apply_lora is apply_lora and lt_plugins.LoraConfig is LoraConfig  # the public entry points
     cfg = LoraConfig(enabled=True, rank=2, alpha=4.0, dropout=0.1)
     model = CausalLM(read_config(folder))
     load_folder_weights(model, folder)
