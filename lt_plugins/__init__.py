@@ -7,7 +7,8 @@ Contract:
   `strategy.ZeroStrategy`, `zero_config.ZeroConfig`, `precision.PrecisionPolicy` / `PrecisionPolicyCallback`,
   `checkpointing.SelectiveCheckpointing` / `CheckpointingConfig`, `ledger_callback.MemoryLedger`,
   `finite.NonFiniteLossGuard`, `checkpoint_io.PeriodicCheckpoint`, `export.ExportBundle` / `export_bundle`,
-  `lit_module.LitCausalLM`, `data.CorpusDataModule`, `config.TrainConfig` / `load_config`,
+  `lit_module.LitCausalLM`, `lora.apply_lora` / `LoraConfig`, `export_lora.export_adapter`,
+  `data.CorpusDataModule`, `config.TrainConfig` / `load_config`,
   `cli.train_main` / `cli.export_main`; `planner` (+ `auto_strategy` for `strategy.name: auto`) are modules.
 - ZeroStrategy's names (`STRATEGY_NAMES`: `Trainer(strategy="tandem_zero_stage_3")`) are registered in Lightning's
   `StrategyRegistry` explicitly: by `register_strategies()` (which imports Lightning's strategies module, not
@@ -30,9 +31,11 @@ if TYPE_CHECKING:  # what the lazy attributes below resolve to, for type checker
     from lt_plugins.config import TrainConfig, load_config
     from lt_plugins.data import CorpusDataModule
     from lt_plugins.export import ExportBundle, export_bundle
+    from lt_plugins.export_lora import export_adapter
     from lt_plugins.finite import NonFiniteLossGuard
     from lt_plugins.ledger_callback import MemoryLedger
     from lt_plugins.lit_module import LitCausalLM
+    from lt_plugins.lora import LoraConfig, apply_lora
     from lt_plugins.precision import PrecisionPolicy, PrecisionPolicyCallback
     from lt_plugins.strategy import ZeroStrategy
     from lt_plugins.zero_config import ZeroConfig
@@ -50,6 +53,9 @@ _LAZY: dict[str, str] = {
     "ExportBundle": "lt_plugins.export",
     "export_bundle": "lt_plugins.export",
     "LitCausalLM": "lt_plugins.lit_module",
+    "apply_lora": "lt_plugins.lora",
+    "LoraConfig": "lt_plugins.lora",
+    "export_adapter": "lt_plugins.export_lora",
     "CorpusDataModule": "lt_plugins.data",
     "TrainConfig": "lt_plugins.config",
     "load_config": "lt_plugins.config",
@@ -65,6 +71,7 @@ __all__ = [
     "CorpusDataModule",
     "ExportBundle",
     "LitCausalLM",
+    "LoraConfig",
     "MemoryLedger",
     "NonFiniteLossGuard",
     "PeriodicCheckpoint",
@@ -78,6 +85,8 @@ __all__ = [
     "TrainingError",
     "ZeroConfig",
     "ZeroStrategy",
+    "apply_lora",
+    "export_adapter",
     "export_bundle",
     "export_main",
     "load_config",

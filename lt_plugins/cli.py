@@ -143,6 +143,8 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[Any] | None =
                     cfg.export.dtype,
                     run_dir / META_DIR,
                     tandem_model=cfg.model.class_path is None,
+                    adapter_dir=run_dir / "adapter" if cfg.lora.enabled else None,
+                    merged=cfg.lora.export_merged,
                 )
             )
     loggers: list[Any] = []
@@ -194,6 +196,21 @@ def _write_run_files(cfg: TrainConfig, run_dir: Path, model_config: Any, tokeniz
         tokenizer.save(tmp)
         for file in sorted(tmp.iterdir()):
             os.replace(file, meta / file.name)
+        if cfg.lora.enabled:  # what export needs to write the PEFT adapter and the merged bundle
+            from lt_plugins.lora import LORA_META
+
+            full = [
+                n
+                for n, on in (("model.embed_tokens", cfg.lora.train_embeddings), ("lm_head", cfg.lora.train_lm_head))
+                if on
+            ]
+            lora = {
+                "config": cfg.lora.to_config().to_dict(),
+                "base": cfg.model.init_from or cfg.model.preset,
+                "full_modules": full,
+            }
+            (tmp / LORA_META).write_text(json.dumps(lora, indent=2) + "\n")
+            os.replace(tmp / LORA_META, meta / LORA_META)
         (tmp / "config.yaml").write_text(to_yaml(cfg))
         os.replace(tmp / "config.yaml", run_dir / "config.yaml")
     finally:
@@ -232,19 +249,29 @@ def run_training(cfg: TrainConfig) -> Path | None:
 
     # a preset, or model.init_from's config.json + tokenizer (then no tokenizer is trained)
     model_config, tokenizer = model_source(cfg.model, cfg.data.block_size)
+    if cfg.lora.enabled and cfg.model.class_path is None:  # a target matching nothing: refused before any data
+        from lt_plugins.lora import check_targets
+
+        check_targets(model_config, cfg.lora.to_config())
     blocks = prepare_blocks(cfg.data, run_dir / "cache", model_config.vocab_size, tokenizer)
     if _is_rank_zero():
         _write_run_files(cfg, run_dir, model_config, blocks.tokenizer)
     resume = _resume_path(cfg, run_dir)
     pl.seed_everything(cfg.trainer.seed, verbose=False)
     # LitCausalLM builds (and loads init_from) in configure_model; or the model.class_path module
-    module = build_module(cfg.model, cfg.optim, model_config, blocks.tokenizer)
+    module = build_module(cfg.model, cfg.optim, model_config, blocks.tokenizer, cfg.lora.to_config())
     trainer = build_trainer(cfg, run_dir)
     trainer.fit(module, datamodule=CorpusDataModule(cfg.data, blocks), ckpt_path=resume)
     if not trainer.is_global_zero:
         return None
     export = next((c for c in trainer.callbacks if isinstance(c, ExportBundle)), None)
-    return export.ensure() if export is not None else None  # a finished run's rerun re-exports a missing/stale bundle
+    if export is None:
+        return None
+    done = export.ensure()  # a finished run's rerun re-exports a missing/stale bundle
+    if export.adapter_path is not None:
+        print(f"adapter: {export.adapter_path}", flush=True)
+        return done if export.merged else None
+    return done
 
 
 def train_main(argv: Sequence[str]) -> int:
@@ -284,8 +311,9 @@ def export_main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--format",
         default="auto",
-        choices=["auto", "bundle", "state-dict", "hf"],
-        help="auto: bundle when the run has model_meta/, hf when the checkpoint's hyperparameters hold a Hugging "
+        choices=["auto", "bundle", "state-dict", "hf", "adapter"],
+        help="auto: adapter (a PEFT folder) for a LoRA run, bundle when the run has model_meta/, hf when the "
+        "checkpoint's hyperparameters hold a Hugging "
         "Face config, else state-dict (the module's tensors under their own names)",
     )
     parser.add_argument(
@@ -299,6 +327,9 @@ def export_main(argv: Sequence[str]) -> int:
     parser.add_argument("--hf-attribute", default=None, help="--format hf: module attribute holding the model")
     parser.add_argument("--max-shard-size", default="2GiB", help="split the weights into files of this size")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing folder that Tandem wrote")
+    parser.add_argument(
+        "--merge", action="store_true", help="a LoRA run: write a full bundle with the adapter merged (W + alpha/r·B·A)"
+    )
     args = parser.parse_args(list(argv))
     _quiet()
     from lt_plugins.export_any import export_checkpoint
@@ -316,6 +347,7 @@ def export_main(argv: Sequence[str]) -> int:
             args.hf_attribute,
             shard_bytes,
             args.overwrite,
+            args.merge,
         )
     except (TrainingError, SharedModelError, ValueError) as exc:  # ValueError: --max-shard-size
         print(f"tandem export: error: {one_line(exc)}", file=sys.stderr)

@@ -35,6 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 from lt_plugins.checkpointing import MODES, CheckpointingConfig
 from lt_plugins.errors import TrainingConfigError
 from lt_plugins.ledger_callback import LedgerSection
+from lt_plugins.lora import LoraConfig
 from lt_plugins.precision import SUPPORTED_PRECISIONS
 from lt_plugins.zero_config import ZeroConfig, merge_deepspeed_config
 
@@ -106,6 +107,7 @@ def build_from_section(source: type, section: Any) -> Any:
 
 ZeroFields = section_fields(ZeroConfig, "ZeroFields")
 CheckpointingFields = section_fields(CheckpointingConfig, "CheckpointingFields")
+LoraFields = section_fields(LoraConfig, "LoraFields")
 
 
 INJECTED_ARGS = ("vocab_size", "optim")
@@ -307,6 +309,17 @@ class CheckpointingSection(CheckpointingFields):
 
 
 @dataclass
+class LoraSection(LoraFields):
+    """The `lora:` section: LoraConfig's fields (lt_plugins/lora.py); with `enabled` only the adapters train."""
+
+    def __post_init__(self) -> None:
+        self.to_config()  # validates every key, naming it
+
+    def to_config(self) -> LoraConfig:
+        return build_from_section(LoraConfig, self)
+
+
+@dataclass
 class TrainerSection:
     """Arguments passed to lightning.Trainer."""
 
@@ -418,8 +431,20 @@ class TrainConfig:
     # the memory planner's levers: activation checkpointing and the memory ledger
     checkpointing: CheckpointingSection = field(default_factory=CheckpointingSection)
     ledger: LedgerSection = field(default_factory=LedgerSection)
+    # low-rank adapters: only they train, the base stays frozen
+    lora: LoraSection = field(default_factory=LoraSection)
 
     def __post_init__(self) -> None:
+        if self.lora.enabled and self.strategy.name == "auto":
+            raise TrainingConfigError(
+                "lora.enabled=true conflicts with strategy.name=auto (the planner sizes full training; run `tandem "
+                "plan --lora` and set strategy.stage)"
+            )
+        if self.lora.base_dtype != "model" and self.lora.enabled and self.strategy.stage == 3:
+            raise TrainingConfigError(
+                f"lora.base_dtype={self.lora.base_dtype} needs strategy.stage <= 2 (ZeRO-3 partitions keep the "
+                "training dtype; trainer.precision=bf16-mixed holds the frozen base in bf16)"
+            )
         init_from = self.model.init_from
         if init_from is None:
             return

@@ -171,6 +171,9 @@ def consolidate(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     """One fp32 state dict from the shards of a verified DeepSpeed checkpoint."""
     ckpt_dir = Path(ckpt_dir)
     tag_dir = verify_checkpoint(ckpt_dir)
+    whole = _unsharded_module_state(tag_dir)
+    if whole is not None:
+        return whole
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     try:  # DeepSpeed prints its progress ("Loading checkpoint shards", "Reconstructed ...") on stdout/stderr
@@ -179,6 +182,22 @@ def consolidate(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     except Exception as exc:  # DeepSpeed raises ValueError/FileNotFoundError/RuntimeError/pickle errors
         raise CheckpointError(f"cannot consolidate the ZeRO shards in {tag_dir}: {type(exc).__name__}: {exc}") from exc
     return dict(state)
+
+
+def _unsharded_module_state(tag_dir: Path) -> dict[str, torch.Tensor] | None:
+    """Stage 0 without a ZeRO optimizer (32-true) saves no optimizer shards and no `param_shapes`, which DeepSpeed's
+    zero_to_fp32 cannot read: there the model-states file's `module` is the whole state dict (as fp32). None when
+    the checkpoint is sharded."""
+    from lt_plugins.checkpoint_read import _load
+
+    files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+    if not files or any(tag_dir.glob("*optim_states.pt")):
+        return None
+    data = _load(files[0])
+    module = data.get("module")
+    if data.get("param_shapes") is not None or not isinstance(module, dict):
+        return None
+    return {k: (v.float() if v.is_floating_point() else v).clone() for k, v in module.items()}
 
 
 def load_module_state(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -201,8 +220,11 @@ def export_bundle(
     prefix: str = STATE_PREFIX,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    merge: bool = False,
 ) -> Path:
-    """Consolidate `ckpt_dir` and write a bundle to `out_dir` atomically; returns the bundle's absolute path."""
+    """Consolidate `ckpt_dir` and write a bundle to `out_dir` atomically; returns the bundle's absolute path. A LoRA
+    checkpoint needs `merge` (each adapted weight becomes W + alpha/r·B·A, alpha from the run's model_meta/lora.json);
+    without it, it is refused with the two ways out."""
     given, ckpt_dir = ckpt_dir, resolve_checkpoint(ckpt_dir)
     meta = Path(meta_dir) if meta_dir is not None else find_model_meta(ckpt_dir)
     check_export_target(out_dir, ckpt_dir, meta, given)
@@ -220,6 +242,7 @@ def export_bundle(
             f"{ckpt_dir} holds no tensor named '{prefix}…' (found e.g. {sorted(full)[:3]}): not Tandem's "
             "LitCausalLM; use --format state-dict, or --format hf for a Hugging Face model inside"
         )
+    state = _merged_or_plain(ckpt_dir, meta, state, merge)
     check_finite(ckpt_dir, state)
     try:
         out = save_bundle(out_dir, config, state, tokenizer, dtype, max_shard_bytes, overwrite=overwrite, source=source)
@@ -227,6 +250,24 @@ def export_bundle(
         check_bundle_out(out_dir, overwrite)  # the target changed while the shards were read: say so, not "mismatch"
         raise CheckpointError(f"{ckpt_dir} does not match the model in {meta}: {exc}") from exc
     return out.resolve()
+
+
+def _merged_or_plain(ckpt: Path, meta: Path, state: dict[str, torch.Tensor], merge: bool) -> dict[str, torch.Tensor]:
+    from lt_plugins.export_lora import read_lora_meta
+    from lt_plugins.lora import lora_module_names, merge_state
+
+    adapted = lora_module_names(state)
+    if not adapted:
+        if merge:
+            raise CheckpointError(f"--merge: {ckpt} holds no LoRA adapter (no '<module>.lora_A.weight' key)")
+        return state
+    if not merge:
+        raise CheckpointError(
+            f"{ckpt} holds LoRA adapters ({len(adapted)} modules, e.g. {adapted[0]}): pass --merge for a full bundle "
+            "(W + alpha/r·B·A), or --format adapter for a PEFT adapter folder"
+        )
+    cfg = read_lora_meta(meta)["config"]
+    return merge_state(state, cfg["alpha"] / cfg["rank"])
 
 
 def bundle_staleness(bundle: Path, ckpt: Path, dtype: str | None = None) -> str | None:
@@ -268,11 +309,16 @@ class ExportBundle(Callback):
         dtype: str = "bfloat16",
         meta_dir: str | Path | None = None,
         tandem_model: bool = True,
+        adapter_dir: str | Path | None = None,
+        merged: bool = False,
     ) -> None:
         self.checkpoint_dir, self.out_dir, self.dtype = Path(checkpoint_dir), Path(out_dir), dtype
         self.meta_dir = meta_dir
         self.tandem_model = tandem_model
+        self.adapter_dir = Path(adapter_dir) if adapter_dir is not None else None  # a LoRA run: the PEFT folder
+        self.merged = merged  # a LoRA run: also the merged bundle at out_dir
         self.bundle_path: Path | None = None
+        self.adapter_path: Path | None = None
 
     def _export(self, ckpt: Path) -> Path:
         from lt_plugins.write_errors import reported_writes
@@ -281,6 +327,13 @@ class ExportBundle(Callback):
             return self._export_unreported(ckpt)
 
     def _export_unreported(self, ckpt: Path) -> Path:
+        if self.adapter_dir is not None:  # LoRA: the adapter folder, and the merged bundle when asked
+            from lt_plugins.export_lora import export_adapter
+
+            self.adapter_path = export_adapter(ckpt, self.adapter_dir, self.meta_dir, overwrite=True)
+            if not self.merged:
+                return self.adapter_path
+            return export_bundle(ckpt, self.out_dir, self.dtype, self.meta_dir, overwrite=True, merge=True)
         if self.tandem_model:
             return export_bundle(ckpt, self.out_dir, self.dtype, self.meta_dir, overwrite=True)
         from lt_plugins.export_any import export_checkpoint
@@ -314,6 +367,9 @@ class ExportBundle(Callback):
         ckpt = latest_checkpoint(self.checkpoint_dir)
         if ckpt is None:
             return None  # nothing trained and nothing saved: no bundle to make
+        if self.adapter_dir is not None:  # a LoRA run: the adapter folder is small, re-export it
+            self.bundle_path = self._export(ckpt)
+            return self.bundle_path
         why = bundle_staleness(self.out_dir, ckpt, self.dtype)
         if why is None:
             rank_zero_info(f"bundle {self.out_dir} is the export of {ckpt.name}: left as it is")

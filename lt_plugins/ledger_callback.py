@@ -3,8 +3,9 @@
 Contract:
 - Works with any LightningModule, under ZeroStrategy / DeepSpeedStrategy (any stage, offload, precision) and under
   plain strategies (single device, DDP).
-- At fit start it predicts, per rank: 16-bit (model-dtype) weights, fp32 master weights, gradients and optimizer
-  moments from the trainable parameter sizes, the ZeRO stage, world size, precision and offload
+- At fit start it predicts, per rank: frozen weights (LoRA's base: whole below stage 3, the rank's shard at
+  stage 3, from their element counts and dtype), and 16-bit (model-dtype) weights, fp32 master weights, gradients
+  and optimizer moments from the trainable parameter sizes, the ZeRO stage, world size, precision and offload
   (`memory_model.deepspeed_state_terms`; plain strategies hold weights, gradients and Adam moments whole in the
   parameter dtype and no master copy), and the communication buckets from the DeepSpeed config. Saved activations
   are predicted by measuring the first micro-step's forward with `SavedActivationMeter`.
@@ -30,10 +31,11 @@ from lightning.pytorch.callbacks import Callback
 
 from lt_plugins.activation_meter import SavedActivationMeter
 from lt_plugins.errors import TrainingConfigError
-from lt_plugins.ledger_measure import bucket_bytes_held, held_state_bytes, innermost_optimizer
+from lt_plugins.ledger_measure import bucket_bytes_held, frozen_buffers, held_state_bytes, innermost_optimizer
 from lt_plugins.memory_model import (
     ACTIVATIONS,
     BUCKETS,
+    FROZEN,
     GRADS,
     MASTER,
     MOMENTS,
@@ -42,6 +44,7 @@ from lt_plugins.memory_model import (
     ZeroLayout,
     bucket_bytes,
     deepspeed_state_terms,
+    frozen_weight_bytes,
 )
 
 log = logging.getLogger(__name__)
@@ -117,8 +120,13 @@ def predict_state(
     """Predicted (gpu-or-rank bytes, host bytes) per state term and buckets. Plain strategies: weights, grads and
     moments whole in the parameter dtype, no master copy; moments None for an optimizer of unknown kind."""
     numels = _numels(module)
+    frozen = [(int(getattr(p, "ds_numel", p.numel())), p.element_size()) for p in module.parameters()
+              if not p.requires_grad]  # fmt: skip
+    frozen += [(b.numel(), b.element_size()) for b in frozen_buffers(module)]  # whole on every rank
     if layout is not None:
         terms = {t.name: (t.gpu_bytes, t.cpu_bytes) for t in deepspeed_state_terms(numels, layout)}
+        held = frozen_weight_bytes(frozen, layout)
+        terms[FROZEN] = (held.gpu_bytes, held.cpu_bytes)
         terms[BUCKETS] = (bucket_bytes(sum(numels), layout), 0.0)
         return terms
     params = [p for p in module.parameters() if p.requires_grad]
@@ -129,6 +137,7 @@ def predict_state(
         arrays = 1 if any(g.get("momentum", 0) for g in inner.param_groups) else 0
     return {
         WEIGHTS: (size, 0.0),
+        FROZEN: (float(sum(n * b for n, b in frozen)), 0.0),
         MASTER: (0.0, 0.0),
         GRADS: (size, 0.0),
         MOMENTS: (None if arrays is None else arrays * size, 0.0),

@@ -2,7 +2,8 @@
 
 Contract:
 - `held_state_bytes(module, optimizer)` returns bytes per ledger term (`memory_model.TERMS` names) for the
-  training state: 16-bit (or model-dtype) weights, fp32 master weights, gradients, optimizer moments. It works for
+  training state: 16-bit (or model-dtype) trainable weights, frozen weights (parameters without requires_grad and a
+  LoRA layer's int8 buffers), fp32 master weights, gradients, optimizer moments. It works for
   DeepSpeed's optimizers (ZeRO stages 1-3, and the stage-0 mixed-precision wrapper) and for plain torch optimizers,
   reading only what they hold: parameter data and stage-3 shards (`ds_tensor`), the inner optimizer's parameters
   (the fp32 master copy, when they are not the model's own tensors), gradients in `param.grad` and DeepSpeed's
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lt_plugins.memory_model import GRADS, MASTER, MOMENTS, WEIGHTS
+from lt_plugins.memory_model import FROZEN, GRADS, MASTER, MOMENTS, WEIGHTS
 
 
 class ByteRanges:
@@ -100,19 +101,29 @@ def _deepspeed_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-def _weights(module: nn.Module) -> Iterator[torch.Tensor]:
+def _weights(module: nn.Module, trainable: bool) -> Iterator[torch.Tensor]:
     for p in module.parameters():
+        if p.requires_grad != trainable:
+            continue
         shard = getattr(p, "ds_tensor", None)
         if shard is not None:
             yield shard
         yield p.data
 
 
+def frozen_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """Frozen weights held as buffers: a LoRA layer's int8 base and its row scales."""
+    from lt_plugins.lora import LoraLinear
+
+    return [b for m in module.modules() if isinstance(m, LoraLinear) for b in m.buffers(recurse=False)]
+
+
 def held_state_bytes(module: nn.Module, optimizer: Any) -> dict[str, int]:
     """Bytes this rank holds for each training-state term (see the module contract)."""
     inner = innermost_optimizer(optimizer)
     ranges = ByteRanges()
-    out = {WEIGHTS: ranges.claim(_weights(module))}
+    out = {WEIGHTS: ranges.claim(_weights(module, trainable=True))}
+    out[FROZEN] = ranges.claim([*_weights(module, trainable=False), *frozen_buffers(module)])
     masters = [p for g in inner.param_groups for p in g["params"]]
     outer = _deepspeed_optimizer(optimizer)
     copies = [t for name in _MASTER_ATTRS for t in _tensors(getattr(outer, name, None), 1)]
@@ -125,7 +136,7 @@ def held_state_bytes(module: nn.Module, optimizer: Any) -> dict[str, int]:
     return out
 
 
-_ROLES = {WEIGHTS: "params", MASTER: "master", GRADS: "grads", MOMENTS: "optimizer"}
+_ROLES = {WEIGHTS: "params", FROZEN: "frozen", MASTER: "master", GRADS: "grads", MOMENTS: "optimizer"}
 
 
 def held_bytes_by_role(module: nn.Module, optimizer: Any) -> dict[str, int]:

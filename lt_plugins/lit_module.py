@@ -40,6 +40,7 @@ from torch import nn
 
 from lt_plugins.config import ModelSection, OptimSection, resolve_class
 from lt_plugins.errors import TrainingConfigError, one_line
+from lt_plugins.lora import LoraConfig, apply_lora
 from shared_model.bundle import TOKENIZER_FILE, FolderTensors, read_config, tokenizer_id_bound
 from shared_model.config import ModelConfig
 from shared_model.errors import SharedModelError
@@ -60,12 +61,14 @@ class LitCausalLM(pl.LightningModule):
         optim: OptimSection | None = None,
         seed: int = 0,
         init_from: str | Path | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         super().__init__()
         self.model_config = model_config
         self.optim = optim or OptimSection()
         self.seed = seed
         self.init_from = Path(init_from) if init_from is not None else None
+        self.lora = lora if lora is not None and lora.enabled else None
         self.model: CausalLM | None = None  # built in configure_model
         self.loss_fn = nn.CrossEntropyLoss()
         self._last_step_time: float | None = None
@@ -79,6 +82,8 @@ class LitCausalLM(pl.LightningModule):
             load_folder_weights(model, self.init_from)
         else:
             init_random_weights(model, self.seed)
+        if self.lora is not None:  # after the base is loaded: the adapters are built (and partitioned) around it
+            apply_lora(model, self.lora)
         self.model = model
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -116,8 +121,9 @@ class LitCausalLM(pl.LightningModule):
         # matrices decay, vectors do not; a ZeRO-3 partition is flat, so read the full shape (ds_shape)
         decay = [p for p in self.parameters() if p.requires_grad and len(_full_shape(p)) >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and len(_full_shape(p)) < 2]
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [g for g in groups if g["params"]],  # LoRA has no trainable vector: DeepSpeed drops an empty group
             lr=o.lr,
             betas=(o.beta1, o.beta2),
         )
@@ -333,14 +339,34 @@ def model_source(section: ModelSection, block_size: int) -> tuple[ModelConfig, T
 
 
 def build_module(
-    section: ModelSection, optim: OptimSection, model_config: ModelConfig, tokenizer: Tokenizer
+    section: ModelSection,
+    optim: OptimSection,
+    model_config: ModelConfig,
+    tokenizer: Tokenizer,
+    lora: LoraConfig | None = None,
 ) -> pl.LightningModule:
     """LitCausalLM (from scratch or `init_from`), or `class_path(**init_args)` with the injected arguments it
-    declares (lt_plugins.config.INJECTED_ARGS: `vocab_size` = ids the tokenizer emits, `optim`)."""
+    declares (lt_plugins.config.INJECTED_ARGS: `vocab_size` = ids the tokenizer emits, `optim`). With an enabled
+    `lora`, LitCausalLM applies it in configure_model; a class_path module gets `apply_lora` on the whole module
+    right after its own configure_model (`with_lora`)."""
     if section.class_path is None:
-        return LitCausalLM(model_config, optim, seed=section.seed, init_from=section.init_from)
+        return LitCausalLM(model_config, optim, seed=section.seed, init_from=section.init_from, lora=lora)
     cls = resolve_class(section.class_path)
     declared = inspect.signature(cls.__init__).parameters
     injected = {"vocab_size": tokenizer_id_bound(tokenizer), "optim": optim}
     extra = {k: v for k, v in injected.items() if k in declared and k not in section.init_args}
-    return cls(**section.init_args, **extra)
+    module = cls(**section.init_args, **extra)
+    return with_lora(module, lora) if lora is not None and lora.enabled else module
+
+
+def with_lora(module: pl.LightningModule, lora: LoraConfig) -> pl.LightningModule:
+    """`module` whose configure_model (Lightning calls it before the optimizer and the strategy's engine exist)
+    ends with `apply_lora(module, lora)`: any LightningModule, whether it builds its layers there or in __init__."""
+    own = module.configure_model
+
+    def configure_model() -> None:
+        own()
+        apply_lora(module, lora)
+
+    module.configure_model = configure_model  # type: ignore[method-assign]
+    return module

@@ -14,6 +14,9 @@ Contract:
   attention kernel is assumed (no T×T score matrix saved), as on GPUs with FlashAttention.
 - Communication buckets from the DeepSpeed bucket sizes; FLOPs (`step_flops`), bytes moved per step
   (`comm_bytes`) and an estimated step time under stated `Hardware` assumptions.
+- LoRA: the frozen base is its own term (`FROZEN`, `frozen_weight_bytes`: no master, gradient or moments; sharded
+  only at stage 3); the adapters are the trainable parameters of the other state terms (18 B each in the lecture's
+  accounting). Activations are counted as for full training.
 - Term names are stable strings (`TERMS`); byte figures are floats in bytes.
 """
 
@@ -30,11 +33,14 @@ CHECKPOINT_MODES: tuple[str, ...] = ("none", "full", "attention", "ops")
 PRECISIONS: tuple[str, ...] = ("bf16-mixed", "32-true")
 
 WEIGHTS, MASTER, GRADS, MOMENTS = (t.name for t in TRAINING_STATE)
+FROZEN = "Frozen base weights"
+"""Parameters that do not train (LoRA's base): no master, gradient or moments; 0 for full training."""
 ACTIVATIONS = "Saved activations"
 BUCKETS = "Communication buckets"
-TERMS: tuple[str, ...] = (WEIGHTS, MASTER, GRADS, MOMENTS, ACTIVATIONS, BUCKETS)
+TERMS: tuple[str, ...] = (WEIGHTS, FROZEN, MASTER, GRADS, MOMENTS, ACTIVATIONS, BUCKETS)
 SHORT_NAMES: dict[str, str] = {
     WEIGHTS: "weights",
+    FROZEN: "frozen",
     MASTER: "master",
     GRADS: "grads",
     MOMENTS: "moments",
@@ -153,6 +159,17 @@ def deepspeed_state_terms(param_numels: Sequence[int], layout: ZeroLayout) -> li
         _place(GRADS, float(b * part), opt),
         _place(MOMENTS, float(2 * FP32 * part), opt),
     ]
+
+
+def frozen_weight_bytes(frozen: Sequence[tuple[int, int]], layout: ZeroLayout) -> Term:
+    """Bytes one rank holds of the frozen parameters, given as (elements, bytes per element): whole below stage 3;
+    at stage 3 the rank's shard plus whole copies of those under the persistence threshold (as DeepSpeed does
+    for every parameter). Parameter offload moves them to host memory."""
+    if layout.stage == 3:
+        held = sum(b * (_shard(n, layout.world) + (n if n < layout.persistence_threshold else 0)) for n, b in frozen)
+    else:
+        held = sum(n * b for n, b in frozen)
+    return _place(FROZEN, float(held), layout.offload_params)
 
 
 def bucket_bytes(num_params: float, layout: ZeroLayout) -> float:

@@ -31,6 +31,7 @@ from shared_model.ledger import (
     decimal_bytes,
     default_context,
     human_count,
+    lora_adapter_params,
 )
 from shared_model.ledger_cli import resolve_model
 
@@ -75,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interconnect", type=float, default=100.0, help="GB/s per GPU in collectives")
     p.add_argument("--precision", choices=PRECISIONS, action="append", help="only this precision (repeatable)")
     p.add_argument("--checkpointing", choices=CHECKPOINT_MODES, action="append", help="only this mode (repeatable)")
+    p.add_argument(
+        "--lora",
+        choices=("auto", "only", "off"),
+        default="auto",
+        help="auto: plan LoRA when full fine-tuning fits nothing; only: LoRA alone; off: full fine-tuning alone",
+    )
+    p.add_argument("--lora-rank", type=int, default=16, help="rank of the LoRA candidates (all seven projections)")
     p.add_argument("--top", type=int, default=16, help="rows of the table (0: all)")
     p.add_argument("--json", action="store_true", help="print JSON")
     return p
@@ -106,7 +114,7 @@ def _candidate_table(rows: list[Candidate]) -> tuple[str, list[str]]:
     unit, size = ("GB", GB) if biggest >= GB else ("MB", MB)
     fastest = min([c.step_s for c in rows if c.step_s > 0] + [1.0])
     digits = min(6, max(2, 2 - math.floor(math.log10(fastest))))  # three significant digits for the fastest
-    headers = ["stage", "offload", "precision", "ckpt", *(short(t) for t in TERMS)]
+    headers = ["stage", "offload", "precision", "ckpt", "lora", *(short(t) for t in TERMS)]
     headers += ["total", "fits", "compute", f"comm {unit}", "s/step", "limited by"]
     body = [
         [
@@ -114,6 +122,7 @@ def _candidate_table(rows: list[Candidate]) -> tuple[str, list[str]]:
             c.offload,
             c.precision,
             c.checkpointing,
+            "-" if c.lora_rank is None else f"r{c.lora_rank} {c.lora_base}",
             *(f"{c.gpu_bytes[t] / size:.1f}" for t in TERMS),
             f"{c.total / size:.1f}",
             "yes" if c.fits else "no",
@@ -124,7 +133,7 @@ def _candidate_table(rows: list[Candidate]) -> tuple[str, list[str]]:
         ]
         for c in rows
     ]
-    return unit, _table(headers, body, left=4)
+    return unit, _table(headers, body, left=5)
 
 
 def format_plan(p: Plan, top: int) -> str:
@@ -140,6 +149,14 @@ def format_plan(p: Plan, top: int) -> str:
         "",
     ]
     best = p.recommended
+    if p.lora_fallback:
+        adapters = lora_adapter_params_of(p)
+        lines.append(
+            f"Full fine-tuning does not fit {req.gpus} GPU(s) without offload: planning LoRA (rank {req.lora_rank} on "
+            f"all seven projections, {human_count(adapters)} adapter parameters at {TRAINING_BYTES_PER_PARAM} B each, "
+            "the base frozen in bf16 or int8)"
+            + (": it fits, recommended." if best is not None and best.lora_rank else ": it does not fit either.")
+        )
     if best is None:
         lines.append(f"Nothing fits on {req.gpus} GPU(s). See below for more GPUs.")
     else:
@@ -174,6 +191,12 @@ def format_plan(p: Plan, top: int) -> str:
     return "\n".join(lines)
 
 
+def lora_adapter_params_of(p: Plan) -> int:
+    from shared_model.ledger_cli import resolve_model as _resolve
+
+    return lora_adapter_params(_resolve(p.model)[0], p.request.lora_rank) if p.model else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -195,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cpu_memory=cpu_memory,
             precisions=tuple(args.precision or PRECISIONS),
             modes=tuple(args.checkpointing or CHECKPOINT_MODES),
+            lora=args.lora,
+            lora_rank=args.lora_rank,
         )
         result = plan(config, request, model_name=name)
     except (SharedModelError, ValueError) as exc:

@@ -186,6 +186,56 @@ def zero_state_bytes_per_gpu(num_params: int | float, zero_stage: int, gpus: int
     return out
 
 
+# -------------------------------------------------------------------------------------------------- LoRA
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The decoder's linear layers a LoRA adapter may target (lt_plugins.lora's default targets: all of them)."""
+LORA_BASE_DTYPES = ("bf16", "int8", "fp32")
+INT8_SCALE_BYTES = 4
+"""One fp32 absmax scale per output row of an int8 frozen matrix (lt_plugins.lora.quantize_rows)."""
+
+
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each decoder projection."""
+    h, q, kv, i = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+            "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+
+
+def lora_adapter_params(config: ModelConfig, rank: int, projections: tuple[str, ...] = LORA_PROJECTIONS) -> int:
+    """Trainable adapter parameters: r·(in + out) for each targeted projection of every layer."""
+    shapes = projection_shapes(config)
+    unknown = [p for p in projections if p not in shapes]
+    if unknown or rank < 1:
+        raise ValueError(f"unknown projection {unknown[0]!r}" if unknown else f"lora rank must be >= 1, got {rank}")
+    return config.num_layers * sum(rank * sum(shapes[p]) for p in projections)
+
+
+def lora_frozen_bytes(
+    config: ModelConfig, base_dtype: str = "bf16", projections: tuple[str, ...] = LORA_PROJECTIONS
+) -> float:
+    """Bytes of the frozen base: every parameter at `base_dtype`'s size; with int8 the targeted matrices take 1 B
+    an element plus a 4-byte scale a row and the rest (embeddings, norms, LM head) stays bf16."""
+    n = config.num_parameters()
+    if base_dtype != "int8":
+        return float(n * element_bytes(base_dtype))
+    shapes = projection_shapes(config)
+    matrices = config.num_layers * sum(shapes[p][0] * shapes[p][1] for p in projections)
+    rows = config.num_layers * sum(shapes[p][1] for p in projections)
+    return float(matrices + INT8_SCALE_BYTES * rows + 2 * (n - matrices))
+
+
+def lora_state_bytes(
+    config: ModelConfig, rank: int, base_dtype: str = "bf16", projections: tuple[str, ...] = LORA_PROJECTIONS
+) -> dict[str, float]:
+    """LoRA's training state on one GPU before sharding: the frozen base and the adapters at the lecture's 18 B a
+    parameter (16-bit copy, fp32 master, fp32 gradient, two fp32 moments). Activations are as for full training."""
+    adapters = lora_adapter_params(config, rank, projections)
+    frozen = lora_frozen_bytes(config, base_dtype, projections)
+    state = adapters * TRAINING_BYTES_PER_PARAM
+    return {"adapter_params": float(adapters), "frozen_bytes": frozen, "adapter_state_bytes": float(state),
+            "total_bytes": frozen + state}  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------- report
 @dataclass
 class LedgerReport:
@@ -209,6 +259,8 @@ class LedgerReport:
     """Where the weight dtype came from: 'default', or e.g. '--weight-dtype', 'config.json torch_dtype'."""
     context_is_default: bool = False
     """The context was not given: `default_context(config)`."""
+    lora: dict[str, float | int | str] = field(default_factory=dict)
+    """With a LoRA rank: `lora_state_bytes` plus rank, base_dtype and the per-GPU split; empty otherwise."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -228,6 +280,8 @@ def ledger_report(
     group_size: int = DEFAULT_GROUP_SIZE,
     weight_dtype_source: str = "default",
     kv_block_size: int = KV_BLOCK_SIZE,
+    lora_rank: int | None = None,
+    lora_base_dtype: str = "bf16",
 ) -> LedgerReport:
     """The ledger of one model; `context` None means `default_context(config)`."""
     context_is_default = context is None
@@ -293,6 +347,15 @@ def ledger_report(
     )
     per_gpu = zero_state_bytes_per_gpu(n, zero_stage, gpus)
     rep.zero = {"stage": zero_stage, "gpus": gpus, **per_gpu, "total_per_gpu": sum(per_gpu.values())}
+    if lora_rank is not None:
+        if lora_base_dtype not in LORA_BASE_DTYPES:
+            raise ValueError(f"lora base dtype must be one of {', '.join(LORA_BASE_DTYPES)}, got {lora_base_dtype!r}")
+        terms = lora_state_bytes(config, lora_rank, lora_base_dtype)
+        adapters = zero_state_bytes_per_gpu(terms["adapter_params"], zero_stage, gpus)
+        frozen_gpu = terms["frozen_bytes"] / gpus if zero_stage == 3 else terms["frozen_bytes"]
+        rep.lora = {"rank": lora_rank, "base_dtype": lora_base_dtype, **terms, "frozen_per_gpu": frozen_gpu,
+                    "adapter_state_per_gpu": sum(adapters.values()),
+                    "total_per_gpu": frozen_gpu + sum(adapters.values())}  # fmt: skip
     return rep
 
 
@@ -392,4 +455,18 @@ def format_report(rep: LedgerReport, context: int | None = None, batch: int | No
     for term in TRAINING_STATE:
         lines.append(f"  {term.name:<38}{decimal_bytes(float(z[term.name])):>12}")
     lines.append(f"  {'total':<38}{decimal_bytes(float(z['total_per_gpu'])):>12}")
+    if rep.lora:
+        lo = rep.lora
+        adapters = float(lo["adapter_params"])
+        lines += [
+            "",
+            f"LoRA training state, rank {lo['rank']} on all seven projections, frozen base in {lo['base_dtype']}",
+            f"  {'adapter parameters':<38}{human_count(adapters):>12}  ({adapters / rep.num_params:.2%} of the model)",
+            f"  {'frozen base weights':<38}{decimal_bytes(float(lo['frozen_bytes'])):>12}",
+            f"  {'adapter state (18 B/param)':<38}{decimal_bytes(float(lo['adapter_state_bytes'])):>12}",
+            f"  {'total (activations as for full training)':<38}{decimal_bytes(float(lo['total_bytes'])):>12}"
+            f"  vs {decimal_bytes(rep.num_params * TRAINING_BYTES_PER_PARAM)} full fine-tuning",
+            f"  {'per GPU with ' + stage_name + ' over ' + str(z['gpus']):<38}"
+            f"{decimal_bytes(float(lo['total_per_gpu'])):>12}",
+        ]
     return "\n".join(lines)

@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--draft", default=None, help="speculative decoding's draft model (preset or folder): its share of the memory"
     )
+    p.add_argument(
+        "--lora-rank", type=int, default=None, help="also the LoRA training state at this rank (all projections)"
+    )
+    p.add_argument(
+        "--lora-base-dtype", default="bf16", choices=("bf16", "int8", "fp32"), help="frozen base weights under LoRA"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -154,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             group_size=args.quantization_group_size,
             weight_dtype_source=source,
             kv_block_size=args.kv_block_size,
+            lora_rank=args.lora_rank,
+            lora_base_dtype=args.lora_base_dtype,
         )
         draft = None
         if args.draft is not None:

@@ -13,7 +13,8 @@ from lt_plugins.planner_cli import main
 QWEN_8 = ["--model", "qwen3-8b", "--gpus", "8", "--gpu-memory", "80GB", "--seq-len", "4096", "--micro-batch", "1"]
 TINY_8 = ["--model", "tiny", "--gpus", "8", "--gpu-memory", "80GB", "--seq-len", "4096", "--micro-batch", "1"]
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml"
-HEADERS = ["stage", "offload", "precision", "ckpt", "weights", "master", "grads", "moments", "activations"]
+HEADERS = ["stage", "offload", "precision", "ckpt", "lora", "weights", "frozen", "master", "grads", "moments"]
+HEADERS += ["activations"]
 HEADERS += ["buckets", "total", "fits", "compute", "comm {unit}", "s/step", "limited by"]
 
 
@@ -74,14 +75,14 @@ def test_every_header_is_whole_and_columns_line_up(capsys, argv, unit) -> None:
         starts.append(pos)
         pos += len(name)
     assert len(rows) == 64 and all(r.split()[0] in "0123" for r in rows)
-    for name, start in zip(names[4:15], starts[4:15], strict=True):  # numeric columns end under their header
+    for name, start in zip(names[5:17], starts[5:17], strict=True):  # numeric columns end under their header
         end = start + len(name)
         for r in rows:
             assert r[end - 1] != " " and (end == len(r) or r[end] == " "), (name, r)
 
 
 def test_recommendations_print_and_return_the_train_overrides_that_apply_them(capsys) -> None:
-    _, out, _ = _run(capsys, QWEN_8)
+    _, out, _ = _run(capsys, [*QWEN_8, "--lora", "off"])  # full fine-tuning only (auto plans LoRA on 1 GPU)
     rec = (
         "model.preset=qwen3-8b trainer.accelerator=cuda trainer.devices=8 trainer.precision=bf16-mixed "
         "strategy.name=zero strategy.stage=2 strategy.offload_optimizer=false strategy.offload_params=false "
@@ -93,7 +94,7 @@ def test_recommendations_print_and_return_the_train_overrides_that_apply_them(ca
     assert "\n   1 GPU(s): stage 1, offload optimizer, bf16-mixed, checkpointing none (50.8 GB/GPU)\n" in out
     assert f"\n             {one_gpu}\n" in out
 
-    _, out, _ = _run(capsys, [*QWEN_8, "--json"])
+    _, out, _ = _run(capsys, [*QWEN_8, "--lora", "off", "--json"])
     data = json.loads(out)
     assert data["recommended"]["overrides"] == rec.split()
     assert data["scaling"]["1"]["overrides"] == one_gpu.split() and data["scaling"]["8"]["overrides"] == rec.split()
@@ -106,7 +107,7 @@ def test_recommendations_print_and_return_the_train_overrides_that_apply_them(ca
 def test_the_overrides_load_into_the_training_config(capsys) -> None:
     from lt_plugins.config import load_config
 
-    _, out, _ = _run(capsys, [*QWEN_8[:3], "1", *QWEN_8[4:], "--json"])
+    _, out, _ = _run(capsys, [*QWEN_8[:3], "1", *QWEN_8[4:], "--lora", "off", "--json"])
     best = json.loads(out)["recommended"]
     cfg = load_config(CONFIG, best["overrides"])
     assert (cfg.strategy.name, cfg.strategy.stage, cfg.strategy.offload_optimizer) == ("zero", best["stage"], True)
@@ -120,3 +121,24 @@ def test_default_sequence_length_is_capped_by_the_model(capsys) -> None:
     assert "micro-batch 1 x 2048 tokens" in out  # tiny's max_position_embeddings; 4096 is the default otherwise
     _, out, _ = _run(capsys, ["--model", "qwen3-8b", "--gpu-memory", "80GB"])
     assert "micro-batch 1 x 4096 tokens" in out
+
+
+def test_lora_is_recommended_when_full_fine_tuning_does_not_fit_and_its_overrides_load(capsys) -> None:
+    """qwen3-8b on one 24 GB GPU: 147 GB of full fine-tuning state fits only with everything offloaded, so `tandem
+    plan` plans LoRA, says so, and recommends a LoRA configuration whose overrides are a valid training config."""
+    from lt_plugins.config import load_config
+
+    argv = ["--model", "qwen3-8b", "--gpu-memory", "24GB", "--seq-len", "4096"]
+    code, out, _ = _run(capsys, argv)
+    assert code == 0
+    assert "Full fine-tuning does not fit 1 GPU(s) without offload: planning LoRA (rank 16 on all seven" in out
+    assert "43.6M adapter parameters at 18 B each" in out and "it fits, recommended." in out
+    _, out, _ = _run(capsys, [*argv, "--json"])
+    data = json.loads(out)
+    best = data["recommended"]
+    assert data["lora_fallback"] and best["lora_rank"] == 16 and best["fits"]
+    assert best["gpu_bytes"]["Frozen base weights"] > 0 and best["total"] <= 0.9 * 24e9
+    cfg = load_config(CONFIG, best["overrides"])
+    assert cfg.lora.enabled and cfg.lora.rank == 16 and cfg.strategy.stage == best["stage"]
+    _, out, _ = _run(capsys, [*argv, "--lora", "off", "--json"])
+    assert json.loads(out)["recommended"]["lora_rank"] is None  # off: full fine-tuning with offload, as before

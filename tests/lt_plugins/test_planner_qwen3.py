@@ -1,4 +1,5 @@
-"""The planner: qwen3-8b full fine-tuning does not fit one 80 GB GPU; what fits on 1, 2, 4 and 8; the CLI."""
+"""The planner: qwen3-8b full fine-tuning does not fit one 80 GB GPU; what fits on 1, 2, 4 and 8; the CLI. Full
+fine-tuning only (`lora="off"`); LoRA's fallback is tested in test_planner_cli.py."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ NOMINAL = PRESETS["qwen3-8b"].nominal_params
 
 
 def _plan(gpus: int, **kw):
-    return plan(QWEN, PlanRequest(gpus=gpus, micro_batch=1, seq_len=4096, **kw), model_name="qwen3-8b")
+    return plan(QWEN, PlanRequest(gpus=gpus, micro_batch=1, seq_len=4096, lora="off", **kw), model_name="qwen3-8b")
 
 
 def test_lecture_state_terms_for_qwen3_8b() -> None:
@@ -58,7 +59,7 @@ def test_what_fits_on_1_2_4_8_gpus() -> None:
 
 def test_activation_term_limits_long_sequences_and_checkpointing_fixes_it() -> None:
     result = _plan(8, modes=("none", "full"))
-    long = plan(QWEN, PlanRequest(gpus=8, micro_batch=4, seq_len=8192, modes=("none", "full")), "qwen3-8b")
+    long = plan(QWEN, PlanRequest(gpus=8, micro_batch=4, seq_len=8192, modes=("none", "full"), lora="off"), "qwen3-8b")
     blocked = [c for c in long.candidates if not c.fits and c.stage == 3 and c.checkpointing == "none"]
     assert blocked and all(c.limiting == "Saved activations" for c in blocked)
     assert long.recommended is not None and long.recommended.checkpointing == "full"
@@ -66,11 +67,13 @@ def test_activation_term_limits_long_sequences_and_checkpointing_fixes_it() -> N
 
 
 def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--model", "qwen3-8b", "--gpus", "1", "--gpu-memory", "80GB", "--seq-len", "4096"]) == 0
+    assert (
+        main(["--model", "qwen3-8b", "--gpus", "1", "--gpu-memory", "80GB", "--seq-len", "4096", "--lora", "off"]) == 0
+    )
     out = capsys.readouterr().out
     assert "147.4 GB > 72.0 GB usable on one GPU: it does not fit" in out
     assert "Recommended: stage" in out and "8 GPU(s):" in out
-    assert main(["--model", "qwen3-8b", "--gpus", "2", "--micro-batch", "1", "--json"]) == 0
+    assert main(["--model", "qwen3-8b", "--gpus", "2", "--micro-batch", "1", "--lora", "off", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["num_params"] == QWEN.num_parameters() and len(data["candidates"]) == 64
     assert set(data["scaling"]) == {"1", "2", "4", "8"}
