@@ -28,7 +28,7 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.s
   echo "bootstrap: installing torch==$TORCH_VERSION"
   "$VENV/bin/python" -m pip install --quiet "torch==$TORCH_VERSION"
 fi
-echo "bootstrap: installing tandem[train,serve,dev]"
-"$VENV/bin/python" -m pip install --quiet -e ".[train,serve,dev]"
+echo "bootstrap: installing tandem[train,serve,ray,dev]"
+"$VENV/bin/python" -m pip install --quiet -e ".[train,serve,ray,dev]"
 echo "$want" > "$stamp"
 build_kernels
