@@ -30,8 +30,8 @@ if TYPE_CHECKING:  # what the lazy attributes below resolve to, for type checker
     from lt_plugins.cli import export_main, train_main
     from lt_plugins.config import TrainConfig, load_config
     from lt_plugins.data import CorpusDataModule
-    from lt_plugins.export import ExportBundle, export_bundle
-    from lt_plugins.export_lora import export_adapter
+    from lt_plugins.export.adapter import export_adapter
+    from lt_plugins.export.bundle import ExportBundle, export_bundle
     from lt_plugins.finite import NonFiniteLossGuard
     from lt_plugins.ledger_callback import MemoryLedger
     from lt_plugins.lit_module import LitCausalLM
@@ -50,12 +50,12 @@ _LAZY: dict[str, str] = {
     "MemoryLedger": "lt_plugins.ledger_callback",
     "NonFiniteLossGuard": "lt_plugins.finite",
     "PeriodicCheckpoint": "lt_plugins.checkpoint_io",
-    "ExportBundle": "lt_plugins.export",
-    "export_bundle": "lt_plugins.export",
+    "ExportBundle": "lt_plugins.export.bundle",
+    "export_bundle": "lt_plugins.export.bundle",
     "LitCausalLM": "lt_plugins.lit_module",
     "apply_lora": "lt_plugins.lora",
     "LoraConfig": "lt_plugins.lora",
-    "export_adapter": "lt_plugins.export_lora",
+    "export_adapter": "lt_plugins.export.adapter",
     "CorpusDataModule": "lt_plugins.data",
     "TrainConfig": "lt_plugins.config",
     "load_config": "lt_plugins.config",

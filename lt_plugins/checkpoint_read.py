@@ -4,7 +4,7 @@ Contract:
 - A checkpoint is either a ZeroStrategy directory (`tandem_manifest.json`, DeepSpeed's `latest` tag, shards of any
   ZeRO stage) or a plain Lightning `.ckpt` file. Nothing here imports the module's class or unpickles objects:
   `.ckpt` files and DeepSpeed's model-states file are read with `torch.load(weights_only=True)`. (Merging ZeRO
-  shards is `lt_plugins.export.consolidate`, DeepSpeed's own zero_to_fp32 reader.)
+  shards is `lt_plugins.export.checkpoint.consolidate`, DeepSpeed's own zero_to_fp32 reader.)
 - `read_lightning_state(path)` is the `state_dict` of a `.ckpt` file: the module's names, its dtypes.
 - `read_hyperparameters(ckpt)` is the `hyper_parameters` Lightning saved (`save_hyperparameters()`), `{}` when the
   module saved none; a value that is not plain data (a pickled object) is a `CheckpointError` naming the file.

@@ -16,7 +16,7 @@ Contract:
   it as `TANDEM_RUN_DIR` so the processes Lightning launches agree on it. Only those launched processes (rank > 0)
   read it: a value left in the user's environment changes nothing. Multi-node runs should set `run_dir`.
 - `export_main([CKPT, OUT_DIR, "--format", "auto"])` consolidates a checkpoint (a ZeRO directory, a run dir: its
-  newest, or a Lightning .ckpt) into a bundle, a state dict or a Hugging Face folder (`lt_plugins.export_any`) and
+  newest, or a Lightning .ckpt) into a bundle, a state dict or a Hugging Face folder (`lt_plugins.export.formats`) and
   prints `<format>: /abs/path` (`bundle: /abs/path`) last, after the line saying what `auto` chose. Errors are one
   line and exit 2, as for train: a full disk, a read-only folder or a path through a file is named, and nothing
   is left half-written.
@@ -113,7 +113,8 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[Any] | None =
 
     from lt_plugins.auto_strategy import resolve_auto, training_callbacks  # the planner's checkpointing and ledger
     from lt_plugins.checkpoint_io import PeriodicCheckpoint
-    from lt_plugins.export import META_DIR, ExportBundle
+    from lt_plugins.export.bundle import ExportBundle
+    from lt_plugins.export.checkpoint import META_DIR
     from lt_plugins.finite import NonFiniteLossGuard
     from lt_plugins.metrics_csv import AttemptCSVLogger
     from lt_plugins.precision import PrecisionPolicyCallback
@@ -186,7 +187,7 @@ def _write_run_files(cfg: TrainConfig, run_dir: Path, model_config: Any, tokeniz
     import shutil
     import tempfile
 
-    from lt_plugins.export import META_DIR
+    from lt_plugins.export.checkpoint import META_DIR
 
     meta = run_dir / META_DIR
     meta.mkdir(parents=True, exist_ok=True)
@@ -244,7 +245,7 @@ def run_training(cfg: TrainConfig) -> Path | None:
     import lightning.pytorch as pl
 
     from lt_plugins.data import CorpusDataModule, prepare_blocks
-    from lt_plugins.export import ExportBundle
+    from lt_plugins.export.bundle import ExportBundle
     from lt_plugins.lit_module import build_module, model_source
 
     # a preset, or model.init_from's config.json + tokenizer (then no tokenizer is trained)
@@ -332,7 +333,7 @@ def export_main(argv: Sequence[str]) -> int:
     )
     args = parser.parse_args(list(argv))
     _quiet()
-    from lt_plugins.export_any import export_checkpoint
+    from lt_plugins.export.formats import export_checkpoint
     from lt_plugins.planner_cli import parse_bytes
 
     try:

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lt_plugins import export_state_dict as export_sd_mod
 from lt_plugins.cli import export_main
 from lt_plugins.errors import CheckpointError
-from lt_plugins.export_state_dict import export_state_dict
+from lt_plugins.export import state_dict as export_sd_mod
+from lt_plugins.export.state_dict import export_state_dict
 from shared_model.bundle import INDEX_FILE, MANIFEST_FILE, read_source, read_state_dict
 from tests.conftest import free_port
 

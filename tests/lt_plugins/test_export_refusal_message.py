@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lt_plugins import export as export_mod
 from lt_plugins.cli import export_main
 from lt_plugins.errors import CheckpointError
-from lt_plugins.export import export_bundle
+from lt_plugins.export import checkpoint as export_mod
+from lt_plugins.export.bundle import export_bundle
 from shared_model.bundle import MANIFEST_FILE, save_bundle
 from shared_model.model import build_model
 from tests.conftest import tiny_config

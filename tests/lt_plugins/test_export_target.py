@@ -18,7 +18,7 @@ import pytest
 
 from lt_plugins.cli import export_main
 from lt_plugins.errors import CheckpointError
-from lt_plugins.export import export_bundle
+from lt_plugins.export.bundle import export_bundle
 from shared_model.bundle import MANIFEST_FILE, load_bundle
 from tests.conftest import free_port
 

@@ -1,5 +1,5 @@
 """LoRA applied from outside (lt_plugins/lora.py) against PEFT, the reference: an adapter Tandem trains on a random
-Hugging Face Qwen3 folder, exported in PEFT's format (lt_plugins/export_lora.py), loads with
+Hugging Face Qwen3 folder, exported in PEFT's format (lt_plugins/export/adapter.py), loads with
 `peft.PeftModel.from_pretrained` and gives the same logits in fp32; the merged weights give them too. Also what
 apply_lora freezes, the int8 base and the refusals (one line naming the field)."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lt_plugins.errors import TrainingConfigError
-from lt_plugins.export_lora import ADAPTER_CONFIG, adapter_state, peft_config, write_adapter
+from lt_plugins.export.adapter import ADAPTER_CONFIG, adapter_state, peft_config, write_adapter
 from lt_plugins.lit_module import load_folder_weights
 from lt_plugins.lora import LoraConfig, LoraLinear, apply_lora, merge_state
 from shared_model.bundle import read_config

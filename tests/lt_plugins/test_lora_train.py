@@ -70,7 +70,7 @@ def _optimizer_numel(ckpt: Path) -> int:
 @pytest.mark.distributed
 @pytest.mark.parametrize("stage", [2, 3])
 def test_lora_run_trains_only_the_adapters(folder: Path, tmp_path: Path, stage: int) -> None:
-    from lt_plugins.export import consolidate, resolve_checkpoint
+    from lt_plugins.export.checkpoint import consolidate, resolve_checkpoint
     from lt_plugins.metrics_csv import read_metrics
     from shared_model.bundle import FolderTensors, read_config
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lt_plugins.checkpoint_io import MANIFEST, latest_checkpoint
-from lt_plugins.export import consolidate
+from lt_plugins.export.checkpoint import consolidate
 from lt_plugins.finite import loss_from_outputs, loss_is_finite, nonfinite_tensor
 
 pytestmark = pytest.mark.slow  # training runs (not in make test-fast)

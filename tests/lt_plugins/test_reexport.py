@@ -20,7 +20,7 @@ import pytest
 
 from lt_plugins.checkpoint_io import MANIFEST
 from lt_plugins.cli import export_main
-from lt_plugins.export import ExportBundle, bundle_staleness
+from lt_plugins.export.bundle import ExportBundle, bundle_staleness
 from shared_model.bundle import MANIFEST_FILE, load_bundle, read_source
 from tests.conftest import free_port
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lt_plugins.errors import CheckpointError
-from lt_plugins.export import export_bundle
+from lt_plugins.export.bundle import export_bundle
 
 sys.path.insert(0, str(Path(__file__).parent))
 from zero_launch import launch

@@ -23,7 +23,8 @@ import torch
 from lt_plugins.checkpoint_io import PeriodicCheckpoint, latest_checkpoint
 from lt_plugins.config import DataSection, OptimSection
 from lt_plugins.data import Blocks, CorpusDataModule
-from lt_plugins.export import META_DIR, export_bundle
+from lt_plugins.export.bundle import export_bundle
+from lt_plugins.export.checkpoint import META_DIR
 from lt_plugins.ledger_measure import held_bytes_by_role
 from lt_plugins.lit_module import LitCausalLM
 from lt_plugins.precision import PrecisionPolicyCallback

@@ -32,17 +32,17 @@ from typing import Any
 
 import torch
 
-from lt_plugins import export as export_mod
 from lt_plugins.checkpoint_read import checkpoint_source, read_hyperparameters
 from lt_plugins.errors import CheckpointError
-from lt_plugins.export import (
+from lt_plugins.export import checkpoint
+from lt_plugins.export.checkpoint import (
     check_bundle_out,
     check_export_target,
     check_finite,
     model_meta_or_none,
     resolve_checkpoint,
 )
-from lt_plugins.export_state_dict import publish_folder, unshared
+from lt_plugins.export.state_dict import publish_folder, unshared
 from shared_model.bundle import DEFAULT_MAX_SHARD_BYTES, parse_dtype
 from shared_model.errors import SharedModelError
 
@@ -187,7 +187,7 @@ def export_hf(
         )
     model = _build(config)
     source = {"format": "hf", "config_from": config.where, **checkpoint_source(ckpt)}
-    state = export_mod.load_module_state(ckpt)
+    state = checkpoint.load_module_state(ckpt)
     sub = unshared(_select(state, model, attribute, ckpt))
     check_finite(ckpt, sub)
     model.load_state_dict(sub, strict=False, assign=True)

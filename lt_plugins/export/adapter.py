@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from lt_plugins.errors import CheckpointError
-from lt_plugins.export import check_export_target, find_model_meta, load_module_state, resolve_checkpoint
+from lt_plugins.export import checkpoint
+from lt_plugins.export.checkpoint import check_export_target, find_model_meta, resolve_checkpoint
 from lt_plugins.lit_module import STATE_PREFIX
 from lt_plugins.lora import LORA_META, lora_module_names
 
@@ -122,7 +123,7 @@ def export_adapter(
     check_export_target(out_dir, ckpt, meta, given)
     _check_out(Path(out_dir), overwrite)
     lora = read_lora_meta(meta)
-    full = load_module_state(ckpt)
+    full = checkpoint.load_module_state(ckpt)
     state = {k.removeprefix(STATE_PREFIX): v for k, v in full.items() if k.startswith(STATE_PREFIX)}
     targets = lora_module_names(state)
     if not targets:

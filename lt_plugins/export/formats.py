@@ -23,17 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lt_plugins.errors import CheckpointError
-from lt_plugins.export import (
+from lt_plugins.export.adapter import export_adapter
+from lt_plugins.export.bundle import export_bundle
+from lt_plugins.export.checkpoint import (
     META_DIR,
     check_bundle_out,
     check_export_target,
-    export_bundle,
     model_meta_or_none,
     resolve_checkpoint,
 )
-from lt_plugins.export_hf import export_hf, find_hf_config
-from lt_plugins.export_lora import export_adapter
-from lt_plugins.export_state_dict import export_state_dict
+from lt_plugins.export.hf import export_hf, find_hf_config
+from lt_plugins.export.state_dict import export_state_dict
 from lt_plugins.lora import LORA_META
 from lt_plugins.write_errors import check_writable, reported_writes
 from shared_model.bundle import DEFAULT_MAX_SHARD_BYTES

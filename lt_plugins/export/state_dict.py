@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lt_plugins import export as export_mod
 from lt_plugins.checkpoint_read import checkpoint_source
 from lt_plugins.errors import CheckpointError
-from lt_plugins.export import check_bundle_out, check_export_target, check_finite, resolve_checkpoint
+from lt_plugins.export import checkpoint
+from lt_plugins.export.checkpoint import check_bundle_out, check_export_target, check_finite, resolve_checkpoint
 from shared_model.bundle import (
     DEFAULT_MAX_SHARD_BYTES,
     INDEX_FILE,
@@ -64,7 +64,7 @@ def export_state_dict(
     except SharedModelError as exc:
         raise CheckpointError(str(exc)) from exc
     source = {"format": "state-dict", **checkpoint_source(ckpt)}
-    state = export_mod.load_module_state(ckpt)
+    state = checkpoint.load_module_state(ckpt)
     check_finite(ckpt, state)
     tensors = unshared(state, target)
     return publish_folder(Path(out_dir), overwrite, lambda tmp: save_sharded(tmp, tensors, max_shard_bytes), source)
