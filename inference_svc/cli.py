@@ -39,6 +39,7 @@ from inference_svc.settings import (
     METRIC_NAMES,
     AdmissionLimits,
     HttpLimits,
+    OpenAIApiSettings,
     ScaleOutSettings,
     ServerSettings,
     host_port,
@@ -81,6 +82,8 @@ HTTP_FLAGS = FlagSpec(
 """`HttpLimits` fields as `tandem serve` flags (the connection bounds spelled with the `--http-` prefix)."""
 SCALE_OUT_FLAGS = FlagSpec(choices={"metrics_names": METRIC_NAMES})
 """Every `ScaleOutSettings` field is a `tandem serve` flag (`--metrics-names`, ...)."""
+OPENAI_API_FLAGS = FlagSpec()
+"""Every `OpenAIApiSettings` field is a `tandem serve` flag (`--strict-request-fields`, ...)."""
 
 
 # ---------------------------------------------------------------------------------------- serve
@@ -112,6 +115,8 @@ def _serve_parser() -> argparse.ArgumentParser:
     add_flags(p.add_argument_group("HTTP limits (inference_svc.settings.HttpLimits)"), HttpLimits, HTTP_FLAGS)
     add_flags(p.add_argument_group("scale-out (inference_svc.settings.ScaleOutSettings)"), ScaleOutSettings,
               SCALE_OUT_FLAGS)  # fmt: skip
+    add_flags(p.add_argument_group("OpenAI API (inference_svc.settings.OpenAIApiSettings)"), OpenAIApiSettings,
+              OPENAI_API_FLAGS)  # fmt: skip
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-queue", type=int, default=256, help="most requests waiting for their first token")
     lim.add_argument("--max-queue-tokens", type=int, default=262144, help="most prompt tokens waiting, summed")
@@ -176,6 +181,7 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
             warmup=not args.no_warmup,
             **{name: getattr(args, name) for name in SERVER_DERIVED},
             scale_out=from_args(ScaleOutSettings, args),
+            openai_api=from_args(OpenAIApiSettings, args),
         )
         engine_config = from_args(EngineConfig, args, dtype=_resolve_dtype(args.dtype, args.device))
     except (InferenceError, ValueError) as exc:

@@ -10,7 +10,8 @@ Contract:
 - Metrics are exposed on `metrics_host` (loopback by default), never implicitly on the gRPC `host`: /metrics is
   plaintext and unauthenticated, so making it reachable from elsewhere is an explicit choice.
 - `ScaleOutSettings` (a section of `ServerSettings`) holds what a replica publishes for routers: the metric
-  families (`metrics_names`) and the KV-cache event stream.
+  families (`metrics_names`) and the KV-cache event stream. `OpenAIApiSettings` (another section) holds the
+  OpenAI-compatible API's request-field policy and output parsers.
 - Nothing here reads files' contents or opens sockets; `server.py` does that.
 """
 
@@ -158,6 +159,19 @@ class HttpLimits:
 
 
 @dataclass(frozen=True)
+class OpenAIApiSettings:
+    """How the OpenAI-compatible HTTP API treats request fields and model output (docs/api.md)."""
+
+    strict_request_fields: bool = False
+    """Answer a request field the API does not know with 400 naming it, instead of ignoring it and naming it once in
+    the log (vLLM's behaviour, the default)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strict_request_fields, bool):
+            raise SettingsError("strict_request_fields", f"must be true or false, got {self.strict_request_fields!r}")
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     """How `tandem serve` listens, protects itself and shuts down."""
 
@@ -211,6 +225,8 @@ class ServerSettings:
     own name."""
     scale_out: ScaleOutSettings = field(default_factory=ScaleOutSettings)
     """Metric names and KV-cache events for routers in front of several replicas."""
+    openai_api: OpenAIApiSettings = field(default_factory=OpenAIApiSettings)
+    """Request-field policy and output parsing of the OpenAI-compatible API."""
 
     @property
     def model_name(self) -> str:
@@ -238,6 +254,8 @@ class ServerSettings:
             raise SettingsError("http", "must be an HttpLimits")
         if not isinstance(self.scale_out, ScaleOutSettings):
             raise SettingsError("scale_out", "must be a ScaleOutSettings")
+        if not isinstance(self.openai_api, OpenAIApiSettings):
+            raise SettingsError("openai_api", "must be an OpenAIApiSettings")
         _check_int("max_request_bytes", self.max_request_bytes, 1024)
         if self.max_request_bytes * 4 > 2**31 - 1:
             raise SettingsError("max_request_bytes", "must be below 512 MiB")

@@ -80,6 +80,7 @@ from inference_svc.openai_api.protocol import (
     TokenizeRequest,
     parse,
 )
+from inference_svc.openai_api.request_policy import RequestPolicy
 from inference_svc.status import status_of
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ class ApiOptions:
     chat_template: ChatTemplate | None = None
     chat_template_timeout: float = 5.0
     """Seconds one render of the chat template may take (it writes at most the characters the context can hold)."""
+    strict_request_fields: bool = False
+    """Unknown request fields get 400 (True) or are logged and ignored (False, as vLLM); see request_policy.py."""
 
 
 def build_app(owner: Owner, options: ApiOptions) -> Any:
@@ -187,8 +190,13 @@ class _Api:
         self.owner = owner
         self.options = options
         self.created = int(time.time())
+        self.policy = RequestPolicy(options.strict_request_fields)
 
     # ------------------------------------------------------------------ plumbing
+    def _parse(self, model: type[Any], body: Any) -> Any:
+        """`body` validated as `model` under the request policy (ignored, default-only and unknown fields)."""
+        return parse(model, self.policy.prepare(model.model_fields, body), self.policy.unknown)
+
     def _error(self, exc: BaseException, record: RequestRecord) -> JSONResponse:
         """`exc` as OpenAI's error response; recorded as the request's outcome (counted when the record ends), and
         logged, with its traceback, only when it is INTERNAL."""
@@ -324,7 +332,7 @@ class _Api:
         )
 
     async def _completions(self, request: Request, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
-        req: CompletionRequest = parse(CompletionRequest, body)
+        req: CompletionRequest = self._parse(CompletionRequest, body)
         self._check_model(req.model)
         sampling = req.to_sampling(16)
         rid = record.request_id = _request_id(request, "cmpl")
@@ -357,7 +365,7 @@ class _Api:
         return await self._handle(request, self._tokenize, {})
 
     async def _tokenize(self, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
-        req: TokenizeRequest = parse(TokenizeRequest, body)
+        req: TokenizeRequest = self._parse(TokenizeRequest, body)
         self._check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("prompt", "send either prompt (text) or messages")
@@ -374,7 +382,7 @@ class _Api:
         return await self._handle(request, self._detokenize, {})
 
     async def _detokenize(self, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
-        req: DetokenizeRequest = parse(DetokenizeRequest, body)
+        req: DetokenizeRequest = self._parse(DetokenizeRequest, body)
         self._check_model(req.model)
         vocab = engine.engine.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -390,7 +398,7 @@ class _Api:
         )
 
     async def _chat(self, request: Request, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
-        req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
+        req: ChatCompletionRequest = self._parse(ChatCompletionRequest, body)
         self._check_model(req.model)
         sampling = req.to_sampling(engine.engine.config.max_new_tokens_limit)
         rid = record.request_id = _request_id(request, "chatcmpl")
@@ -569,6 +577,11 @@ def _usage(prompt: int, completions: Sequence[Usage], cached: int) -> dict[str, 
     return out
 
 
+def _running_usage(prompt: int, completion: int) -> dict[str, int]:
+    """The usage a stream chunk carries under `continuous_usage_stats`: its choice's prompt and tokens so far."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
@@ -605,6 +618,8 @@ class _CompletionView(_Tokens):
         self.finals: dict[int, Usage] = {}
         """Completion index → its final usage."""
         self.cached: dict[int, int] = {}
+        self.generated: dict[int, int] = {}
+        """Completion index → tokens streamed so far (for `continuous_usage_stats`)."""
 
     def _head(self) -> dict[str, Any]:
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model}
@@ -658,7 +673,11 @@ class _CompletionView(_Tokens):
             self.cached[p] = out.usage.cached_prompt_tokens
         if not text and not out.finished and not out.new_token_ids:
             return []
-        return [{**self._head(), "choices": [choice]}]
+        body = {**self._head(), "choices": [choice]}
+        if self.req.continuous_usage:  # vLLM's: the usage of this choice so far
+            self.generated[idx] = self.generated.get(idx, 0) + len(out.new_token_ids)
+            body["usage"] = _running_usage(len(self.prompts[p]), self.generated[idx])
+        return [body]
 
     def _usage(self, completions: Sequence[Usage], cached: int) -> dict[str, Any]:
         prompt = sum(len(ids) for ids in self.prompts)
@@ -696,6 +715,8 @@ class _ChatView(_Tokens):
         self.finals: dict[int, Usage] = {}
         """Choice index → its final usage."""
         self.cached = 0
+        self.generated: dict[int, int] = {}
+        """Choice index → tokens streamed so far (for `continuous_usage_stats`)."""
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
@@ -742,6 +763,11 @@ class _ChatView(_Tokens):
                 self.finals[out.index] = out.usage
                 self.cached = out.usage.cached_prompt_tokens
             chunks.append({**self._head("chat.completion.chunk"), "choices": [choice]})
+        if self.req.continuous_usage:  # vLLM's: every chunk carries the usage of its choice so far
+            self.generated[out.index] = self.generated.get(out.index, 0) + len(out.new_token_ids)
+            for c in chunks:  # the role chunk, when there is one, comes before any token
+                tokens = 0 if "role" in c["choices"][0]["delta"] else self.generated[out.index]
+                c["usage"] = _running_usage(self.prompt_tokens, tokens)
         return chunks
 
     def usage_chunk(self) -> dict[str, Any]:
