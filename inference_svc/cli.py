@@ -35,6 +35,7 @@ from inference_svc.engine.config import (
     EngineConfig,
 )
 from inference_svc.errors import InferenceError
+from inference_svc.openai_api.reasoning import REASONING_PARSERS
 from inference_svc.settings import (
     METRIC_NAMES,
     AdmissionLimits,
@@ -82,7 +83,7 @@ HTTP_FLAGS = FlagSpec(
 """`HttpLimits` fields as `tandem serve` flags (the connection bounds spelled with the `--http-` prefix)."""
 SCALE_OUT_FLAGS = FlagSpec(choices={"metrics_names": METRIC_NAMES})
 """Every `ScaleOutSettings` field is a `tandem serve` flag (`--metrics-names`, ...)."""
-OPENAI_API_FLAGS = FlagSpec()
+OPENAI_API_FLAGS = FlagSpec(choices={"reasoning_parser": REASONING_PARSERS})
 """Every `OpenAIApiSettings` field is a `tandem serve` flag (`--strict-request-fields`, ...)."""
 
 

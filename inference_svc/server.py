@@ -754,6 +754,7 @@ class TandemServer:
             chat_template=ChatTemplate.from_folder(s.model, s.chat_template),
             chat_template_timeout=s.http.chat_template_timeout,
             strict_request_fields=s.openai_api.strict_request_fields,
+            reasoning_parser=s.openai_api.reasoning_parser,
         )
         http = HttpServer(
             build_app(self, options),

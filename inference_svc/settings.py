@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from inference_svc.errors import InferenceError
+from inference_svc.openai_api.reasoning import REASONING_PARSERS
 
 if TYPE_CHECKING:
     from inference_svc.kv_events import KVEventsConfig
@@ -166,9 +167,18 @@ class OpenAIApiSettings:
     """Answer a request field the API does not know with 400 naming it, instead of ignoring it and naming it once in
     the log (vLLM's behaviour, the default)."""
 
+    reasoning_parser: str | None = None
+    """Move a chat answer's <think>...</think> block into message.reasoning_content (delta.reasoning_content when
+    streaming): qwen3 (a block the output opens) or deepseek_r1 (the template opened it); None: off, the block stays
+    in the content (see inference_svc/openai_api/reasoning.py)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.strict_request_fields, bool):
             raise SettingsError("strict_request_fields", f"must be true or false, got {self.strict_request_fields!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise SettingsError(
+                "reasoning_parser", f"must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,8 @@ from inference_svc.openai_api.protocol import (
     TokenizeRequest,
     parse,
 )
+from inference_svc.openai_api.reasoning import ReasoningSplitter
+from inference_svc.openai_api.reasoning import split as split_reasoning
 from inference_svc.openai_api.request_policy import RequestPolicy
 from inference_svc.status import status_of
 
@@ -112,6 +114,8 @@ class ApiOptions:
     """Seconds one render of the chat template may take (it writes at most the characters the context can hold)."""
     strict_request_fields: bool = False
     """Unknown request fields get 400 (True) or are logged and ignored (False, as vLLM); see request_policy.py."""
+    reasoning_parser: str | None = None
+    """Chat answers' `<think>` block moved into `reasoning_content` by this parser (reasoning.py); None: off."""
 
 
 def build_app(owner: Owner, options: ApiOptions) -> Any:
@@ -370,7 +374,7 @@ class _Api:
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("prompt", "send either prompt (text) or messages")
         if req.messages is not None:
-            ids = await self._chat_ids(engine, req.messages, req.add_generation_prompt)
+            ids = await self._chat_ids(engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
         else:
             text = req.prompt or ""
             ids = await engine.tokenize_with(
@@ -403,12 +407,13 @@ class _Api:
         sampling = req.to_sampling(engine.engine.config.max_new_tokens_limit)
         rid = record.request_id = _request_id(request, "chatcmpl")
         engine.check_fits(1, req.n)  # before rendering: n alone may prove it can never fit
-        ids = await self._chat_ids(engine, req.messages, req.add_generation_prompt)
+        ids = await self._chat_ids(engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
         record.tokens_in = len(ids)
         tok = engine.engine.tokenizer
         deadline = None if req.timeout is None else time.monotonic() + req.timeout
         outputs = engine.generate_many([ids], sampling, request_id=rid, deadline=deadline, n=req.n)
         view = _ChatView(rid, self.options.model_name, record.created, req, len(ids), tok)
+        view.reasoning = self.options.reasoning_parser
         if req.stream:
             return await self._stream(
                 request, outputs, view.chunk, view.usage_chunk, req.include_usage, record, _CHAT_NAMES
@@ -416,8 +421,15 @@ class _Api:
         done = await self._collect(request, outputs, req.n, record)
         return JSONResponse(view.whole(done))
 
-    async def _chat_ids(self, engine: AsyncEngine, messages: list[Any], add_generation_prompt: bool) -> list[int]:
-        """The messages rendered by the chat template and encoded (content never a control token), metered."""
+    async def _chat_ids(
+        self,
+        engine: AsyncEngine,
+        messages: list[Any],
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The messages rendered by the chat template (with the request's `chat_template_kwargs`) and encoded
+        (content never a control token), metered."""
         template = self.options.chat_template
         if template is None:
             raise InvalidRequestError(
@@ -428,10 +440,10 @@ class _Api:
         plain = [
             {**m.model_dump(exclude_none=True), "content": "" if m.content is None else m.content} for m in messages
         ]
-        chars = sum(len(json.dumps(m)) for m in plain)
+        chars = sum(len(json.dumps(m)) for m in plain) + len(json.dumps(template_kwargs or {}))
         limits = RenderLimits(engine.max_prompt_chars, self.options.chat_template_timeout)
         return await engine.tokenize_with(
-            chars, tokenizer_jobs.chat_encode, template, plain, add_generation_prompt, limits
+            chars, tokenizer_jobs.chat_encode, template, plain, add_generation_prompt, limits, template_kwargs
         )
 
     # ------------------------------------------------------------------ running requests
@@ -717,6 +729,31 @@ class _ChatView(_Tokens):
         self.cached = 0
         self.generated: dict[int, int] = {}
         """Choice index → tokens streamed so far (for `continuous_usage_stats`)."""
+        self.reasoning: str | None = None
+        """The reasoning parser's name (None: off); its per-choice state is in `splitters`."""
+        self.splitters: dict[int, ReasoningSplitter] = {}
+
+    def _delta(self, out: RequestOutput) -> dict[str, Any]:
+        """One increment's text as a chat delta: `content`, or with a reasoning parser the `reasoning_content` and
+        `content` it has decided so far (a tag's possible start is held back until the next increment)."""
+        if self.reasoning is None:
+            return {"content": out.text_delta} if out.text_delta else {}
+        splitter = self.splitters.setdefault(out.index, ReasoningSplitter(self.reasoning))
+        reasoning, content = splitter.feed(out.text_delta)
+        if out.finished:
+            rest = splitter.finish()
+            reasoning, content = reasoning + rest[0], content + rest[1]
+        delta = {"reasoning_content": reasoning} if reasoning and self.req.include_reasoning else {}
+        return {**delta, "content": content} if content else delta
+
+    def _message(self, text: str) -> dict[str, Any]:
+        """A whole answer's message: with a reasoning parser, its block moved into `reasoning_content`."""
+        if self.reasoning is None:
+            return {"role": "assistant", "content": text}
+        reasoning, content = split_reasoning(self.reasoning, text)
+        if not self.req.include_reasoning:
+            reasoning = None
+        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
@@ -751,10 +788,11 @@ class _ChatView(_Tokens):
             role = {"index": out.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}  # fmt: skip
             chunks.append({**self._head("chat.completion.chunk"), "choices": [role]})
-        if out.text_delta or out.finished or (self.req.logprobs and out.new_token_ids):
+        delta = self._delta(out)
+        if delta or out.finished or (self.req.logprobs and out.new_token_ids):
             choice: dict[str, Any] = {
                 "index": out.index,
-                "delta": {"content": out.text_delta} if out.text_delta else {},
+                "delta": delta,
                 "logprobs": self._logprobs(out.new_token_ids, out.logprobs, out.top_logprobs),
                 "finish_reason": _FINISH.get(out.finish_reason) if out.finished else None,  # type: ignore[arg-type]
             }
@@ -783,7 +821,7 @@ class _ChatView(_Tokens):
         choices = [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": self._message(c.text),
                 "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs),
                 "finish_reason": _FINISH.get(c.finish_reason),  # type: ignore[arg-type]
                 "stop_reason": c.stop_reason,

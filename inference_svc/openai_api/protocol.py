@@ -178,6 +178,8 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's: extra variables for the chat template (`enable_thinking`); one the server sets is refused."""
+    include_reasoning: bool = True
+    """vLLM's: with a reasoning parser, whether `reasoning_content` is returned (False: the block is dropped)."""
 
     def to_sampling(self, default_max: int) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
@@ -196,6 +198,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = False
     """Prepend BOS to a text prompt (chat messages get what their template writes)."""
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
