@@ -100,7 +100,7 @@ from inference_svc.proto_convert import (
 )
 from inference_svc.proto_gen import inference_pb2 as pb
 from inference_svc.proto_gen import inference_pb2_grpc as pb_grpc
-from inference_svc.settings import ServerSettings, bare_host, host_port, read_api_keys
+from inference_svc.settings import ServerSettings, bare_host, host_port
 from inference_svc.status import status_of
 
 log = logging.getLogger(__name__)
@@ -633,8 +633,8 @@ class TandemServer:
         self.lifecycle.bind(asyncio.get_running_loop())
         interceptors: list[grpc.aio.ServerInterceptor] = []
         keys_check: ApiKeyInterceptor | None = None
-        if s.api_key_file is not None:
-            keys = read_api_keys(s.api_key_file)
+        keys = s.read_keys()
+        if keys:
 
             def denied(method: str) -> None:  # refused before any handler: its record ends here
                 record = RequestRecord("grpc", method.rsplit("/", 1)[-1], method.lstrip("/"))
@@ -676,7 +676,7 @@ class TandemServer:
             await self._start_http(keys_check)
         log.info(
             "listening on %s (tls=%s, api keys=%s), HTTP %s, metrics %s",
-            host_port(s.host, self.port), s.tls, s.api_key_file is not None,
+            host_port(s.host, self.port), s.tls, keys_check is not None,
             "off" if self.http_port is None else "on " + host_port(s.host, self.http_port),
             "off" if self.metrics_port is None else "on " + host_port(s.metrics_host, self.metrics_port),
         )  # fmt: skip

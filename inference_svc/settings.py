@@ -225,6 +225,8 @@ class ServerSettings:
     api_key_file: str | None = None
     """File with one API key per line ('#' comments and blank lines ignored). Set: every RPC but health needs
     metadata `authorization: Bearer KEY`."""
+    api_keys: tuple[str, ...] = ()
+    """API keys given directly (`--api-key KEY`, repeatable), accepted beside those of `api_key_file`."""
     warmup: bool = True
     """Run one tiny request through the engine before reporting SERVING."""
     access_log: bool = True
@@ -280,6 +282,10 @@ class ServerSettings:
         if (self.tls_cert is None) != (self.tls_key is None):
             missing = "tls_key" if self.tls_key is None else "tls_cert"
             raise SettingsError(missing, "TLS needs both --tls-cert and --tls-key")
+        if not isinstance(self.api_keys, tuple) or not all(
+            isinstance(k, str) and k and k == k.strip() and k.isprintable() for k in self.api_keys
+        ):
+            raise SettingsError("api_keys", "each key must be a non-empty printable string without surrounding spaces")
         for name in ("tls_cert", "tls_key", "api_key_file", "chat_template"):
             value = getattr(self, name)
             if value is not None and not Path(value).is_file():
@@ -288,6 +294,11 @@ class ServerSettings:
     @property
     def tls(self) -> bool:
         return self.tls_cert is not None
+
+    def read_keys(self) -> tuple[bytes, ...]:
+        """Every accepted API key: `api_keys` and the lines of `api_key_file` (read now); () when keys are off."""
+        from_file = read_api_keys(self.api_key_file) if self.api_key_file is not None else ()
+        return tuple(dict.fromkeys((*(k.encode() for k in self.api_keys), *from_file)))
 
 
 def read_api_keys(path: str | Path) -> tuple[bytes, ...]:

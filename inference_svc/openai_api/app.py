@@ -3,7 +3,8 @@
 Contract:
 - Routes: `POST /tokenize` and `POST /detokenize` (vLLM's: text or chat messages ↔ token ids),
   `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as server-sent events
-  ending in `data: [DONE]`, and `stream_options.include_usage`), `GET /v1/models`, `GET /health` (200 while the
+  ending in `data: [DONE]`, and `stream_options.include_usage`), `GET /v1/models`, `GET /v1/models/{id}` (404
+  naming `model` for an id not served), `GET /health` (200 while the
   server's `Lifecycle` is SERVING, else 503 with its state: loading, draining, stopped or broken) and
   `GET /metrics` (the service's registry, served here only when this API listens on
   the same interface as the metrics server: `--metrics-host` decides who may read metrics, whichever port).
@@ -125,6 +126,7 @@ def build_app(owner: Owner, options: ApiOptions) -> Any:
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
@@ -322,12 +324,27 @@ class _Api:
             return self._error(exc, record)
         finally:
             self.owner.access_log.finish(record)
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        """OpenAI's `GET /v1/models/{model}`: the served model's card, or 404 (`param` "model") for another id."""
+        record = self._record(request)
+        try:
+            self._authorize(request)
+            self._check_model(request.path_params["model_id"])
+        except Exception as exc:
+            return self._error(exc, record)
+        finally:
+            self.owner.access_log.finish(record)
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict[str, Any]:
         card = {"id": self.options.model_name, "object": "model", "created": self.created, "owned_by": "tandem"}
         engine = self.owner.engine
         if engine is not None:
             card["max_model_len"] = engine.engine.max_model_len
             card["tandem_load_plan"] = engine.info.load_plan.as_dicts()
-        return JSONResponse({"object": "list", "data": [card]})
+        return card
 
     # ------------------------------------------------------------------ completions
     async def completions(self, request: Request) -> Response:
