@@ -260,6 +260,12 @@ class AsyncEngine:
     async def stats(self) -> Any:
         return await self.run_in_engine(self.engine.stats)
 
+    async def embed(self, prompts: list[list[int]], pooling: Any) -> Any:
+        """`Engine.embed` on the engine thread, between two steps: [N, H] float32 pooled hidden states."""
+        if self.engine is None or not self.lifecycle.accepting:
+            raise EngineStoppedError(self.lifecycle.refusal() or "the engine is not running")
+        return await self.run_in_engine(lambda: self.engine.embed(prompts, pooling))
+
     # ------------------------------------------------------------------ requests (event loop)
     async def generate(
         self,

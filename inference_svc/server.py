@@ -75,7 +75,9 @@ from grpc_reflection.v1alpha import reflection
 from inference_svc import tokenizer_jobs
 from inference_svc.access_log import AccessLog, RequestRecord
 from inference_svc.async_engine import AsyncEngine, FaultHook
+from inference_svc.embeddings import MAX_EMBEDDING_INPUTS, embed
 from inference_svc.engine.config import EngineConfig
+from inference_svc.engine.pooling import Pooling
 from inference_svc.engine.types import Completion, EngineInfo, RequestOutput
 from inference_svc.engine_thread import EngineThread
 from inference_svc.errors import (
@@ -247,6 +249,34 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             # built where the tokenizer runs (its process, for a long text); the serializer passes the bytes on
             return await self._engine().tokenizer_work(
                 len(text), tokenizer_jobs.tokenize_response, text, request.add_bos, field="text"
+            )
+        except Exception as exc:
+            await self._fail(context, exc)
+            raise
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        try:
+            if not 1 <= len(request.inputs) <= MAX_EMBEDDING_INPUTS:
+                raise InvalidRequestError(
+                    "inputs", f"holds {len(request.inputs)} inputs; 1 to {MAX_EMBEDDING_INPUTS} are accepted"
+                )
+            inputs: list[str | list[int]] = []
+            for i, item in enumerate(request.inputs):
+                kind = item.WhichOneof("input")
+                if kind is None:
+                    raise InvalidRequestError(f"inputs[{i}]", "set text or token_ids")
+                inputs.append(item.text if kind == "text" else list(item.token_ids.ids))
+            pooling = self._owner.pooling
+            vectors, tokens = await embed(
+                self._engine(), inputs, pooling, request.dimensions or None, "inputs"
+            )  # [N, H']
+            record = _RECORD.get()
+            if record is not None:
+                record.tokens_in = tokens
+            return pb.EmbedResponse(
+                embeddings=[pb.Embedding(values=row.tolist()) for row in vectors],
+                prompt_tokens=tokens,
+                pooling=pooling.mode + ("+normalize" if pooling.normalize else ""),
             )
         except Exception as exc:
             await self._fail(context, exc)
@@ -576,6 +606,8 @@ class TandemServer:
         self.access_log = AccessLog(self.metrics, settings.access_log)
         """Ends every request's record, HTTP and gRPC: its count and its access-log line."""
         self.engine: AsyncEngine | None = None
+        self.pooling = Pooling()
+        """How embeddings are pooled: read from the model folder at `start()` (HTTP and gRPC share it)."""
         self._prebuilt_engine = engine
         self._fault_hook = fault_hook
         self._health = health.aio.HealthServicer()
@@ -631,6 +663,7 @@ class TandemServer:
         """Bind the port (health NOT_SERVING), load + warm up the engine, then SERVING."""
         s = self.settings
         self.lifecycle.bind(asyncio.get_running_loop())
+        self.pooling = Pooling.from_folder(s.model)  # a malformed declaration fails the start, naming its file
         interceptors: list[grpc.aio.ServerInterceptor] = []
         keys_check: ApiKeyInterceptor | None = None
         keys = s.read_keys()
@@ -755,6 +788,7 @@ class TandemServer:
             chat_template_timeout=s.http.chat_template_timeout,
             strict_request_fields=s.openai_api.strict_request_fields,
             reasoning_parser=s.openai_api.reasoning_parser,
+            pooling=self.pooling,
         )
         http = HttpServer(
             build_app(self, options),

@@ -41,13 +41,14 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from starlette.applications import Starlette
@@ -61,6 +62,8 @@ from inference_svc.access_log import AccessLog, RequestRecord
 from inference_svc.async_engine import MAX_REQUEST_ID_CHARS, AsyncEngine
 from inference_svc.bounded_log import log_failure
 from inference_svc.chat_template import ChatTemplate, RenderLimits
+from inference_svc.embeddings import embed
+from inference_svc.engine.pooling import Pooling
 from inference_svc.engine.types import Completion, FinishReason, RequestOutput, TokenLogprob, Usage
 from inference_svc.errors import (
     AuthenticationError,
@@ -78,6 +81,7 @@ from inference_svc.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     parse,
 )
@@ -117,6 +121,8 @@ class ApiOptions:
     """Unknown request fields get 400 (True) or are logged and ignored (False, as vLLM); see request_policy.py."""
     reasoning_parser: str | None = None
     """Chat answers' `<think>` block moved into `reasoning_content` by this parser (reasoning.py); None: off."""
+    pooling: Pooling = field(default_factory=Pooling)
+    """How `/v1/embeddings` pools the hidden states (the folder's sentence-transformers modules, else last token)."""
 
 
 def build_app(owner: Owner, options: ApiOptions) -> Any:
@@ -127,6 +133,7 @@ def build_app(owner: Owner, options: ApiOptions) -> Any:
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
+        Route("/v1/embeddings", api.embeddings, methods=["POST"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
@@ -380,6 +387,24 @@ class _Api:
             )
         done = await self._collect(request, outputs, req.n, record)
         return JSONResponse(view.whole(done))
+
+    # ------------------------------------------------------------------ embeddings
+    async def embeddings(self, request: Request) -> Response:
+        return await self._handle(request, self._embeddings, {})
+
+    async def _embeddings(self, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
+        req: EmbeddingRequest = self._parse(EmbeddingRequest, body)
+        self._check_model(req.model)
+        vectors, record.tokens_in = await embed(engine, req.inputs(), self.options.pooling, req.dimensions, "input")
+        data = []
+        for i, row in enumerate(vectors):
+            if req.encoding_format == "base64":  # little-endian float32, as OpenAI's SDK decodes it
+                value: Any = base64.b64encode(row.numpy().astype("<f4").tobytes()).decode("ascii")
+            else:
+                value = row.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        usage = {"prompt_tokens": record.tokens_in, "total_tokens": record.tokens_in}
+        return JSONResponse({"object": "list", "data": data, "model": self.options.model_name, "usage": usage})
 
     # ------------------------------------------------------------------ tokenizer (vLLM's routes)
     async def tokenize(self, request: Request) -> Response:

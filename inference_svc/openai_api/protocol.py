@@ -33,6 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from inference_svc.embeddings import MAX_EMBEDDING_INPUTS
 from inference_svc.engine.types import MAX_N, SamplingParams
 from inference_svc.errors import InvalidRequestError
 
@@ -199,6 +200,31 @@ class TokenizeRequest(BaseModel):
     """Prepend BOS to a text prompt (chat messages get what their template writes)."""
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's `POST /v1/embeddings`: `input` as a string, a list of strings, token ids or a list of token-id
+    lists; `encoding_format` float or base64 (little-endian float32); `dimensions` keeps that many components."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: str = "float"
+    dimensions: int | None = Field(None, ge=1)
+
+    def inputs(self) -> list[str | list[int]]:
+        if self.encoding_format not in ("float", "base64"):
+            raise InvalidRequestError("encoding_format", f"must be float or base64, got {self.encoding_format!r}")
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if not x:
+            raise InvalidRequestError("input", "the input list is empty")
+        if len(x) > MAX_EMBEDDING_INPUTS:
+            raise InvalidRequestError("input", f"holds {len(x)} inputs; at most {MAX_EMBEDDING_INPUTS} are accepted")
+        if all(isinstance(t, int) for t in x):
+            return [list(x)]  # type: ignore[arg-type]
+        return list(x)  # type: ignore[arg-type]
 
 
 class DetokenizeRequest(BaseModel):
