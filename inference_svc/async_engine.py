@@ -588,6 +588,10 @@ class AsyncEngine:
         try:
             if self.fault_hook is not None and live.cause is None:
                 self.fault_hook(out)
+            if out.new_token_ids and live.cause is None:  # the last increment's gap too: n tokens, n - 1 gaps
+                if live.last_emit is not None and self.metrics is not None:
+                    self.metrics.observe_inter_token(now - live.last_emit)
+                live.last_emit = now
             if out.finished:
                 self._live.pop(rid, None)
                 if out.finish_reason is FinishReason.ERROR:  # the engine logged it; the reader gets INTERNAL
@@ -597,10 +601,6 @@ class AsyncEngine:
                 return out if live.cause is None else live.cause
             if live.cause is not None:
                 return None  # aborting: wait for the engine's final increment, then raise the cause
-            if out.new_token_ids:
-                if live.last_emit is not None and self.metrics is not None:
-                    self.metrics.observe_inter_token(now - live.last_emit)
-                live.last_emit = now
             return out
         except Exception as exc:
             log.exception("request %s failed while handling its output", rid)

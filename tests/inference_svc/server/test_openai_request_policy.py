@@ -195,3 +195,27 @@ def test_guidellm_request_shape_gets_usage_in_every_chunk(http_server: ServerThr
     body["stream_options"] = {"include_usage": True}
     plain = _events(httpx.post(_base(http_server) + route, json=body, timeout=60))
     assert [("usage" in e) for e in plain] == [False] * (len(plain) - 1) + [True]
+
+
+def test_inter_token_latency_counts_every_gap_of_a_stream(chat_bundle: Path) -> None:
+    """guidellm's ITL and Tandem's agree only if Tandem observes every gap: 12 tokens one per step, 11 gaps (the
+    last increment, which also finishes the request, included)."""
+    from tests.inference_svc.server.conftest import metric_value
+
+    srv = make_server(chat_bundle, http_port=0, metrics_port=0)
+    try:
+        url = f"http://127.0.0.1:{srv.server.metrics_port}/metrics"
+
+        def gaps() -> float:
+            text = httpx.get(url, timeout=30).text
+            return metric_value(text, "tandem_inter_token_latency_seconds_count", model_name="chat-model")
+
+        before = gaps()
+        body = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                "max_tokens": 12, "ignore_eos": True, "temperature": 0, "prompt": "x",
+                "num_speculative_tokens": 0}  # fmt: skip
+        r = httpx.post(_base(srv) + "/v1/completions", json=body, timeout=60)
+        assert _events(r)[-1]["usage"]["completion_tokens"] == 12
+        assert gaps() - before == 11
+    finally:
+        srv.close()
