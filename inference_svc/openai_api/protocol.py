@@ -25,7 +25,6 @@ Contract:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import re
 from collections.abc import Callable
@@ -261,18 +260,25 @@ def parse(model: type[BaseModel], body: Any, unknown: Callable[[list[str]], None
 
 
 def _without(body: dict[str, Any], locations: list[tuple[Any, ...]]) -> dict[str, Any]:
-    """A copy of `body` without the values at these pydantic locations (union branch names in them skipped)."""
-    body = copy.deepcopy(body)
+    """`body` without the values at these pydantic locations (union branch names in them skipped). The objects on
+    the way to a removed value are copied (a prompt list beside them is shared, not copied); `body` is unchanged."""
+    body = dict(body)
     for loc in locations:
-        at: Any = body
         steps = [part for part in loc if not isinstance(part, str) or "[" not in part]
+        at: Any = body
         for part in steps[:-1]:
-            if (isinstance(at, dict) and part in at) or (
-                isinstance(at, list) and isinstance(part, int) and part < len(at)
-            ):
-                at = at[part]
-        if isinstance(at, dict):
-            at.pop(steps[-1], None)
+            if isinstance(at, dict) and isinstance(at.get(part), dict):
+                at[part] = dict(at[part])
+            elif isinstance(at, dict) and isinstance(at.get(part), list):
+                at[part] = list(at[part])
+            elif isinstance(at, list) and isinstance(part, int) and part < len(at) and isinstance(at[part], dict):
+                at[part] = dict(at[part])
+            else:
+                break
+            at = at[part]
+        else:
+            if isinstance(at, dict):
+                at.pop(steps[-1], None)
     return body
 
 
