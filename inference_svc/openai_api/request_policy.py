@@ -57,8 +57,13 @@ DEFAULT_ONLY: dict[str, Any] = {
     "add_special_tokens": False,
     "chat_template": None,
     "documents": None,
+    "bad_words": None,
+    "allowed_token_ids": None,
+    "logits_processors": None,
+    "cache_salt": None,
+    "return_token_ids": False,
 }
-"""vLLM field → the only value served (Tandem's behaviour)."""
+"""vLLM field → the only value served (Tandem's behaviour); for a None, an empty list or object is the same."""
 
 MAX_TRACKED_NAMES = 256
 MAX_NAME_CHARS = 80
@@ -94,6 +99,8 @@ class RequestPolicy:
             if served is ...:
                 continue
             value = body.get(name)
+            if served is None and value in ([], {}):
+                continue
             same = value == served and (type(value) is type(served) or (type(served) is float and type(value) is int))
             if value is not None and not same:
                 raise InvalidRequestError(name, f"only {name}={_json(served)} is served (got {_json(value)})")

@@ -100,6 +100,11 @@ def test_strict_refuses_and_default_only_fields_refuse_other_values() -> None:
     policy = RequestPolicy()
     assert policy.prepare({"prompt"}, {"prompt": "x", "store": True, "use_beam_search": False}) == {"prompt": "x"}
     assert policy.prepare({"prompt"}, {"prompt": "x", "length_penalty": 1}) == {"prompt": "x"}
+    assert policy.prepare({"prompt"}, {"prompt": "x", "bad_words": [], "cache_salt": None}) == {"prompt": "x"}
+    for field, value in [("bad_words", ["x"]), ("cache_salt", "tenant-a"), ("allowed_token_ids", [1, 2])]:
+        with pytest.raises(InvalidRequestError) as err:
+            policy.prepare({"prompt"}, {"prompt": "x", field: value})
+        assert err.value.field == field
     with pytest.raises(InvalidRequestError) as err:
         policy.prepare({"prompt"}, {"prompt": "x", "use_beam_search": True})
     assert err.value.field == "use_beam_search"
