@@ -62,6 +62,7 @@ DEFAULT_ONLY: dict[str, Any] = {
     "logits_processors": None,
     "cache_salt": None,
     "return_token_ids": False,
+    "modalities": ["text"],  # OpenAI's: text is the only output; audio is refused
 }
 """vLLM field → the only value served (Tandem's behaviour); for a None, an empty list or object is the same."""
 

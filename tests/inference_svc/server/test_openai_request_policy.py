@@ -101,7 +101,9 @@ def test_strict_refuses_and_default_only_fields_refuse_other_values() -> None:
     assert policy.prepare({"prompt"}, {"prompt": "x", "store": True, "use_beam_search": False}) == {"prompt": "x"}
     assert policy.prepare({"prompt"}, {"prompt": "x", "length_penalty": 1}) == {"prompt": "x"}
     assert policy.prepare({"prompt"}, {"prompt": "x", "bad_words": [], "cache_salt": None}) == {"prompt": "x"}
-    for field, value in [("bad_words", ["x"]), ("cache_salt", "tenant-a"), ("allowed_token_ids", [1, 2])]:
+    assert policy.prepare({"prompt"}, {"prompt": "x", "modalities": ["text"]}) == {"prompt": "x"}
+    for field, value in [("bad_words", ["x"]), ("cache_salt", "tenant-a"), ("allowed_token_ids", [1, 2]),
+                         ("modalities", ["text", "audio"])]:  # fmt: skip
         with pytest.raises(InvalidRequestError) as err:
             policy.prepare({"prompt"}, {"prompt": "x", field: value})
         assert err.value.field == field
@@ -119,7 +121,7 @@ def test_sdk_fields_that_change_nothing_are_accepted(http_server: ServerThread) 
         hinted = client.chat.completions.create(
             model="chat-model", messages=MESSAGES, max_tokens=6, temperature=0, store=True,
             metadata={"team": "a"}, service_tier="auto", reasoning_effort="low", user="u1",
-            prompt_cache_key="k", extra_body={"priority": 3, "skip_special_tokens": True},
+            prompt_cache_key="k", modalities=["text"], extra_body={"priority": 3, "skip_special_tokens": True},
         )  # fmt: skip
         assert hinted.choices[0].message.content == plain.choices[0].message.content
         done = client.completions.create(
