@@ -183,3 +183,5 @@ def test_grpc_embed_equals_http(last_server: ServerThread, qwen3_folder: Path) -
         torch.tensor([list(cut.embeddings[0].values)]), torch.nn.functional.normalize(want[:1, :8], dim=-1),
         atol=1e-4, rtol=0,
     )  # fmt: skip
+    with last_server.client() as client:  # the Python client's spelling of the same call
+        torch.testing.assert_close(torch.tensor(client.embed([*IDS, TEXTS[0]])), want, atol=1e-4, rtol=0)
