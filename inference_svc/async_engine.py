@@ -260,6 +260,12 @@ class AsyncEngine:
     async def stats(self) -> Any:
         return await self.run_in_engine(self.engine.stats)
 
+    async def embed(self, prompts: list[list[int]], pooling: Any) -> Any:
+        """`Engine.embed` on the engine thread, between two steps: [N, H] float32 pooled hidden states."""
+        if self.engine is None or not self.lifecycle.accepting:
+            raise EngineStoppedError(self.lifecycle.refusal() or "the engine is not running")
+        return await self.run_in_engine(lambda: self.engine.embed(prompts, pooling))
+
     # ------------------------------------------------------------------ requests (event loop)
     async def generate(
         self,
@@ -582,6 +588,10 @@ class AsyncEngine:
         try:
             if self.fault_hook is not None and live.cause is None:
                 self.fault_hook(out)
+            if out.new_token_ids and live.cause is None:  # the last increment's gap too: n tokens, n - 1 gaps
+                if live.last_emit is not None and self.metrics is not None:
+                    self.metrics.observe_inter_token(now - live.last_emit)
+                live.last_emit = now
             if out.finished:
                 self._live.pop(rid, None)
                 if out.finish_reason is FinishReason.ERROR:  # the engine logged it; the reader gets INTERNAL
@@ -591,10 +601,6 @@ class AsyncEngine:
                 return out if live.cause is None else live.cause
             if live.cause is not None:
                 return None  # aborting: wait for the engine's final increment, then raise the cause
-            if out.new_token_ids:
-                if live.last_emit is not None and self.metrics is not None:
-                    self.metrics.observe_inter_token(now - live.last_emit)
-                live.last_emit = now
             return out
         except Exception as exc:
             log.exception("request %s failed while handling its output", rid)

@@ -1,7 +1,9 @@
 """`tandem serve` and `tandem generate` (called by `shared_model.cli` with the remaining argv; return exit codes).
 
 Contract:
-- `serve_main` parses flags into `ServerSettings` + `EngineConfig` (an invalid value exits 2 naming the flag), binds
+- `serve_main` parses flags (the model folder positional, as `vllm serve DIR`, or `--model`; both given and
+  different is an error; no flag is taken by a prefix of its name, so `--api-key` never means `--api-key-file`)
+  into `ServerSettings` + `EngineConfig` (an invalid value exits 2 naming the flag), binds
   the gRPC port (loopback unless --host says otherwise; health NOT_SERVING while the model loads), and once the
   model is loaded and warmed up prints `tandem serve: listening on HOST:PORT` and `tandem serve: SERVING ...`.
   /metrics binds `--metrics-host` (loopback by default), never `--host` implicitly. IPv6 hosts are taken with or
@@ -35,10 +37,12 @@ from inference_svc.engine.config import (
     EngineConfig,
 )
 from inference_svc.errors import InferenceError
+from inference_svc.openai_api.reasoning import REASONING_PARSERS
 from inference_svc.settings import (
     METRIC_NAMES,
     AdmissionLimits,
     HttpLimits,
+    OpenAIApiSettings,
     ScaleOutSettings,
     ServerSettings,
     host_port,
@@ -81,6 +85,8 @@ HTTP_FLAGS = FlagSpec(
 """`HttpLimits` fields as `tandem serve` flags (the connection bounds spelled with the `--http-` prefix)."""
 SCALE_OUT_FLAGS = FlagSpec(choices={"metrics_names": METRIC_NAMES})
 """Every `ScaleOutSettings` field is a `tandem serve` flag (`--metrics-names`, ...)."""
+OPENAI_API_FLAGS = FlagSpec(choices={"reasoning_parser": REASONING_PARSERS})
+"""Every `OpenAIApiSettings` field is a `tandem serve` flag (`--strict-request-fields`, ...)."""
 
 
 # ---------------------------------------------------------------------------------------- serve
@@ -88,8 +94,12 @@ def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tandem serve",
         description="Serve a model over gRPC (tandem.inference.v1) and the OpenAI-compatible HTTP API.",
+        allow_abbrev=False,  # a prefix is never another flag: --api-key is not --api-key-file
     )
-    p.add_argument("--model", required=True, help="Tandem bundle or Hugging Face Llama/Qwen2/Qwen3 folder")
+    p.add_argument(
+        "model_path", nargs="?", default=None, metavar="MODEL", help="the model folder (as `vllm serve DIR`)"
+    )
+    p.add_argument("--model", default=None, help="Tandem bundle or Hugging Face Llama/Qwen2/Qwen3 folder")
     p.add_argument("--host", default="127.0.0.1", help="gRPC interface to bind, IPv4 or IPv6 (default: loopback)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     p.add_argument(
@@ -112,6 +122,8 @@ def _serve_parser() -> argparse.ArgumentParser:
     add_flags(p.add_argument_group("HTTP limits (inference_svc.settings.HttpLimits)"), HttpLimits, HTTP_FLAGS)
     add_flags(p.add_argument_group("scale-out (inference_svc.settings.ScaleOutSettings)"), ScaleOutSettings,
               SCALE_OUT_FLAGS)  # fmt: skip
+    add_flags(p.add_argument_group("OpenAI API (inference_svc.settings.OpenAIApiSettings)"), OpenAIApiSettings,
+              OPENAI_API_FLAGS)  # fmt: skip
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-queue", type=int, default=256, help="most requests waiting for their first token")
     lim.add_argument("--max-queue-tokens", type=int, default=262144, help="most prompt tokens waiting, summed")
@@ -127,6 +139,14 @@ def _serve_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: serve TLS only)")
     sec.add_argument("--tls-key", default=None, help="PEM private key")
     sec.add_argument("--api-key-file", default=None, help="file with one API key per line")
+    sec.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="an API key (repeatable; with --api-key-file, any key of either is accepted). It shows in the process "
+        "list: prefer --api-key-file where others share the machine",
+    )
     p.add_argument("--no-warmup", action="store_true", help="report SERVING without a warm-up request")
     skip = frozenset(f.name for f in dataclasses.fields(ServerSettings)) - SERVER_DERIVED
     add_flags(p.add_argument_group("logging"), ServerSettings, FlagSpec(skip=skip))
@@ -151,6 +171,11 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
     """Parse `tandem serve` flags; raises SystemExit(2) with the flag named on an invalid value."""
     parser = _serve_parser()
     args = parser.parse_args(list(argv))
+    if args.model is not None and args.model_path is not None and args.model != args.model_path:
+        parser.error(f"the model folder is given twice, differently: {args.model_path!r} and --model {args.model!r}")
+    args.model = args.model or args.model_path
+    if args.model is None:
+        parser.error("a model folder is required: tandem serve DIR (or --model DIR)")
     try:
         settings = ServerSettings(
             model=args.model,
@@ -173,9 +198,11 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             api_key_file=args.api_key_file,
+            api_keys=tuple(args.api_key),
             warmup=not args.no_warmup,
             **{name: getattr(args, name) for name in SERVER_DERIVED},
             scale_out=from_args(ScaleOutSettings, args),
+            openai_api=from_args(OpenAIApiSettings, args),
         )
         engine_config = from_args(EngineConfig, args, dtype=_resolve_dtype(args.dtype, args.device))
     except (InferenceError, ValueError) as exc:

@@ -14,6 +14,7 @@ Contract:
   `timing`. Stopping the iteration (or `close()`) cancels the RPC; the
   server frees the request's KV blocks at its next engine step.
 - `build_request` turns keyword arguments into a `GenerateRequest`; unset sampling fields take server defaults.
+- `embed(inputs, dimensions=0)` returns the `Embed` RPC's vectors as lists of floats, one per input, in order.
 """
 
 from __future__ import annotations
@@ -76,6 +77,15 @@ def build_request(prompt: str | Sequence[int], request_id: str = "", **sampling:
     if isinstance(prompt, str):
         return pb.GenerateRequest(request_id=request_id, prompt=prompt, sampling=params)
     return pb.GenerateRequest(request_id=request_id, prompt_token_ids=pb.TokenIds(ids=list(prompt)), sampling=params)
+
+
+def embed_request(inputs: Sequence[str | Sequence[int]], dimensions: int = 0) -> pb.EmbedRequest:
+    """An `EmbedRequest` for texts and token-id lists."""
+    items = [
+        pb.EmbedInput(text=x) if isinstance(x, str) else pb.EmbedInput(token_ids=pb.TokenIds(ids=list(x)))
+        for x in inputs
+    ]
+    return pb.EmbedRequest(inputs=items, dimensions=dimensions)
 
 
 def _credentials(
@@ -205,6 +215,13 @@ class TandemClient(_Base):
     def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         return self._unary(self.stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
 
+    def embed(
+        self, inputs: Sequence[str | Sequence[int]], *, dimensions: int = 0, timeout: float | None = None
+    ) -> list[list[float]]:
+        """One vector per input (a text, or token ids), in order; `dimensions` > 0 keeps that many components."""
+        response = self._unary(self.stub.Embed, embed_request(inputs, dimensions), timeout)
+        return [list(e.values) for e in response.embeddings]
+
     def health(self, service: str = "", *, timeout: float = 5.0) -> str:
         """'SERVING', 'NOT_SERVING', ... (health is never behind the API key)."""
         resp = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -292,6 +309,13 @@ class AsyncTandemClient(_Base):
 
     async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         return await self._unary(self.stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+
+    async def embed(
+        self, inputs: Sequence[str | Sequence[int]], *, dimensions: int = 0, timeout: float | None = None
+    ) -> list[list[float]]:
+        """One vector per input (a text, or token ids), in order; `dimensions` > 0 keeps that many components."""
+        response = await self._unary(self.stub.Embed, embed_request(inputs, dimensions), timeout)
+        return [list(e.values) for e in response.embeddings]
 
     async def health(self, service: str = "", *, timeout: float = 5.0) -> str:
         resp = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

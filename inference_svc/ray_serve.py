@@ -179,6 +179,7 @@ class TandemReplica:
             max_request_bytes=settings.max_request_bytes,
             body_timeout=settings.http_body_timeout,
             chat_template=ChatTemplate.from_folder(model, settings.chat_template),
+            pooling=self.server.pooling,
         )
         self.app = build_openai_app(self.server, options)
         log.info("replica %s serving %s", self.replica_id, model)

@@ -75,7 +75,9 @@ from grpc_reflection.v1alpha import reflection
 from inference_svc import tokenizer_jobs
 from inference_svc.access_log import AccessLog, RequestRecord
 from inference_svc.async_engine import AsyncEngine, FaultHook
+from inference_svc.embeddings import MAX_EMBEDDING_INPUTS, embed
 from inference_svc.engine.config import EngineConfig
+from inference_svc.engine.pooling import Pooling
 from inference_svc.engine.types import Completion, EngineInfo, RequestOutput
 from inference_svc.engine_thread import EngineThread
 from inference_svc.errors import (
@@ -100,7 +102,7 @@ from inference_svc.proto_convert import (
 )
 from inference_svc.proto_gen import inference_pb2 as pb
 from inference_svc.proto_gen import inference_pb2_grpc as pb_grpc
-from inference_svc.settings import ServerSettings, bare_host, host_port, read_api_keys
+from inference_svc.settings import ServerSettings, bare_host, host_port
 from inference_svc.status import status_of
 
 log = logging.getLogger(__name__)
@@ -247,6 +249,34 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             # built where the tokenizer runs (its process, for a long text); the serializer passes the bytes on
             return await self._engine().tokenizer_work(
                 len(text), tokenizer_jobs.tokenize_response, text, request.add_bos, field="text"
+            )
+        except Exception as exc:
+            await self._fail(context, exc)
+            raise
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        try:
+            if not 1 <= len(request.inputs) <= MAX_EMBEDDING_INPUTS:
+                raise InvalidRequestError(
+                    "inputs", f"holds {len(request.inputs)} inputs; 1 to {MAX_EMBEDDING_INPUTS} are accepted"
+                )
+            inputs: list[str | list[int]] = []
+            for i, item in enumerate(request.inputs):
+                kind = item.WhichOneof("input")
+                if kind is None:
+                    raise InvalidRequestError(f"inputs[{i}]", "set text or token_ids")
+                inputs.append(item.text if kind == "text" else list(item.token_ids.ids))
+            pooling = self._owner.pooling
+            vectors, tokens = await embed(
+                self._engine(), inputs, pooling, request.dimensions or None, "inputs"
+            )  # [N, H']
+            record = _RECORD.get()
+            if record is not None:
+                record.tokens_in = tokens
+            return pb.EmbedResponse(
+                embeddings=[pb.Embedding(values=row.tolist()) for row in vectors],
+                prompt_tokens=tokens,
+                pooling=pooling.mode + ("+normalize" if pooling.normalize else ""),
             )
         except Exception as exc:
             await self._fail(context, exc)
@@ -576,6 +606,8 @@ class TandemServer:
         self.access_log = AccessLog(self.metrics, settings.access_log)
         """Ends every request's record, HTTP and gRPC: its count and its access-log line."""
         self.engine: AsyncEngine | None = None
+        self.pooling = Pooling()
+        """How embeddings are pooled: read from the model folder at `start()` (HTTP and gRPC share it)."""
         self._prebuilt_engine = engine
         self._fault_hook = fault_hook
         self._health = health.aio.HealthServicer()
@@ -631,10 +663,11 @@ class TandemServer:
         """Bind the port (health NOT_SERVING), load + warm up the engine, then SERVING."""
         s = self.settings
         self.lifecycle.bind(asyncio.get_running_loop())
+        self.pooling = Pooling.from_folder(s.model)  # a malformed declaration fails the start, naming its file
         interceptors: list[grpc.aio.ServerInterceptor] = []
         keys_check: ApiKeyInterceptor | None = None
-        if s.api_key_file is not None:
-            keys = read_api_keys(s.api_key_file)
+        keys = s.read_keys()
+        if keys:
 
             def denied(method: str) -> None:  # refused before any handler: its record ends here
                 record = RequestRecord("grpc", method.rsplit("/", 1)[-1], method.lstrip("/"))
@@ -676,7 +709,7 @@ class TandemServer:
             await self._start_http(keys_check)
         log.info(
             "listening on %s (tls=%s, api keys=%s), HTTP %s, metrics %s",
-            host_port(s.host, self.port), s.tls, s.api_key_file is not None,
+            host_port(s.host, self.port), s.tls, keys_check is not None,
             "off" if self.http_port is None else "on " + host_port(s.host, self.http_port),
             "off" if self.metrics_port is None else "on " + host_port(s.metrics_host, self.metrics_port),
         )  # fmt: skip
@@ -753,6 +786,9 @@ class TandemServer:
             check_key=check,
             chat_template=ChatTemplate.from_folder(s.model, s.chat_template),
             chat_template_timeout=s.http.chat_template_timeout,
+            strict_request_fields=s.openai_api.strict_request_fields,
+            reasoning_parser=s.openai_api.reasoning_parser,
+            pooling=self.pooling,
         )
         http = HttpServer(
             build_app(self, options),

@@ -10,7 +10,8 @@ Contract:
 - Metrics are exposed on `metrics_host` (loopback by default), never implicitly on the gRPC `host`: /metrics is
   plaintext and unauthenticated, so making it reachable from elsewhere is an explicit choice.
 - `ScaleOutSettings` (a section of `ServerSettings`) holds what a replica publishes for routers: the metric
-  families (`metrics_names`) and the KV-cache event stream.
+  families (`metrics_names`) and the KV-cache event stream. `OpenAIApiSettings` (another section) holds the
+  OpenAI-compatible API's request-field policy and output parsers.
 - Nothing here reads files' contents or opens sockets; `server.py` does that.
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from inference_svc.errors import InferenceError
+from inference_svc.openai_api.reasoning import REASONING_PARSERS
 
 if TYPE_CHECKING:
     from inference_svc.kv_events import KVEventsConfig
@@ -158,6 +160,28 @@ class HttpLimits:
 
 
 @dataclass(frozen=True)
+class OpenAIApiSettings:
+    """How the OpenAI-compatible HTTP API treats request fields and model output (docs/api.md)."""
+
+    strict_request_fields: bool = False
+    """Answer a request field the API does not know with 400 naming it, instead of ignoring it and naming it once in
+    the log (vLLM's behaviour, the default)."""
+
+    reasoning_parser: str | None = None
+    """Move a chat answer's <think>...</think> block into message.reasoning_content (delta.reasoning_content when
+    streaming): qwen3 (a block the output opens) or deepseek_r1 (the template opened it); None: off, the block stays
+    in the content (see inference_svc/openai_api/reasoning.py)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strict_request_fields, bool):
+            raise SettingsError("strict_request_fields", f"must be true or false, got {self.strict_request_fields!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise SettingsError(
+                "reasoning_parser", f"must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
+            )
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     """How `tandem serve` listens, protects itself and shuts down."""
 
@@ -201,6 +225,8 @@ class ServerSettings:
     api_key_file: str | None = None
     """File with one API key per line ('#' comments and blank lines ignored). Set: every RPC but health needs
     metadata `authorization: Bearer KEY`."""
+    api_keys: tuple[str, ...] = ()
+    """API keys given directly (`--api-key KEY`, repeatable), accepted beside those of `api_key_file`."""
     warmup: bool = True
     """Run one tiny request through the engine before reporting SERVING."""
     access_log: bool = True
@@ -211,6 +237,8 @@ class ServerSettings:
     own name."""
     scale_out: ScaleOutSettings = field(default_factory=ScaleOutSettings)
     """Metric names and KV-cache events for routers in front of several replicas."""
+    openai_api: OpenAIApiSettings = field(default_factory=OpenAIApiSettings)
+    """Request-field policy and output parsing of the OpenAI-compatible API."""
 
     @property
     def model_name(self) -> str:
@@ -238,6 +266,8 @@ class ServerSettings:
             raise SettingsError("http", "must be an HttpLimits")
         if not isinstance(self.scale_out, ScaleOutSettings):
             raise SettingsError("scale_out", "must be a ScaleOutSettings")
+        if not isinstance(self.openai_api, OpenAIApiSettings):
+            raise SettingsError("openai_api", "must be an OpenAIApiSettings")
         _check_int("max_request_bytes", self.max_request_bytes, 1024)
         if self.max_request_bytes * 4 > 2**31 - 1:
             raise SettingsError("max_request_bytes", "must be below 512 MiB")
@@ -252,6 +282,10 @@ class ServerSettings:
         if (self.tls_cert is None) != (self.tls_key is None):
             missing = "tls_key" if self.tls_key is None else "tls_cert"
             raise SettingsError(missing, "TLS needs both --tls-cert and --tls-key")
+        if not isinstance(self.api_keys, tuple) or not all(
+            isinstance(k, str) and k and k == k.strip() and k.isprintable() for k in self.api_keys
+        ):
+            raise SettingsError("api_keys", "each key must be a non-empty printable string without surrounding spaces")
         for name in ("tls_cert", "tls_key", "api_key_file", "chat_template"):
             value = getattr(self, name)
             if value is not None and not Path(value).is_file():
@@ -260,6 +294,11 @@ class ServerSettings:
     @property
     def tls(self) -> bool:
         return self.tls_cert is not None
+
+    def read_keys(self) -> tuple[bytes, ...]:
+        """Every accepted API key: `api_keys` and the lines of `api_key_file` (read now); () when keys are off."""
+        from_file = read_api_keys(self.api_key_file) if self.api_key_file is not None else ()
+        return tuple(dict.fromkeys((*(k.encode() for k in self.api_keys), *from_file)))
 
 
 def read_api_keys(path: str | Path) -> tuple[bytes, ...]:

@@ -16,7 +16,8 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
-from inference_svc.chat_template import ChatTemplate, RenderLimits
+from inference_svc.chat_template import KWARGS_FIELD, ChatTemplate, RenderLimits
+from inference_svc.errors import InvalidRequestError
 from inference_svc.proto_gen import inference_pb2 as pb
 from shared_model.tokenizer import Tokenizer
 
@@ -63,9 +64,15 @@ def chat_encode(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     limits: RenderLimits | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """The ids of `messages` rendered by `template` within `limits`; content text never becomes a control token."""
-    return template.encode(messages, tokenizer, add_generation_prompt=add_generation_prompt, limits=limits)[1]
+    """The ids of `messages` rendered by `template` within `limits`, with the request's extra template variables
+    (`chat_template_kwargs`); content text never becomes a control token."""
+    extra = dict(template_kwargs or {})
+    for key in ("add_generation_prompt", "limits"):  # encode's own parameters: never template variables
+        if key in extra:
+            raise InvalidRequestError(f"{KWARGS_FIELD}.{key}", "is set by the server, not by the request")
+    return template.encode(messages, tokenizer, add_generation_prompt=add_generation_prompt, limits=limits, **extra)[1]
 
 
 OFF_LOOP = frozenset({chat_encode})

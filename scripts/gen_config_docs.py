@@ -147,7 +147,13 @@ def render() -> str:
     from inference_svc.bench.cli import build_parser as bench_parser
     from inference_svc.cli import _serve_parser
     from inference_svc.engine.config import EngineConfig
-    from inference_svc.settings import AdmissionLimits, HttpLimits, ScaleOutSettings, ServerSettings
+    from inference_svc.settings import (
+        AdmissionLimits,
+        HttpLimits,
+        OpenAIApiSettings,
+        ScaleOutSettings,
+        ServerSettings,
+    )
     from lt_plugins.config import TrainConfig
 
     lines = [
@@ -164,7 +170,8 @@ def render() -> str:
         "  `tandem train --config configs/tiny-cpu.yaml trainer.max_steps=50 strategy.stage=3`.",
         "  Unknown keys and wrong types are errors naming the key.",
         "- Serving: `tandem serve` flags, which build `ServerSettings` + `AdmissionLimits` + `HttpLimits` +",
-        "  `ScaleOutSettings` (`inference_svc/settings.py`) and `EngineConfig` (`inference_svc/engine/config.py`).",
+        "  `ScaleOutSettings` + `OpenAIApiSettings` (`inference_svc/settings.py`) and `EngineConfig`",
+        "  (`inference_svc/engine/config.py`).",
         "  Invalid values exit 2 naming the flag.",
         "- Load benchmark: `tandem bench` flags.",
         "- Deployment: the environment variables of `docker-compose.yml` (see docs/deployment.md).",
@@ -184,7 +191,7 @@ def render() -> str:
         lines += dataclass_table(cls, prefix=f"{f.name}.", yaml_style=True)
     lines += ["", "## Serving (`tandem serve`)", "", "### Flags", ""]
     lines += parser_table(_serve_parser())
-    for cls in (ServerSettings, AdmissionLimits, HttpLimits, ScaleOutSettings, EngineConfig):
+    for cls in (ServerSettings, AdmissionLimits, HttpLimits, ScaleOutSettings, OpenAIApiSettings, EngineConfig):
         lines += ["", f"### `{cls.__name__}` (`{cls.__module__}`)", "", " ".join((cls.__doc__ or "").split()), ""]
         lines += dataclass_table(cls)
     lines += ["", "## Load benchmark (`tandem bench`)", ""]

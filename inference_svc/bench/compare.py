@@ -74,9 +74,9 @@ PRESETS: dict[str, list[str]] = {
 
 DEFAULT_CONFIGS = "fp32,bf16,int8,int4,no-chunked"
 DEFAULT_STREAMS = "1,16"
-RESERVED = ("model", "host", "port", "http_port", "no_http", "metrics_port", "metrics_host", "no_metrics")
+RESERVED = ("model", "model_path", "host", "port", "http_port", "no_http", "metrics_port", "metrics_host", "no_metrics")
 """`tandem serve` settings the comparison sets itself."""
-REFUSED = ("tls_cert", "tls_key", "api_key_file")
+REFUSED = ("tls_cert", "tls_key", "api_key_file", "api_key")
 """Settings its client cannot follow."""
 PROG = "tandem bench --compare"
 

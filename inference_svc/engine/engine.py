@@ -48,6 +48,7 @@ from inference_svc.engine.detokenizer import IncrementalDetokenizer
 from inference_svc.engine.draft_model import DraftModelProposer
 from inference_svc.engine.kv_cache import ledger_dtype_name, resolve_kv_dtype
 from inference_svc.engine.model_runner import ModelRunner, ScheduledSeq
+from inference_svc.engine.pooling import Pooling
 from inference_svc.engine.rejection import verify
 from inference_svc.engine.sampler import Emitted, Sampler, SampleRequest
 from inference_svc.engine.scheduler import Scheduler, StepEvent
@@ -403,6 +404,13 @@ class Engine:
         if bad:
             raise InvalidRequestError("prompt_token_ids", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         return ids
+
+    def embed(self, prompts: list[list[int]], pooling: Pooling) -> torch.Tensor:
+        """[N, H] float32 pooled final-norm hidden states of these token-id prompts (`ModelRunner.embed`: prompt-only
+        forwards, batched within `max_num_batched_tokens`). Every prompt is checked first (`InvalidRequestError`
+        naming `prompt_token_ids`); no KV block or scheduler state is touched, so it may run between steps."""
+        checked = [self._prompt_ids(p) for p in prompts]
+        return self.runner.embed(checked, pooling, self.config.max_num_batched_tokens)
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request at the next step. False if it is unknown or already finished."""

@@ -37,6 +37,7 @@ from inference_svc.attention.paged import AttentionMetadata, PagedAttentionFacto
 from inference_svc.attention.torch_ops import is_torch_ops, torch_ops
 from inference_svc.engine.kv_cache import KVCache
 from inference_svc.engine.logprobs import ROWS_PER_PIECE, token_logprobs
+from inference_svc.engine.pooling import Pooling
 from inference_svc.engine.sequence import Sequence
 from inference_svc.engine.types import MAX_SPECULATIVE_TOKENS, TokenLogprob
 from shared_model.compiled import CompiledDecoder
@@ -189,6 +190,31 @@ class ModelRunner:
         self._track_workspace(hidden.shape[0], logits.shape[0])
         prompt = {p.item: self._prompt_logprobs(hidden, p) for p in prompt_rows}
         return StepLogits(logits, prompt)
+
+    @torch.inference_mode()
+    def embed(self, prompts: Seq[list[int]], pooling: Pooling, max_tokens: int) -> torch.Tensor:
+        """[N, H] float32: each prompt's final-norm hidden states pooled by `pooling`. Prompt-only forwards: no KV
+        cache is read or written and nothing is sampled. Prompts run in right-padded batches of similar lengths,
+        at most `max_tokens` padded positions each (a longer prompt runs alone); causal attention keeps every
+        row's real positions independent of the padding after them."""
+        out = torch.empty(len(prompts), self.config.hidden_size, dtype=torch.float32)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and (end - start + 1) * len(prompts[order[end]]) <= max_tokens:
+                end += 1
+            rows = order[start:end]
+            width = len(prompts[rows[-1]])
+            ids = torch.zeros(len(rows), width, dtype=torch.int64)  # [B, T], right-padded with id 0
+            for b, i in enumerate(rows):
+                ids[b, : len(prompts[i])] = torch.tensor(prompts[i], dtype=torch.int64)
+            lengths = torch.tensor([len(prompts[i]) for i in rows], device=self.device)  # [B]
+            positions = torch.arange(width, device=self.device).expand(len(rows), width)  # [B, T]
+            hidden = self.model.hidden_states(ids.to(self.device), positions)  # [B, T, H]
+            out[rows] = pooling.pool(hidden, lengths).cpu()
+            start = end
+        return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, p: _PromptRows) -> list[TokenLogprob]:
         out: list[TokenLogprob] = []

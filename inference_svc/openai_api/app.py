@@ -3,7 +3,8 @@
 Contract:
 - Routes: `POST /tokenize` and `POST /detokenize` (vLLM's: text or chat messages ↔ token ids),
   `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as server-sent events
-  ending in `data: [DONE]`, and `stream_options.include_usage`), `GET /v1/models`, `GET /health` (200 while the
+  ending in `data: [DONE]`, and `stream_options.include_usage`), `GET /v1/models`, `GET /v1/models/{id}` (404
+  naming `model` for an id not served), `GET /health` (200 while the
   server's `Lifecycle` is SERVING, else 503 with its state: loading, draining, stopped or broken) and
   `GET /metrics` (the service's registry, served here only when this API listens on
   the same interface as the metrics server: `--metrics-host` decides who may read metrics, whichever port).
@@ -40,13 +41,14 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from starlette.applications import Starlette
@@ -60,6 +62,8 @@ from inference_svc.access_log import AccessLog, RequestRecord
 from inference_svc.async_engine import MAX_REQUEST_ID_CHARS, AsyncEngine
 from inference_svc.bounded_log import log_failure
 from inference_svc.chat_template import ChatTemplate, RenderLimits
+from inference_svc.embeddings import embed
+from inference_svc.engine.pooling import Pooling
 from inference_svc.engine.types import Completion, FinishReason, RequestOutput, TokenLogprob, Usage
 from inference_svc.errors import (
     AuthenticationError,
@@ -77,9 +81,13 @@ from inference_svc.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     parse,
 )
+from inference_svc.openai_api.reasoning import ReasoningSplitter
+from inference_svc.openai_api.reasoning import split as split_reasoning
+from inference_svc.openai_api.request_policy import RequestPolicy
 from inference_svc.status import status_of
 
 log = logging.getLogger(__name__)
@@ -109,6 +117,12 @@ class ApiOptions:
     chat_template: ChatTemplate | None = None
     chat_template_timeout: float = 5.0
     """Seconds one render of the chat template may take (it writes at most the characters the context can hold)."""
+    strict_request_fields: bool = False
+    """Unknown request fields get 400 (True) or are logged and ignored (False, as vLLM); see request_policy.py."""
+    reasoning_parser: str | None = None
+    """Chat answers' `<think>` block moved into `reasoning_content` by this parser (reasoning.py); None: off."""
+    pooling: Pooling = field(default_factory=Pooling)
+    """How `/v1/embeddings` pools the hidden states (the folder's sentence-transformers modules, else last token)."""
 
 
 def build_app(owner: Owner, options: ApiOptions) -> Any:
@@ -118,6 +132,8 @@ def build_app(owner: Owner, options: ApiOptions) -> Any:
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
+        Route("/v1/embeddings", api.embeddings, methods=["POST"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
@@ -187,8 +203,13 @@ class _Api:
         self.owner = owner
         self.options = options
         self.created = int(time.time())
+        self.policy = RequestPolicy(options.strict_request_fields)
 
     # ------------------------------------------------------------------ plumbing
+    def _parse(self, model: type[Any], body: Any) -> Any:
+        """`body` validated as `model` under the request policy (ignored, default-only and unknown fields)."""
+        return parse(model, self.policy.prepare(model.model_fields, body), self.policy.unknown)
+
     def _error(self, exc: BaseException, record: RequestRecord) -> JSONResponse:
         """`exc` as OpenAI's error response; recorded as the request's outcome (counted when the record ends), and
         logged, with its traceback, only when it is INTERNAL."""
@@ -310,12 +331,27 @@ class _Api:
             return self._error(exc, record)
         finally:
             self.owner.access_log.finish(record)
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        """OpenAI's `GET /v1/models/{model}`: the served model's card, or 404 (`param` "model") for another id."""
+        record = self._record(request)
+        try:
+            self._authorize(request)
+            self._check_model(request.path_params["model_id"])
+        except Exception as exc:
+            return self._error(exc, record)
+        finally:
+            self.owner.access_log.finish(record)
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict[str, Any]:
         card = {"id": self.options.model_name, "object": "model", "created": self.created, "owned_by": "tandem"}
         engine = self.owner.engine
         if engine is not None:
             card["max_model_len"] = engine.engine.max_model_len
             card["tandem_load_plan"] = engine.info.load_plan.as_dicts()
-        return JSONResponse({"object": "list", "data": [card]})
+        return card
 
     # ------------------------------------------------------------------ completions
     async def completions(self, request: Request) -> Response:
@@ -324,7 +360,7 @@ class _Api:
         )
 
     async def _completions(self, request: Request, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
-        req: CompletionRequest = parse(CompletionRequest, body)
+        req: CompletionRequest = self._parse(CompletionRequest, body)
         self._check_model(req.model)
         sampling = req.to_sampling(16)
         rid = record.request_id = _request_id(request, "cmpl")
@@ -352,17 +388,35 @@ class _Api:
         done = await self._collect(request, outputs, req.n, record)
         return JSONResponse(view.whole(done))
 
+    # ------------------------------------------------------------------ embeddings
+    async def embeddings(self, request: Request) -> Response:
+        return await self._handle(request, self._embeddings, {})
+
+    async def _embeddings(self, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
+        req: EmbeddingRequest = self._parse(EmbeddingRequest, body)
+        self._check_model(req.model)
+        vectors, record.tokens_in = await embed(engine, req.inputs(), self.options.pooling, req.dimensions, "input")
+        data = []
+        for i, row in enumerate(vectors):
+            if req.encoding_format == "base64":  # little-endian float32, as OpenAI's SDK decodes it
+                value: Any = base64.b64encode(row.numpy().astype("<f4").tobytes()).decode("ascii")
+            else:
+                value = row.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        usage = {"prompt_tokens": record.tokens_in, "total_tokens": record.tokens_in}
+        return JSONResponse({"object": "list", "data": data, "model": self.options.model_name, "usage": usage})
+
     # ------------------------------------------------------------------ tokenizer (vLLM's routes)
     async def tokenize(self, request: Request) -> Response:
         return await self._handle(request, self._tokenize, {})
 
     async def _tokenize(self, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
-        req: TokenizeRequest = parse(TokenizeRequest, body)
+        req: TokenizeRequest = self._parse(TokenizeRequest, body)
         self._check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("prompt", "send either prompt (text) or messages")
         if req.messages is not None:
-            ids = await self._chat_ids(engine, req.messages, req.add_generation_prompt)
+            ids = await self._chat_ids(engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
         else:
             text = req.prompt or ""
             ids = await engine.tokenize_with(
@@ -374,7 +428,7 @@ class _Api:
         return await self._handle(request, self._detokenize, {})
 
     async def _detokenize(self, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
-        req: DetokenizeRequest = parse(DetokenizeRequest, body)
+        req: DetokenizeRequest = self._parse(DetokenizeRequest, body)
         self._check_model(req.model)
         vocab = engine.engine.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -390,17 +444,18 @@ class _Api:
         )
 
     async def _chat(self, request: Request, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
-        req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
+        req: ChatCompletionRequest = self._parse(ChatCompletionRequest, body)
         self._check_model(req.model)
         sampling = req.to_sampling(engine.engine.config.max_new_tokens_limit)
         rid = record.request_id = _request_id(request, "chatcmpl")
         engine.check_fits(1, req.n)  # before rendering: n alone may prove it can never fit
-        ids = await self._chat_ids(engine, req.messages, req.add_generation_prompt)
+        ids = await self._chat_ids(engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
         record.tokens_in = len(ids)
         tok = engine.engine.tokenizer
         deadline = None if req.timeout is None else time.monotonic() + req.timeout
         outputs = engine.generate_many([ids], sampling, request_id=rid, deadline=deadline, n=req.n)
         view = _ChatView(rid, self.options.model_name, record.created, req, len(ids), tok)
+        view.reasoning = self.options.reasoning_parser
         if req.stream:
             return await self._stream(
                 request, outputs, view.chunk, view.usage_chunk, req.include_usage, record, _CHAT_NAMES
@@ -408,8 +463,15 @@ class _Api:
         done = await self._collect(request, outputs, req.n, record)
         return JSONResponse(view.whole(done))
 
-    async def _chat_ids(self, engine: AsyncEngine, messages: list[Any], add_generation_prompt: bool) -> list[int]:
-        """The messages rendered by the chat template and encoded (content never a control token), metered."""
+    async def _chat_ids(
+        self,
+        engine: AsyncEngine,
+        messages: list[Any],
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The messages rendered by the chat template (with the request's `chat_template_kwargs`) and encoded
+        (content never a control token), metered."""
         template = self.options.chat_template
         if template is None:
             raise InvalidRequestError(
@@ -420,10 +482,10 @@ class _Api:
         plain = [
             {**m.model_dump(exclude_none=True), "content": "" if m.content is None else m.content} for m in messages
         ]
-        chars = sum(len(json.dumps(m)) for m in plain)
+        chars = sum(len(json.dumps(m)) for m in plain) + len(json.dumps(template_kwargs or {}))
         limits = RenderLimits(engine.max_prompt_chars, self.options.chat_template_timeout)
         return await engine.tokenize_with(
-            chars, tokenizer_jobs.chat_encode, template, plain, add_generation_prompt, limits
+            chars, tokenizer_jobs.chat_encode, template, plain, add_generation_prompt, limits, template_kwargs
         )
 
     # ------------------------------------------------------------------ running requests
@@ -569,6 +631,11 @@ def _usage(prompt: int, completions: Sequence[Usage], cached: int) -> dict[str, 
     return out
 
 
+def _running_usage(prompt: int, completion: int) -> dict[str, int]:
+    """The usage a stream chunk carries under `continuous_usage_stats`: its choice's prompt and tokens so far."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
@@ -605,6 +672,8 @@ class _CompletionView(_Tokens):
         self.finals: dict[int, Usage] = {}
         """Completion index → its final usage."""
         self.cached: dict[int, int] = {}
+        self.generated: dict[int, int] = {}
+        """Completion index → tokens streamed so far (for `continuous_usage_stats`)."""
 
     def _head(self) -> dict[str, Any]:
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model}
@@ -658,7 +727,11 @@ class _CompletionView(_Tokens):
             self.cached[p] = out.usage.cached_prompt_tokens
         if not text and not out.finished and not out.new_token_ids:
             return []
-        return [{**self._head(), "choices": [choice]}]
+        body = {**self._head(), "choices": [choice]}
+        if self.req.continuous_usage:  # vLLM's: the usage of this choice so far
+            self.generated[idx] = self.generated.get(idx, 0) + len(out.new_token_ids)
+            body["usage"] = _running_usage(len(self.prompts[p]), self.generated[idx])
+        return [body]
 
     def _usage(self, completions: Sequence[Usage], cached: int) -> dict[str, Any]:
         prompt = sum(len(ids) for ids in self.prompts)
@@ -696,6 +769,33 @@ class _ChatView(_Tokens):
         self.finals: dict[int, Usage] = {}
         """Choice index → its final usage."""
         self.cached = 0
+        self.generated: dict[int, int] = {}
+        """Choice index → tokens streamed so far (for `continuous_usage_stats`)."""
+        self.reasoning: str | None = None
+        """The reasoning parser's name (None: off); its per-choice state is in `splitters`."""
+        self.splitters: dict[int, ReasoningSplitter] = {}
+
+    def _delta(self, out: RequestOutput) -> dict[str, Any]:
+        """One increment's text as a chat delta: `content`, or with a reasoning parser the `reasoning_content` and
+        `content` it has decided so far (a tag's possible start is held back until the next increment)."""
+        if self.reasoning is None:
+            return {"content": out.text_delta} if out.text_delta else {}
+        splitter = self.splitters.setdefault(out.index, ReasoningSplitter(self.reasoning))
+        reasoning, content = splitter.feed(out.text_delta)
+        if out.finished:
+            rest = splitter.finish()
+            reasoning, content = reasoning + rest[0], content + rest[1]
+        delta = {"reasoning_content": reasoning} if reasoning and self.req.include_reasoning else {}
+        return {**delta, "content": content} if content else delta
+
+    def _message(self, text: str) -> dict[str, Any]:
+        """A whole answer's message: with a reasoning parser, its block moved into `reasoning_content`."""
+        if self.reasoning is None:
+            return {"role": "assistant", "content": text}
+        reasoning, content = split_reasoning(self.reasoning, text)
+        if not self.req.include_reasoning:
+            reasoning = None
+        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
@@ -730,10 +830,11 @@ class _ChatView(_Tokens):
             role = {"index": out.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}  # fmt: skip
             chunks.append({**self._head("chat.completion.chunk"), "choices": [role]})
-        if out.text_delta or out.finished or (self.req.logprobs and out.new_token_ids):
+        delta = self._delta(out)
+        if delta or out.finished or (self.req.logprobs and out.new_token_ids):
             choice: dict[str, Any] = {
                 "index": out.index,
-                "delta": {"content": out.text_delta} if out.text_delta else {},
+                "delta": delta,
                 "logprobs": self._logprobs(out.new_token_ids, out.logprobs, out.top_logprobs),
                 "finish_reason": _FINISH.get(out.finish_reason) if out.finished else None,  # type: ignore[arg-type]
             }
@@ -742,6 +843,11 @@ class _ChatView(_Tokens):
                 self.finals[out.index] = out.usage
                 self.cached = out.usage.cached_prompt_tokens
             chunks.append({**self._head("chat.completion.chunk"), "choices": [choice]})
+        if self.req.continuous_usage:  # vLLM's: every chunk carries the usage of its choice so far
+            self.generated[out.index] = self.generated.get(out.index, 0) + len(out.new_token_ids)
+            for c in chunks:  # the role chunk, when there is one, comes before any token
+                tokens = 0 if "role" in c["choices"][0]["delta"] else self.generated[out.index]
+                c["usage"] = _running_usage(self.prompt_tokens, tokens)
         return chunks
 
     def usage_chunk(self) -> dict[str, Any]:
@@ -757,7 +863,7 @@ class _ChatView(_Tokens):
         choices = [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": self._message(c.text),
                 "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs),
                 "finish_reason": _FINISH.get(c.finish_reason),  # type: ignore[arg-type]
                 "stop_reason": c.stop_reason,

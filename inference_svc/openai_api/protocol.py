@@ -15,8 +15,10 @@ Contract:
     two keys name one id), to biases in [-100, 100];
   - token ids (a token-id `prompt`, `stop_token_ids`, `/detokenize`'s `tokens`) are JSON integers: `true` is not
     a token id.
-- Unknown fields are refused (a typo must not silently change nothing). Fields OpenAI has that Tandem does not
-  serve (`tools`, `response_format`, `suffix`, ...) are refused by name with a 400 that says so.
+- Unknown fields are refused by `parse`, unless the caller passes `unknown` (the server's `RequestPolicy`, which
+  by default logs and drops them, as vLLM does). Fields OpenAI has that Tandem does not serve (`tools`,
+  `response_format`, `suffix`, ...) are refused by name with a 400 that says so.
+- `stream_options.continuous_usage_stats` (vLLM's) and `chat_template_kwargs` (vLLM's) are served; see app.py.
 - Every refusal is `InvalidRequestError` whose `field` is the request parameter (`messages[0].content`), turned into
   OpenAI's error shape by the app. Nothing here touches the engine.
 """
@@ -25,10 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from inference_svc.embeddings import MAX_EMBEDDING_INPUTS
 from inference_svc.engine.types import MAX_N, SamplingParams
 from inference_svc.errors import InvalidRequestError
 
@@ -47,6 +51,10 @@ _CANONICAL_ID = re.compile(r"0|[1-9][0-9]*")
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: with `include_usage`, every chunk also carries the usage of its choice so far."""
+    include_obfuscation: bool | None = None
+    """OpenAI's stream padding against side channels; accepted and ignored (no padding is added)."""
 
 
 class _Common(BaseModel):
@@ -124,6 +132,11 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM's `continuous_usage_stats`, which needs `include_usage` there too)."""
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
@@ -163,6 +176,10 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: extra variables for the chat template (`enable_thinking`); one the server sets is refused."""
+    include_reasoning: bool = True
+    """vLLM's: with a reasoning parser, whether `reasoning_content` is returned (False: the block is dropped)."""
 
     def to_sampling(self, default_max: int) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
@@ -181,6 +198,32 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = False
     """Prepend BOS to a text prompt (chat messages get what their template writes)."""
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's `POST /v1/embeddings`: `input` as a string, a list of strings, token ids or a list of token-id
+    lists; `encoding_format` float or base64 (little-endian float32); `dimensions` keeps that many components."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: str = "float"
+    dimensions: int | None = Field(None, ge=1)
+
+    def inputs(self) -> list[str | list[int]]:
+        if self.encoding_format not in ("float", "base64"):
+            raise InvalidRequestError("encoding_format", f"must be float or base64, got {self.encoding_format!r}")
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if not x:
+            raise InvalidRequestError("input", "the input list is empty")
+        if len(x) > MAX_EMBEDDING_INPUTS:
+            raise InvalidRequestError("input", f"holds {len(x)} inputs; at most {MAX_EMBEDDING_INPUTS} are accepted")
+        if all(isinstance(t, int) for t in x):
+            return [list(x)]  # type: ignore[arg-type]
+        return list(x)  # type: ignore[arg-type]
 
 
 class DetokenizeRequest(BaseModel):
@@ -193,8 +236,10 @@ def _with(params: SamplingParams, **changes: Any) -> SamplingParams:
     return dataclasses.replace(params, **changes)
 
 
-def parse(model: type[BaseModel], body: Any) -> Any:
-    """Validate a decoded JSON body; raise `InvalidRequestError` naming the first wrong parameter."""
+def parse(model: type[BaseModel], body: Any, unknown: Callable[[list[str]], None] | None = None) -> Any:
+    """Validate a decoded JSON body; raise `InvalidRequestError` naming the first wrong parameter. Fields the model
+    does not declare are refused, or, when `unknown` is given, passed to it by name (`stream_options.x`; it may
+    raise) and dropped."""
     if not isinstance(body, dict):
         raise InvalidRequestError("body", "the request body must be a JSON object")
     for name in UNSUPPORTED:
@@ -203,11 +248,38 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
+        extra = [e["loc"] for e in exc.errors() if e.get("type") == "extra_forbidden"]
+        if unknown is not None and extra:
+            unknown([_param(loc) for loc in extra])
+            return parse(model, _without(body, extra))
         err = exc.errors()[0]
         field = _param(err.get("loc", ()))
         if err.get("type") == "extra_forbidden":
             raise InvalidRequestError(field, f"unknown parameter '{field}'") from None
         raise InvalidRequestError(field, str(err.get("msg", "invalid value"))) from None
+
+
+def _without(body: dict[str, Any], locations: list[tuple[Any, ...]]) -> dict[str, Any]:
+    """`body` without the values at these pydantic locations (union branch names in them skipped). The objects on
+    the way to a removed value are copied (a prompt list beside them is shared, not copied); `body` is unchanged."""
+    body = dict(body)
+    for loc in locations:
+        steps = [part for part in loc if not isinstance(part, str) or "[" not in part]
+        at: Any = body
+        for part in steps[:-1]:
+            if isinstance(at, dict) and isinstance(at.get(part), dict):
+                at[part] = dict(at[part])
+            elif isinstance(at, dict) and isinstance(at.get(part), list):
+                at[part] = list(at[part])
+            elif isinstance(at, list) and isinstance(part, int) and part < len(at) and isinstance(at[part], dict):
+                at[part] = dict(at[part])
+            else:
+                break
+            at = at[part]
+        else:
+            if isinstance(at, dict):
+                at.pop(steps[-1], None)
+    return body
 
 
 def _param(loc: tuple[Any, ...]) -> str:

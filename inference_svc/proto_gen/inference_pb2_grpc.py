@@ -54,6 +54,11 @@ class InferenceStub:
                 request_serializer=tandem_dot_inference_dot_v1_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=tandem_dot_inference_dot_v1_dot_inference__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tandem.inference.v1.Inference/Embed',
+                request_serializer=tandem_dot_inference_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tandem_dot_inference_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -88,6 +93,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings: each input's final-norm hidden states pooled as the model folder declares (sentence-transformers'
+        modules.json; else the last token, L2-normalized), batched through the serving engine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +123,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=tandem_dot_inference_dot_v1_dot_inference__pb2.GetModelInfoRequest.FromString,
                     response_serializer=tandem_dot_inference_dot_v1_dot_inference__pb2.ModelInfo.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=tandem_dot_inference_dot_v1_dot_inference__pb2.EmbedRequest.FromString,
+                    response_serializer=tandem_dot_inference_dot_v1_dot_inference__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +238,33 @@ class Inference:
             '/tandem.inference.v1.Inference/GetModelInfo',
             tandem_dot_inference_dot_v1_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
             tandem_dot_inference_dot_v1_dot_inference__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.inference.v1.Inference/Embed',
+            tandem_dot_inference_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+            tandem_dot_inference_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,7 +17,7 @@ def test_call_through_reflection_alone(server) -> None:
         assert "grpc.health.v1.Health" in db.get_services()
         pool = descriptor_pool.DescriptorPool(db)
         service = pool.FindServiceByName(SERVICE)
-        assert {m.name for m in service.methods} == {"Generate", "GenerateStream", "Tokenize", "GetModelInfo"}
+        assert {m.name for m in service.methods} == {"Generate", "GenerateStream", "Tokenize", "GetModelInfo", "Embed"}
 
         def rpc(method_name: str, request_json: dict, streaming: bool = False):
             method = service.FindMethodByName(method_name)

@@ -213,7 +213,7 @@ def test_async_sdk_whole_and_streamed_agree(http_server: ServerThread) -> None:
         ("/v1/completions", {"prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
         ("/v1/completions", {"prompt": "x", "logprobs": 9}, 400, "logprobs"),
-        ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+        ("/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
         ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
         ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
