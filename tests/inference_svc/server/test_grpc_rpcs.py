@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import time
 import urllib.request
 
 from inference_svc import tokenizer_jobs
@@ -145,8 +146,16 @@ def test_metrics_endpoint(bundle_dir) -> None:
             list(c.generate_stream(PROMPT, max_new_tokens=4, ignore_eos=True))
             with contextlib.suppress(Exception):
                 c.generate(PROMPT, max_new_tokens=0)
-        body = urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_port}/metrics", timeout=10).read()
-        text = body.decode()
+        url = f"http://127.0.0.1:{srv.server.metrics_port}/metrics"
+        # a call's outcome is counted when its RPC completes (a gRPC done-callback), which may run just after the
+        # client has its answer: scrape until the refused call is counted (bounded)
+        deadline = time.monotonic() + 30
+        while True:
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            counted = 'code="INVALID_ARGUMENT"' in text
+            if counted or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         for name in (
             "tandem_time_to_first_token_seconds_bucket",
             "tandem_time_per_output_token_seconds_count",
