@@ -15,8 +15,13 @@ Contract:
     two keys name one id), to biases in [-100, 100];
   - token ids (a token-id `prompt`, `stop_token_ids`, `/detokenize`'s `tokens`) are JSON integers: `true` is not
     a token id.
+- Structured outputs: OpenAI's `response_format` (`text`, `json_object`, `json_schema` with `name`, `schema`,
+  `strict`), vLLM's `structured_outputs` object (exactly one of `json`, `regex`, `choice`, `grammar`,
+  `json_object`) and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` become one
+  `StructuredOutput` naming the parameter it came from (a grammar the engine cannot compile is a 400 naming it);
+  two of them in one request is a 400.
 - Unknown fields are refused (a typo must not silently change nothing). Fields OpenAI has that Tandem does not
-  serve (`tools`, `response_format`, `suffix`, ...) are refused by name with a 400 that says so.
+  serve (`tools`, `suffix`, ...) are refused by name with a 400 that says so.
 - Every refusal is `InvalidRequestError` whose `field` is the request parameter (`messages[0].content`), turned into
   OpenAI's error shape by the app. Nothing here touches the engine.
 """
@@ -24,18 +29,18 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from inference_svc.engine.types import MAX_N, SamplingParams
+from inference_svc.engine.types import MAX_N, SamplingParams, StructuredOutput
 from inference_svc.errors import InvalidRequestError
 
 UNSUPPORTED = (
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
-    "audio", "modalities", "prediction", "suffix", "web_search_options", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "structured_outputs",
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+    "audio", "modalities", "prediction", "suffix", "web_search_options",
 )  # fmt: skip
 """OpenAI (and vLLM) fields outside this server's scope: a request that sets one gets a 400 naming it."""
 
@@ -47,6 +52,43 @@ _CANONICAL_ID = re.compile(r"0|[1-9][0-9]*")
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    """Accepted: the output always follows the schema; an object without `additionalProperties` admits no others."""
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _schema_text(value: dict[str, Any] | str, param: str) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(param, f"the JSON schema is not valid JSON: {exc}") from None
+    return json.dumps(value)
 
 
 class _Common(BaseModel):
@@ -81,6 +123,51 @@ class _Common(BaseModel):
     num_speculative_tokens: int | None = None
     """Speculative decoding for this request: at most this many prompt-lookup drafts per step (0: off); None: the
     server's setting. The output is unchanged by it (greedy) or keeps its distribution (sampled)."""
+    # structured outputs (OpenAI's, vLLM's, vLLM's older names)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        """The one output constraint this request sets (see the module docstring), or None."""
+        found: list[StructuredOutput] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(StructuredOutput("json_object", "", "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise InvalidRequestError("response_format.json_schema", "json_schema needs a 'schema'")
+            spec = _schema_text(rf.json_schema.schema_, "response_format.json_schema.schema")
+            found.append(StructuredOutput("json", spec, "response_format"))
+        so = self.structured_outputs
+        if so is not None:
+            p = "structured_outputs"
+            set_ = [
+                k for k in ("json_", "regex", "choice", "grammar", "json_object") if getattr(so, k) not in (None, False)
+            ]
+            if len(set_) != 1:
+                raise InvalidRequestError(p, "set exactly one of json, regex, choice, grammar, json_object")
+            found.append(self._one(set_[0].rstrip("_"), getattr(so, set_[0]), f"{p}.{set_[0].rstrip('_')}"))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                found.append(self._one(kind, value, f"guided_{kind}"))
+        if len(found) > 1:
+            raise InvalidRequestError(found[1].param, f"only one output constraint per request (also {found[0].param})")
+        return found[0] if found else None
+
+    @staticmethod
+    def _one(kind: str, value: Any, param: str) -> StructuredOutput:
+        if kind == "json":
+            return StructuredOutput("json", _schema_text(value, param), param)
+        if kind == "json_object":
+            return StructuredOutput("json_object", "", param)
+        if kind == "choice":
+            return StructuredOutput("choice", json.dumps(value), param)
+        return StructuredOutput(kind, value, param)
 
     def sampling(self, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
@@ -117,6 +204,7 @@ class _Common(BaseModel):
             "logit_bias": bias,
             "min_tokens": self.min_tokens,
             "num_speculative_tokens": self.num_speculative_tokens,
+            "structured": self.structured(),
         }
         return SamplingParams(**kwargs)
 
