@@ -753,6 +753,7 @@ class TandemServer:
             check_key=check,
             chat_template=ChatTemplate.from_folder(s.model, s.chat_template),
             chat_template_timeout=s.http.chat_template_timeout,
+            tool_call_parser=s.tool_call_parser,
         )
         http = HttpServer(
             build_app(self, options),

@@ -63,9 +63,13 @@ def chat_encode(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     limits: RenderLimits | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The ids of `messages` rendered by `template` within `limits`; content text never becomes a control token."""
-    return template.encode(messages, tokenizer, add_generation_prompt=add_generation_prompt, limits=limits)[1]
+    """The ids of `messages` rendered by `template` within `limits` (with the request's `tools`, as transformers
+    passes them); content text never becomes a control token."""
+    return template.encode(
+        messages, tokenizer, add_generation_prompt=add_generation_prompt, limits=limits, with_tools=tools
+    )[1]
 
 
 OFF_LOOP = frozenset({chat_encode})

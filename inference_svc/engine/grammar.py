@@ -10,7 +10,9 @@ Contract:
   Kinds: "json" (a JSON schema; objects without `additionalProperties` admit no others, as OpenAI's strict mode;
   compact separators, so a model cannot pad the document with whitespace forever), "json_object" (any JSON
   object), "regex", "choice" (one of a list of strings, exactly), "grammar" (EBNF with a `root` rule, as xgrammar
-  reads it; a text without `::=` is read as Lark).
+  reads it; a text without `::=` is read as Lark), "tool_calls" (1..max_calls tool calls in the "hermes"
+  (`<tool_call>\n{"name", "arguments"}\n</tool_call>`, joined by a newline) or "llama3_json" (`{"name",
+  "parameters"}`, joined by "; ") format, each call's arguments valid for its function's JSON schema).
 - Special tokens (the tokenizer's control tokens) are never allowed by a grammar; the stop ids (EOS) only where
   the grammar accepts. Ids past the tokenizer's vocabulary (a padded embedding) are never allowed.
 - `ConstrainedDecoding` owns the matchers: `add(request_id, so)` when a request enters the engine, `forget` when it
@@ -113,6 +115,32 @@ class GrammarCompiler:
             self._xgr.Grammar.from_ebnf(text.replace(_LENGTH_CLASS, _JSON_CHAR)) if _LENGTH_CLASS in text else grammar
         )
 
+    def _tool_calls_grammar(self, spec: dict[str, Any]) -> Any:
+        """1..max_calls calls, in the format's framing, of any of the functions (each with its own schema)."""
+        g = self._xgr.Grammar
+        hermes = spec["format"] == "hermes"
+        key = "arguments" if hermes else "parameters"
+
+        def lit(text: str) -> Any:
+            return g.from_ebnf(f"root ::= {json.dumps(text)}")
+
+        bodies = []
+        for f in spec["functions"]:
+            schema = {
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
+                "required": ["name", key],
+                "additionalProperties": False,
+            }
+            bodies.append(self._json_grammar(json.dumps(schema)))
+        body = bodies[0] if len(bodies) == 1 else g.union(*bodies)
+        call = g.concat(lit("<tool_call>\n"), body, lit("\n</tool_call>")) if hermes else body
+        sep = lit("\n" if hermes else "; ")
+        options = [call]
+        for _ in range(1, int(spec["max_calls"])):
+            options.append(g.concat(options[-1], sep, call))
+        return options[0] if len(options) == 1 else g.union(*options)
+
     def _compile(self, so: StructuredOutput) -> Any:
         c = self._compiler
         try:
@@ -136,6 +164,8 @@ class GrammarCompiler:
                     raise InvalidRequestError(so.param, "choice: an empty string cannot be produced")
                 alts = " | ".join(json.dumps(x, ensure_ascii=False) for x in dict.fromkeys(choices))
                 return c.compile_grammar(f"root ::= {alts}")
+            if so.kind == "tool_calls":
+                return c.compile_grammar(self._tool_calls_grammar(json.loads(so.spec)))
             if "::=" in so.spec:
                 return c.compile_grammar(so.spec)
             return c.compile_lark(so.spec)

@@ -43,7 +43,7 @@ MAX_SPECULATIVE_TOKENS = 16
 """Most drafted tokens one verify step of speculative decoding scores."""
 MAX_GRAMMAR_CHARS = 65536
 """Longest structured-output specification (a JSON schema, regex, choice list or grammar), in characters."""
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
 
 
 class FinishReason(str, enum.Enum):
@@ -65,7 +65,9 @@ class StructuredOutput:
 
     kind: "json" (spec: a JSON schema, as JSON text), "json_object" (any JSON object; spec ignored), "regex" (spec:
     a regular expression the whole output matches), "choice" (spec: a JSON list of strings, the output one of them)
-    or "grammar" (spec: an EBNF grammar with a `root` rule, or a Lark grammar when it has no `::=`). `param` is the
+    or "grammar" (spec: an EBNF grammar with a `root` rule, or a Lark grammar when it has no `::=`), or "tool_calls"
+    (spec: JSON `{"format", "functions": [{"name", "parameters"}], "max_calls"}`: tool calls in a model family's
+    format, `openai_api.tool_calls.grammar_spec`). `param` is the
     request parameter it came from (`response_format`, `structured_outputs`, ...), named in errors."""
 
     kind: str

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -72,7 +73,7 @@ from inference_svc.errors import (
 )
 from inference_svc.lifecycle import Lifecycle, State
 from inference_svc.metrics import ServiceMetrics
-from inference_svc.openai_api import json_body
+from inference_svc.openai_api import json_body, tool_calls
 from inference_svc.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -109,6 +110,8 @@ class ApiOptions:
     chat_template: ChatTemplate | None = None
     chat_template_timeout: float = 5.0
     """Seconds one render of the chat template may take (it writes at most the characters the context can hold)."""
+    tool_call_parser: str | None = None
+    """How tool calls are read from chat output (`openai_api.tool_calls.PARSERS`); None: not at all."""
 
 
 def build_app(owner: Owner, options: ApiOptions) -> Any:
@@ -393,14 +396,29 @@ class _Api:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, body)
         self._check_model(req.model)
         sampling = req.to_sampling(engine.engine.config.max_new_tokens_limit)
+        tools, tool_mode, forced = req.tool_setup()
+        parser = self.options.tool_call_parser
+        if tool_mode != "none":
+            if parser is None:
+                raise InvalidRequestError(
+                    "tool_choice", "this server parses no tool calls (start it with --tool-call-parser); use 'none'"
+                )
+            if tool_mode == "forced":  # the whole answer is calls, their arguments valid for the schemas
+                if sampling.structured is not None:
+                    raise InvalidRequestError(
+                        "tool_choice", f"cannot be forced together with {sampling.structured.param}"
+                    )
+                grammar = tool_calls.grammar_spec(parser, tools or [], forced, req.parallel_tool_calls)
+                sampling = dataclasses.replace(sampling, structured=grammar)
         rid = record.request_id = _request_id(request, "chatcmpl")
         engine.check_fits(1, req.n)  # before rendering: n alone may prove it can never fit
-        ids = await self._chat_ids(engine, req.messages, req.add_generation_prompt)
+        ids = await self._chat_ids(engine, req.messages, req.add_generation_prompt, tools)
         record.tokens_in = len(ids)
         tok = engine.engine.tokenizer
         deadline = None if req.timeout is None else time.monotonic() + req.timeout
         outputs = engine.generate_many([ids], sampling, request_id=rid, deadline=deadline, n=req.n)
-        view = _ChatView(rid, self.options.model_name, record.created, req, len(ids), tok)
+        view = _ChatView(rid, self.options.model_name, record.created, req, len(ids), tok,
+                         parser if tool_mode != "none" else None)  # fmt: skip
         if req.stream:
             return await self._stream(
                 request, outputs, view.chunk, view.usage_chunk, req.include_usage, record, _CHAT_NAMES
@@ -408,7 +426,9 @@ class _Api:
         done = await self._collect(request, outputs, req.n, record)
         return JSONResponse(view.whole(done))
 
-    async def _chat_ids(self, engine: AsyncEngine, messages: list[Any], add_generation_prompt: bool) -> list[int]:
+    async def _chat_ids(
+        self, engine: AsyncEngine, messages: list[Any], add_generation_prompt: bool, tools: list | None = None
+    ) -> list[int]:
         """The messages rendered by the chat template and encoded (content never a control token), metered."""
         template = self.options.chat_template
         if template is None:
@@ -418,12 +438,15 @@ class _Api:
                 "start the server with --chat-template FILE, or use /v1/completions",
             )
         plain = [
-            {**m.model_dump(exclude_none=True), "content": "" if m.content is None else m.content} for m in messages
+            _with_argument_objects(
+                {**m.model_dump(exclude_none=True), "content": "" if m.content is None else m.content}
+            )
+            for m in messages
         ]
-        chars = sum(len(json.dumps(m)) for m in plain)
+        chars = sum(len(json.dumps(m)) for m in plain) + len(json.dumps(tools or []))
         limits = RenderLimits(engine.max_prompt_chars, self.options.chat_template_timeout)
         return await engine.tokenize_with(
-            chars, tokenizer_jobs.chat_encode, template, plain, add_generation_prompt, limits
+            chars, tokenizer_jobs.chat_encode, template, plain, add_generation_prompt, limits, tools
         )
 
     # ------------------------------------------------------------------ running requests
@@ -573,6 +596,26 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's `tool_calls` with each `function.arguments` JSON string read into an object, as chat
+    templates (Qwen3's, Llama 3.1's) expect them (an argument string that is not a JSON object stays as it is)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    fixed = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                args = json.loads(fn["arguments"])
+            except json.JSONDecodeError:
+                args = None
+            if isinstance(args, dict):
+                call = {**call, "function": {**fn, "arguments": args}}
+        fixed.append(call)
+    return {**message, "tool_calls": fixed}
+
+
 async def _disconnected(request: Request) -> None:
     """Return when the client disconnects (the body has been read: the next ASGI message is the disconnect)."""
     while True:
@@ -689,9 +732,14 @@ class _ChatView(_Tokens):
     """`/v1/chat/completions` JSON for one request."""
 
     def __init__(self, rid: str, model: str, created: int, req: ChatCompletionRequest, prompt_tokens: int,
-                 tokenizer: Any) -> None:  # fmt: skip
+                 tokenizer: Any, tool_parser: str | None = None) -> None:  # fmt: skip
         super().__init__(tokenizer)
         self.rid, self.model, self.created, self.req, self.prompt_tokens = rid, model, created, req, prompt_tokens
+        self.tool_parser = tool_parser
+        """Tool calls are parsed out of the text (`openai_api.tool_calls`), None: the text is all content."""
+        self.tool_streams: dict[int, tool_calls.ToolCallStream] = {}
+        self.tool_counts: dict[int, int] = {}
+        """Choice index → the tool calls streamed so far."""
         self.started: set[int] = set()
         self.finals: dict[int, Usage] = {}
         """Choice index → its final usage."""
@@ -730,12 +778,27 @@ class _ChatView(_Tokens):
             role = {"index": out.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}  # fmt: skip
             chunks.append({**self._head("chat.completion.chunk"), "choices": [role]})
-        if out.text_delta or out.finished or (self.req.logprobs and out.new_token_ids):
+        text, calls = out.text_delta, []
+        if self.tool_parser is not None:
+            stream = self.tool_streams.setdefault(out.index, tool_calls.ToolCallStream(self.tool_parser))
+            text, calls = stream.feed(out.text_delta)
+            if out.finished:
+                rest, more = stream.finish()
+                text, calls = text + rest, calls + more
+        if text or calls or out.finished or (self.req.logprobs and out.new_token_ids):
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if calls:
+                first = self.tool_counts.get(out.index, 0)
+                self.tool_counts[out.index] = first + len(calls)
+                delta["tool_calls"] = [{"index": first + k, **c} for k, c in enumerate(calls)]
+            finish = _FINISH.get(out.finish_reason) if out.finished else None  # type: ignore[arg-type]
+            if finish == "stop" and self.tool_counts.get(out.index):
+                finish = "tool_calls"
             choice: dict[str, Any] = {
                 "index": out.index,
-                "delta": {"content": out.text_delta} if out.text_delta else {},
+                "delta": delta,
                 "logprobs": self._logprobs(out.new_token_ids, out.logprobs, out.top_logprobs),
-                "finish_reason": _FINISH.get(out.finish_reason) if out.finished else None,  # type: ignore[arg-type]
+                "finish_reason": finish,
             }
             if out.finished:
                 choice["stop_reason"] = out.stop_reason
@@ -743,6 +806,15 @@ class _ChatView(_Tokens):
                 self.cached = out.usage.cached_prompt_tokens
             chunks.append({**self._head("chat.completion.chunk"), "choices": [choice]})
         return chunks
+
+    def _message(self, text: str) -> dict[str, Any]:
+        """The assistant message of one choice: its tool calls parsed out of the text when a parser is on."""
+        if self.tool_parser is None:
+            return {"role": "assistant", "content": text}
+        content, calls = tool_calls.parse(self.tool_parser, text)
+        if not calls:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": content, "tool_calls": calls}
 
     def usage_chunk(self) -> dict[str, Any]:
         return {
@@ -757,12 +829,15 @@ class _ChatView(_Tokens):
         choices = [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": self._message(c.text),
                 "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs),
                 "finish_reason": _FINISH.get(c.finish_reason),  # type: ignore[arg-type]
                 "stop_reason": c.stop_reason,
             }
             for c in done
         ]
+        for choice in choices:
+            if choice["message"].get("tool_calls") and choice["finish_reason"] == "stop":
+                choice["finish_reason"] = "tool_calls"
         usage = self._usage([c.usage for c in done])
         return {**self._head("chat.completion"), "choices": choices, "usage": usage}

@@ -20,8 +20,11 @@ Contract:
   `json_object`) and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` become one
   `StructuredOutput` naming the parameter it came from (a grammar the engine cannot compile is a 400 naming it);
   two of them in one request is a 400.
+- Tool calling (chat): `tools` (OpenAI's function tools: a name of 1-64 letters, digits, `_` or `-`, a JSON-schema
+  `parameters` object), `tool_choice` (`none`, `auto`, `required`, or `{"type": "function", "function": {"name"}}`
+  naming one of the tools), `parallel_tool_calls`; `ChatCompletionRequest.tool_setup()` checks them together.
 - Unknown fields are refused (a typo must not silently change nothing). Fields OpenAI has that Tandem does not
-  serve (`tools`, `suffix`, ...) are refused by name with a 400 that says so.
+  serve (`functions`, `suffix`, ...) are refused by name with a 400 that says so.
 - Every refusal is `InvalidRequestError` whose `field` is the request parameter (`messages[0].content`), turned into
   OpenAI's error shape by the app. Nothing here touches the engine.
 """
@@ -39,8 +42,7 @@ from inference_svc.engine.types import MAX_N, SamplingParams, StructuredOutput
 from inference_svc.errors import InvalidRequestError
 
 UNSUPPORTED = (
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-    "audio", "modalities", "prediction", "suffix", "web_search_options",
+    "functions", "function_call", "audio", "modalities", "prediction", "suffix", "web_search_options",
 )  # fmt: skip
 """OpenAI (and vLLM) fields outside this server's scope: a request that sets one gets a 400 naming it."""
 
@@ -244,6 +246,31 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class _FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -251,6 +278,27 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_setup(self) -> tuple[list[dict[str, Any]] | None, str, str | None]:
+        """(the tools as the template gets them, or None; "none", "auto" or "forced"; the forced function's name,
+        None for any of them)."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none", "auto"):
+                raise InvalidRequestError("tool_choice", "needs tools")
+            return None, "none", None
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("tools", "two tools have the same name")
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        choice = self.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise InvalidRequestError("tool_choice", f"no tool is named {choice.function.name!r}")
+            return tools, "forced", choice.function.name
+        return tools, "forced" if choice == "required" else choice, None
 
     def to_sampling(self, default_max: int) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
