@@ -175,3 +175,17 @@ def test_grpc_structured_output(http_server: ServerThread) -> None:
             c.generate("x", max_new_tokens=4, structured_output=pb.StructuredOutput(regex="(unclosed"))
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "structured_output" in (err.value.details() or "")
+
+
+def test_n_completions_are_what_single_requests_give(http_server: ServerThread) -> None:
+    """Each of n constrained completions owns its grammar state: completion i of a seeded request equals a single
+    request with seed + i, and greedy completions all equal the single greedy answer."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+    kw = dict(model="chat-model", messages=MESSAGES, response_format=fmt, max_completion_tokens=200)
+    with _sdk(http_server) as client:
+        many = client.chat.completions.create(**kw, n=3, temperature=1.0, seed=10)
+        singles = [client.chat.completions.create(**kw, temperature=1.0, seed=10 + i) for i in range(3)]
+        assert [c.message.content for c in many.choices] == [s.choices[0].message.content for s in singles]
+        greedy = client.chat.completions.create(**kw, n=2, temperature=0)
+        one = client.chat.completions.create(**kw, temperature=0)
+    assert [c.message.content for c in greedy.choices] == [one.choices[0].message.content] * 2
