@@ -35,6 +35,11 @@ Contract:
   over either gets 400 naming `chat_template`.
 - Log-probabilities are the model's own (before penalties and temperature), as vLLM's are by default; token
   strings are each token decoded alone.
+- Tool calling (chat): the request's `tools` reach the template; with `tool_choice` other than "none" the server's
+  `tool_call_parser` (`ApiOptions`; none: 400 naming `tool_choice`) reads calls out of each choice's text into
+  `message.tool_calls` (streamed as whole calls in `delta.tool_calls`, `openai_api.tool_calls.ToolCallStream`),
+  with `finish_reason` "tool_calls"; "required" or a named function adds the structured output that forces the
+  calls' text (`tool_calls.grammar_spec`).
 """
 
 from __future__ import annotations
