@@ -47,7 +47,7 @@ DOC = '{"id": 7, "words": ["alpha", "beta gamma", "delta", "epsilon zeta eta", "
 def _grammar_work(engine: Engine, so: StructuredOutput, streams: int) -> dict[str, float]:
     """Mean ms per step of the masks and of applying them, for `streams` matchers walking DOC."""
     from inference_svc.engine.grammar import MaskItem
-    from inference_svc.engine.sampler import constrain
+    from inference_svc.engine.sampler import SampleRequest, constrain
 
     cd = engine._constrained_decoding()
     ids = [f"bench-{i}" for i in range(streams)]
@@ -55,12 +55,13 @@ def _grammar_work(engine: Engine, so: StructuredOutput, streams: int) -> dict[st
         cd.add(rid, so)
     doc = engine.tokenizer.encode(DOC)
     logits = torch.randn(streams, engine.model_config.vocab_size)  # [S, V]
+    requests = [SampleRequest(SamplingParams(structured=so), [1], None, 1)] * streams
     t_mask = t_apply = 0.0
     for tok in doc:
         t0 = time.perf_counter()
         masks = cd.masks([MaskItem(rid) for rid in ids])
         t1 = time.perf_counter()
-        constrain(logits, logits, torch.cat(masks))  # type: ignore[arg-type]
+        constrain(logits, logits, torch.cat(masks), requests)  # type: ignore[arg-type]
         t2 = time.perf_counter()
         t_mask, t_apply = t_mask + t1 - t0, t_apply + t2 - t1
         for rid in ids:

@@ -48,7 +48,7 @@ def verify(
     if not bool(torch.isfinite(logits).all()):
         return Emitted([], k, failed=True)
     params = requests[0].params
-    penalized = constrain(apply_penalties(logits, requests), logits, bitmask)  # [K+1, V]
+    penalized = constrain(apply_penalties(logits, requests), logits, bitmask, requests)  # [K+1, V]
     if params.greedy:
         tokens = _greedy(penalized, drafts)
     else:

@@ -166,7 +166,7 @@ class Sampler:
             failed = (~finite).nonzero()[:, 0].tolist()
             logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))  # keep NaN out of the batch
         raw = logits
-        logits = constrain(apply_penalties(raw, requests), raw, bitmask)
+        logits = constrain(apply_penalties(raw, requests), raw, bitmask, requests)
         if all(greedy):
             return logits.argmax(dim=-1), failed, raw
         sampled = self.draw(self.probabilities(logits, requests), requests)  # [S]
@@ -266,12 +266,16 @@ def _thresholds_torch(probs: torch.Tensor, top_k: list[int], top_p: list[float],
     return torch.maximum(torch.maximum(tau, tau_p), tau_m)[:, 0]
 
 
-def constrain(penalized: torch.Tensor, raw: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
+def constrain(
+    penalized: torch.Tensor, raw: torch.Tensor, bitmask: torch.Tensor | None, requests: Sequence[SampleRequest]
+) -> torch.Tensor:
     """The grammar's mask over penalized logits [S, V] (bitmask [S, W]; None: as they are). A row that min_tokens
     left with no token the grammar allows takes the mask over its raw logits instead: the grammar wins."""
     if bitmask is None:
         return penalized
     masked = apply_bitmask(penalized, bitmask)  # [S, V]
+    if not any(r.num_output_tokens < r.params.min_tokens for r in requests):
+        return masked  # nothing was banned but by the grammar: every row keeps a token
     dead = ~torch.isfinite(masked.amax(dim=-1))  # [S]
     if bool(dead.any()):
         masked = torch.where(dead[:, None], apply_bitmask(raw, bitmask), masked)

@@ -150,3 +150,12 @@ def test_control_tokens_are_never_produced_as_grammar_text(engine):
         body = r.token_ids[:-1] if r.token_ids[-1] == eos else r.token_ids
         assert not set(body) & engine.tokenizer.control_ids(), r.token_ids
         jsonschema.validate(json.loads(r.text), schema)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_grammar_wins_where_min_tokens_leaves_it_nothing(engine, temperature):
+    """Once "ok" is written the grammar allows only EOS, which min_tokens bans: the grammar's EOS is taken."""
+    so = StructuredOutput("choice", json.dumps(["ok"]))
+    p = SamplingParams(max_new_tokens=10, min_tokens=8, temperature=temperature, seed=1, structured=so)
+    for r in engine.generate(PROMPTS, p):
+        assert r.text == "ok" and r.finish_reason.value == "stop", (r.text, r.token_ids)
