@@ -20,7 +20,8 @@ Contract:
   row r set: token t allowed), reading matcher state only (a verify item's rows walk its drafts and roll back), so
   it may run beside the model's forward. `advance(request_id, tokens)` feeds the emitted tokens to the matcher.
   A matcher that has accepted a stop token allows only stop tokens afterwards (`ignore_eos`).
-- `apply_bitmask(logits, bitmask)` sets logits of disallowed tokens to -inf: one tensor op over [S, V].
+- `apply_bitmask(logits, bitmask)` sets logits of disallowed tokens to -inf in a copy: one pass over [S, V]
+  (xgrammar's CPU kernel; torch's unpack-and-fill elsewhere, the same values).
 - Which engine, and why: docs/benchmarks.md ("Grammar engine").
 """
 
@@ -57,7 +58,19 @@ def allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """A copy of logits [S, V] with every token the bitmask [S, W] disallows at -inf."""
+    """A copy of logits [S, V] with every token the bitmask [S, W] disallows at -inf: xgrammar's kernel on fp32
+    CPU logits (one pass, no unpacked [S, V] mask), else `apply_bitmask_torch` (the same values)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and bitmask.dtype == torch.int32:
+        import xgrammar as xgr
+
+        out = logits.clone()
+        xgr.apply_token_bitmask_inplace(out, bitmask.contiguous(), vocab_size=logits.shape[1])
+        return out
+    return apply_bitmask_torch(logits, bitmask)
+
+
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`apply_bitmask` by torch operations (any device)."""
     return logits.masked_fill(~allowed(bitmask.to(logits.device), logits.shape[1]), float("-inf"))
 
 

@@ -159,3 +159,18 @@ def test_the_grammar_wins_where_min_tokens_leaves_it_nothing(engine, temperature
     p = SamplingParams(max_new_tokens=10, min_tokens=8, temperature=temperature, seed=1, structured=so)
     for r in engine.generate(PROMPTS, p):
         assert r.text == "ok" and r.finish_reason.value == "stop", (r.text, r.token_ids)
+
+
+def test_bitmask_kernels_agree():
+    import torch
+
+    from inference_svc.engine.grammar import apply_bitmask, apply_bitmask_torch, bitmask_width
+
+    g = torch.Generator().manual_seed(0)
+    for rows, vocab in ((1, 7), (3, 512), (5, 1000)):
+        logits = torch.randn(rows, vocab, generator=g)  # [S, V]
+        mask = torch.randint(-(2**31), 2**31 - 1, (rows, bitmask_width(vocab)), dtype=torch.int32, generator=g)
+        fast, ref = apply_bitmask(logits, mask), apply_bitmask_torch(logits, mask)
+        assert torch.equal(fast, ref)
+        bit = (mask[0, 0] >> 3) & 1  # token 3 of row 0
+        assert (fast[0, 3] == float("-inf")) == (bit == 0)
