@@ -14,13 +14,9 @@ from pathlib import Path
 import httpx2 as httpx
 import openai
 import pytest
-import torch
 
 from inference_svc.chat_template import ChatTemplate
 from inference_svc.openai_api import tool_calls
-from shared_model.bundle import save_bundle
-from shared_model.model import build_model
-from tests.conftest import tiny_config
 from tests.inference_svc.server.conftest import ServerThread, engine_config, make_server
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -109,15 +105,6 @@ TOOLS = [
 ]
 SCHEMAS = {"get_weather": WEATHER, "set_alarm": ALARM}
 MESSAGES = [{"role": "user", "content": "Is it raining in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def long_bundle(tmp_path_factory: pytest.TempPathFactory, small_tokenizer) -> Path:
-    """The server tests' random qwen3 with a 2,048-position context (tool definitions make long prompts)."""
-    config = tiny_config(max_position_embeddings=2048)
-    model = build_model(config, seed=0)
-    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(3))
-    return save_bundle(tmp_path_factory.mktemp("tools-model") / "bundle", config, model, small_tokenizer)
 
 
 def _server(bundle_dir: Path, tmp: Path, template: str, parser: str) -> ServerThread:
