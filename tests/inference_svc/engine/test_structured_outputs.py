@@ -174,3 +174,18 @@ def test_bitmask_kernels_agree():
         assert torch.equal(fast, ref)
         bit = (mask[0, 0] >> 3) & 1  # token 3 of row 0
         assert (fast[0, 3] == float("-inf")) == (bit == 0)
+
+
+def test_a_draft_model_under_a_grammar_gives_the_plain_output(llama_dir, qwen3_dir, make_engine):
+    """Another model drafts, blind to the grammar: the drafts it refuses are rejected, so greedy output is plain
+    constrained decoding's token for token, and sampled output is valid."""
+    plain = make_engine(llama_dir)
+    spec = make_engine(llama_dir, speculative=str(qwen3_dir), num_speculative_tokens=3, speculative_max_batch=0)
+    p = SamplingParams(max_new_tokens=120, structured=_json(SCHEMA))
+    want = [r.token_ids for r in plain.generate(PROMPTS, p)]
+    got = spec.generate(PROMPTS, p)
+    assert spec.stats().spec_draft_tokens_total > 0
+    assert [r.token_ids for r in got] == want
+    sampled = SamplingParams(max_new_tokens=120, temperature=1.0, seed=5, structured=_json(SCHEMA))
+    for r in spec.generate(PROMPTS, sampled):
+        jsonschema.validate(json.loads(r.text), SCHEMA)
