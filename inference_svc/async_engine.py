@@ -28,6 +28,9 @@ Contract:
   its next step and frees its blocks.
   A deadline (monotonic seconds) is also enforced by the engine thread, for queued and running requests alike;
   the iterator then raises `DeadlineExceededError` after the blocks are freed.
+- A request with a structured output (`SamplingParams.structured`) has its grammar compiled in a worker thread
+  before admission (`Engine.grammar_compiler`, cached by its text); one it cannot compile is refused whole with
+  `InvalidRequestError` naming the request parameter.
 - Failures: a validation error from the engine is re-raised as is (`InvalidRequestError`). An exception from the
   *fault hook* (below) or anything unexpected while handling one request's output fails that request alone with
   `RequestFailedError`; the engine aborts it and goes on. If `Engine.step()` itself raises, every request in that
@@ -315,6 +318,10 @@ class AsyncEngine:
         groups = [[base] if n == 1 else [f"{base}.{i}" for i in range(n)] for base in bases]
         if rid in self._streams or any(c in self._streams for group in groups for c in group):
             raise InvalidRequestError("request_id", f"a request with id {rid!r} is already in flight")
+        if sampling.structured is not None and sampling.structured.compiled is None:
+            # compiled (or refused, naming its field) before admission, off the engine thread; cached by its text
+            compiled = await asyncio.to_thread(self.engine.grammar_compiler.compile, sampling.structured)
+            sampling = dataclasses.replace(sampling, structured=compiled)
         all_ids = [await self.prompt_ids(p) for p in prompts]
         for ids in all_ids:
             self.engine.check_request(ids, sampling)  # every prompt before any reaches the engine

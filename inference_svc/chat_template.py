@@ -11,8 +11,10 @@ Contract:
 - Rendering matches transformers: the same `ImmutableSandboxedEnvironment` options (trim_blocks, lstrip_blocks,
   the loopcontrols extension, a `{% generation %}` tag that renders its body), the same globals (`raise_exception`,
   `strftime_now`, `dict`, a `namespace` that refuses underscore names), the same `tojson` filter (no HTML escaping,
-  `ensure_ascii=False`, with `indent`, `separators`, `sort_keys`), and the same variables: `messages`, `tools` and
-  `documents` (always None here), `add_generation_prompt`, plus the tokenizer's special tokens as transformers'
+  `ensure_ascii=False`, with `indent`, `separators`, `sort_keys`), and the same variables: `messages`, `tools` (the
+  request's tool definitions as given, OpenAI's `{"type": "function", "function": {...}}`: `with_tools=` of
+  `render`/`encode`, a name no template kwarg can take; else None), `documents`
+  (always None here), `add_generation_prompt`, plus the tokenizer's special tokens as transformers'
   `special_tokens_map` holds them (`bos_token`, `eos_token`, `unk_token`, `sep_token`, `pad_token`, `cls_token`,
   `mask_token`, and any other `*_token` string in `tokenizer_config.json`). So `render(messages,
   add_generation_prompt=g)` equals `AutoTokenizer.from_pretrained(folder).apply_chat_template(messages,
@@ -424,10 +426,12 @@ class ChatTemplate:
         /,
         add_generation_prompt: bool = True,
         limits: RenderLimits | None = None,
+        *,
+        with_tools: list[dict[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> str:
         """The prompt text for `messages` (checked first; see the module docstring)."""
-        chat, extra = _checked_messages(messages), self._checked_kwargs(template_kwargs)
+        chat, extra = _checked_messages(messages), self._with_tools(self._checked_kwargs(template_kwargs), with_tools)
         with self._bounded(limits):
             return self._render(chat, add_generation_prompt, extra)
 
@@ -438,11 +442,13 @@ class ChatTemplate:
         /,
         add_generation_prompt: bool = True,
         limits: RenderLimits | None = None,
+        *,
+        with_tools: list[dict[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> tuple[str, list[int]]:
         """The prompt text and its token ids; content text never becomes a control token (module docstring)."""
         chat = _checked_messages(messages)
-        extra = self._checked_kwargs(template_kwargs)
+        extra = self._with_tools(self._checked_kwargs(template_kwargs), with_tools)
         with self._bounded(limits):
             return self._encode(chat, tokenizer, add_generation_prompt, extra)
 
@@ -482,7 +488,7 @@ class ChatTemplate:
                 if key != "content":
                     specials.refuse_in(value, f"messages[{i}].{key}")
         for key, value in extra.items():
-            specials.refuse_in(value, f"{KWARGS_FIELD}.{key}")
+            specials.refuse_in(value, "tools" if key == "tools" else f"{KWARGS_FIELD}.{key}")
         text = self._render(chat, add_generation_prompt, extra)
         suspects = [i for i, message in enumerate(chat) if specials.may_form(message["content"])]
         if not suspects:
@@ -513,6 +519,11 @@ class ChatTemplate:
         return text, ids
 
     # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _with_tools(extra: dict[str, Any], tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """The template variables with `tools` set (the checked kwargs never hold it: it is a reserved name)."""
+        return extra if tools is None else {**extra, "tools": [_plain(t, "tools") for t in tools]}
+
     def _checked_kwargs(self, template_kwargs: dict[str, Any]) -> dict[str, Any]:
         """The request's extra template variables as plain JSON data; none may replace a variable the server sets."""
         checked = {}
@@ -527,11 +538,10 @@ class ChatTemplate:
         try:
             pieces = self._template.generate(
                 messages=chat,
-                tools=None,
                 documents=None,
                 add_generation_prompt=bool(add_generation_prompt),
                 **self.variables,
-                **extra,
+                **{"tools": None, **extra},  # `tools` only from `_with_tools`: the kwargs may not set it
             )
             if _budget.get() is None:
                 return "".join(pieces)

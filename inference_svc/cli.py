@@ -111,6 +111,11 @@ def _serve_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the folder's own)")
     p.add_argument(
+        "--tool-call-parser", default=None, choices=("hermes", "llama3_json"),
+        help="read tool calls from chat output in this format (hermes: Qwen2.5/Qwen3 and Hermes <tool_call> JSON; "
+        "llama3_json: Llama 3.1 JSON calls); default: tool calls are not parsed, tool_choice must be 'none'",
+    )  # fmt: skip
+    p.add_argument(
         "--http-body-timeout", type=float, default=30.0, help="seconds an HTTP request body may take to arrive (408)"
     )
     p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port (0: any free port)")
@@ -186,6 +191,7 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
             http_port=None if args.no_http else args.http_port,
             served_model_name=args.served_model_name,
             chat_template=args.chat_template,
+            tool_call_parser=args.tool_call_parser,
             http_body_timeout=args.http_body_timeout,
             http=from_args(HttpLimits, args),
             admission=AdmissionLimits(

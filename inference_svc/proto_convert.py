@@ -3,7 +3,8 @@
 Contract:
 - `sampling_from_proto` maps every SamplingParams field; an unset optional field takes the engine default, so
   validation stays in `SamplingParams` (an invalid value raises `InvalidRequestError` naming the field).
-  `n` is not an engine setting: `n_from_proto` reads it (default 1).
+  `n` is not an engine setting: `n_from_proto` reads it (default 1). `structured_output` becomes a
+  `StructuredOutput` whose errors name `structured_output`.
 - `stream_message(out)` is one GenerateStreamResponse per increment; `response_from(completions)` builds the unary
   GenerateResponse from the `Completion`s the engine's increments accumulated into (one per choice).
 - Prompt logprobs go out as one `PositionLogprobs` per prompt token after the first (the first has none).
@@ -24,6 +25,7 @@ from inference_svc.engine.types import (
     FinishReason,
     RequestOutput,
     SamplingParams,
+    StructuredOutput,
     Timing,
     TokenLogprob,
     Usage,
@@ -54,7 +56,22 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
         logit_bias=dict(s.logit_bias),
+        structured=structured_from_proto(s.structured_output) if s.HasField("structured_output") else None,
     )
+
+
+def structured_from_proto(so: pb.StructuredOutput) -> StructuredOutput:
+    param = "structured_output"
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError(param, "set one of json_schema, json_object, regex, grammar, choice")
+    if kind == "json_schema":
+        return StructuredOutput("json", so.json_schema, param)
+    if kind == "json_object":
+        return StructuredOutput("json_object", "", param)
+    if kind == "choice":
+        return StructuredOutput("choice", json.dumps(list(so.choice.choices)), param)
+    return StructuredOutput(kind, getattr(so, kind), param)
 
 
 def n_from_proto(s: pb.SamplingParams) -> int:

@@ -789,6 +789,7 @@ class TandemServer:
             strict_request_fields=s.openai_api.strict_request_fields,
             reasoning_parser=s.openai_api.reasoning_parser,
             pooling=self.pooling,
+            tool_call_parser=s.tool_call_parser,
         )
         http = HttpServer(
             build_app(self, options),

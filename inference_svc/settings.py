@@ -197,6 +197,10 @@ class ServerSettings:
     """OpenAI-compatible HTTP API port on `host`; None disables it; 0 picks a free port."""
     chat_template: str | None = None
     """A Jinja chat template file used instead of the model folder's own (`chat_template`)."""
+    tool_call_parser: str | None = None
+    """How tool calls are read from chat output (vLLM's `--tool-call-parser`): "hermes" (Qwen2.5/Qwen3, Hermes:
+    `<tool_call>` JSON blocks) or "llama3_json" (Llama 3.1 JSON calls); None: tool calls are not parsed, and a
+    request whose `tool_choice` is not "none" gets 400."""
     http_body_timeout: float = 30.0
     """Seconds an HTTP request body may take to arrive; a slower (or stalled) client gets 408 and is dropped."""
     metrics_host: str = "127.0.0.1"
@@ -286,6 +290,8 @@ class ServerSettings:
             isinstance(k, str) and k and k == k.strip() and k.isprintable() for k in self.api_keys
         ):
             raise SettingsError("api_keys", "each key must be a non-empty printable string without surrounding spaces")
+        if self.tool_call_parser not in (None, "hermes", "llama3_json"):
+            raise SettingsError("tool_call_parser", f"one of hermes, llama3_json, got {self.tool_call_parser!r}")
         for name in ("tls_cert", "tls_key", "api_key_file", "chat_template"):
             value = getattr(self, name)
             if value is not None and not Path(value).is_file():

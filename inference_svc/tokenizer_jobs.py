@@ -65,14 +65,17 @@ def chat_encode(
     add_generation_prompt: bool,
     limits: RenderLimits | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The ids of `messages` rendered by `template` within `limits`, with the request's extra template variables
-    (`chat_template_kwargs`); content text never becomes a control token."""
+    (`chat_template_kwargs`) and `tools` (as transformers passes them); content text never becomes a control token."""
     extra = dict(template_kwargs or {})
-    for key in ("add_generation_prompt", "limits"):  # encode's own parameters: never template variables
+    for key in ("add_generation_prompt", "limits", "with_tools"):  # encode's own parameters: never template variables
         if key in extra:
             raise InvalidRequestError(f"{KWARGS_FIELD}.{key}", "is set by the server, not by the request")
-    return template.encode(messages, tokenizer, add_generation_prompt=add_generation_prompt, limits=limits, **extra)[1]
+    return template.encode(
+        messages, tokenizer, add_generation_prompt=add_generation_prompt, limits=limits, with_tools=tools, **extra
+    )[1]
 
 
 OFF_LOOP = frozenset({chat_encode})

@@ -252,6 +252,12 @@ class Tokenizer:
     def special_ids(self) -> frozenset[int]:
         return frozenset(i for i in (self.bos_id, self.eos_id, self.pad_id) if i is not None)
 
+    def control_ids(self) -> frozenset[int]:
+        """Every control token's id: bos/eos/pad and each added token marked special (`<|im_end|>`, ...), whose
+        text a grammar must never produce as content."""
+        added = self._tk.get_added_tokens_decoder()
+        return self.special_ids | frozenset(i for i, tok in added.items() if tok.special)
+
 
 def _token_str(value: object) -> str | None:
     """tokenizer_config.json stores special tokens as a string or as {"content": ...}."""

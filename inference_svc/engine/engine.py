@@ -21,6 +21,11 @@ Contract:
 - Speculative decoding (`config.speculative`, or per request `SamplingParams.num_speculative_tokens`): the
   scheduler's `Speculator` drafts by prompt lookup or with the draft model; a verify item's K + 1 rows go to
   `rejection.verify`, the others to the sampler, and usage reports drafts, kept drafts and steps.
+- Structured outputs (`SamplingParams.structured`): `grammar_compiler` (built on first use, any thread) compiles
+  them; a constrained request owns a matcher from `add_request` until it finishes (`engine.grammar`). A step
+  computes the bitmasks of its constrained rows in a helper thread while the model's forward runs (they read only
+  the matchers, which change after sampling), the sampler and the verifier apply them, and the emitted tokens
+  advance the matchers.
 - Load-time transforms, in order, each choice recorded in `load_plan` (`inference_svc.executor.prepare`): the CPU
   kernels, merged projections, the quantization (a model that cannot take it is refused, `ModelLoadError` naming
   the weight), each projection's linear method, the attention backend, the sampler, the compiled step.
@@ -33,6 +38,7 @@ Contract:
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -46,6 +52,7 @@ from inference_svc.engine.block_manager import BlockManager
 from inference_svc.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from inference_svc.engine.detokenizer import IncrementalDetokenizer
 from inference_svc.engine.draft_model import DraftModelProposer
+from inference_svc.engine.grammar import ConstrainedDecoding, GrammarCompiler, MaskItem
 from inference_svc.engine.kv_cache import ledger_dtype_name, resolve_kv_dtype
 from inference_svc.engine.model_runner import ModelRunner, ScheduledSeq
 from inference_svc.engine.pooling import Pooling
@@ -212,6 +219,12 @@ class Engine:
         """Request ids to cancel at the next step, in the order asked (a dict: O(1) membership and insertion)."""
         self._next_index = 0
         self._prompt_tokens_total = 0
+        self._grammar_lock = threading.Lock()
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._constrained: ConstrainedDecoding | None = None
+        """Matchers of the constrained requests (built with the compiler, on first use)."""
+        self._mask_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        """One thread that computes a step's grammar bitmasks beside the forward."""
         self.compile_seconds = 0.0
         """Seconds the start-up compile took, target and draft together (0 when nothing was compiled)."""
         if compile_step:
@@ -275,6 +288,23 @@ class Engine:
             runner.peak_workspace_bytes = peak
             runner.zero_blocks(sorted(b for s in seqs for b in s.block_table))
         return seconds
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """This engine's grammar compiler (built on first use, from any thread: compile off the engine thread)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                tk = self.tokenizer
+                self._grammar_compiler = GrammarCompiler(
+                    tk.token_strings(), self.model_config.vocab_size, self._eos_ids, tk.control_ids()
+                )
+            return self._grammar_compiler
+
+    def _constrained_decoding(self) -> ConstrainedDecoding:
+        if self._constrained is None:
+            self._constrained = ConstrainedDecoding(self.grammar_compiler)
+            self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._constrained
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -343,6 +373,8 @@ class Engine:
             eos_ids=self._eos_ids,
             generator=None if sampling.seed is None else torch.Generator().manual_seed(sampling.seed),
         )
+        if sampling.structured is not None:  # compiled here unless the caller did (refused before it is queued)
+            self._constrained_decoding().add(request_id, sampling.structured)
         self._next_index += 1
         self._prompt_tokens_total += len(token_ids)
         self._requests[request_id] = seq
@@ -432,8 +464,10 @@ class Engine:
             self._pending_aborts.clear()
         batch = self.scheduler.schedule(now)
         if batch:
+            items = [b for b in batch if b.samples]
+            masks = self._masks_beside_forward(items)
             logits = self.runner.run(batch)
-            emitted = self._sample([b for b in batch if b.samples], logits.sample)
+            emitted = self._sample(items, logits.sample, None if masks is None else masks.result())
             events += self.scheduler.postprocess(batch, emitted, time.monotonic(), logits.prompt)
             scrub = [b for e in events for b in e.scrub_blocks]
             if scrub:
@@ -444,13 +478,30 @@ class Engine:
         for e in events:
             if e.finished:
                 self._requests.pop(e.seq.request_id, None)
+                if self._constrained is not None:
+                    self._constrained.forget(e.seq.request_id)
         if self.block_manager.events is not None:  # KV-cache events: one batch per step (inference_svc.kv_events)
             self.block_manager.events.end_step()  # type: ignore[attr-defined]
         return outputs
 
-    def _sample(self, items: list[ScheduledSeq], rows: torch.Tensor) -> list[Emitted]:
+    def _masks_beside_forward(
+        self, items: list[ScheduledSeq]
+    ) -> concurrent.futures.Future[list[torch.Tensor | None]] | None:
+        """The grammar bitmasks of this step's sampling items, computed in the mask thread (None: none is
+        constrained)."""
+        c = self._constrained
+        if c is None or not len(c) or not any(b.seq.request_id in c for b in items):
+            return None
+        assert self._mask_pool is not None
+        asks = [MaskItem(b.seq.request_id, tuple(b.draft)) for b in items]
+        return self._mask_pool.submit(c.masks, asks)
+
+    def _sample(
+        self, items: list[ScheduledSeq], rows: torch.Tensor, masks: list[torch.Tensor | None] | None = None
+    ) -> list[Emitted]:
         """One `Emitted` per sampling item: plain rows sampled together, each verify item's K + 1 rows verified.
-        rows: [R, V] fp32, `num_sample_rows` per item in order."""
+        rows: [R, V] fp32, `num_sample_rows` per item in order; masks: per item, its rows' grammar bitmask
+        [rows, W] int32 or None."""
         out: list[Emitted | None] = [None] * len(items)
         plain: list[int] = []
         plain_rows: list[int] = []
@@ -464,7 +515,8 @@ class Engine:
                                   self._eos_ids)
                     for i in range(b.num_sample_rows)
                 ]  # fmt: skip
-                out[j] = verify(self.sampler, rows[r : r + b.num_sample_rows], requests, b.draft, b.draft_probs)
+                mask = None if masks is None else masks[j]
+                out[j] = verify(self.sampler, rows[r : r + b.num_sample_rows], requests, b.draft, b.draft_probs, mask)
             else:
                 plain.append(j)
                 plain_rows.append(r)
@@ -475,9 +527,20 @@ class Engine:
                               items[j].seq.num_prompt_tokens, self._eos_ids)
                 for j in plain
             ]  # fmt: skip
-            samples = self.sampler.sample(rows if len(plain_rows) == rows.shape[0] else rows[plain_rows], requests)
+            bitmask = None
+            if masks is not None and any(masks[j] is not None for j in plain):
+                width = next(masks[j] for j in plain if masks[j] is not None).shape[1]  # type: ignore[union-attr]
+                bitmask = torch.cat(
+                    [m if (m := masks[j]) is not None else torch.full((1, width), -1, dtype=torch.int32) for j in plain]
+                )  # [P, W]
+            plain_logits = rows if len(plain_rows) == rows.shape[0] else rows[plain_rows]
+            samples = self.sampler.sample(plain_logits, requests, bitmask)
             for k, j in enumerate(plain):
                 out[j] = samples.emitted(k)
+        if masks is not None and self._constrained is not None:
+            for j, e in enumerate(out):
+                if e is not None and not e.failed and masks[j] is not None:
+                    self._constrained.advance(items[j].seq.request_id, e.tokens)
         for j, e in enumerate(out):
             if e is not None and e.failed:
                 log.error("request %s: the model's logits are not finite; failing it alone", items[j].seq.request_id)

@@ -13,6 +13,9 @@ Contract:
   rejection the added token is drawn from the residual max(0, p_i - q_i), normalized; when all K are kept it is
   drawn from p_K. The emitted tokens are then distributed exactly as plain sampling from p, token by token
   (the speculative sampling theorem of Leviathan et al. 2023 and Chen et al. 2023).
+- Structured outputs: `bitmask` [K+1, W] (`engine.grammar`) masks row i with the grammar's state after drafts[:i]
+  (after the penalties, as in plain sampling), so a draft the grammar refuses has probability 0 under its row and is
+  rejected, and the added token is one the grammar allows: the output is what plain constrained decoding gives.
 - Logprobs are plain decoding's: log_softmax of each emitted token's raw row (before any transform).
 - A verify whose rows are not all finite is `failed` (the engine fails that request alone, as in plain decoding).
 - Stop conditions (EOS, stop ids and strings, max_new_tokens) are the scheduler's: it appends the tokens one by
@@ -26,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from inference_svc.engine.logprobs import token_logprobs
-from inference_svc.engine.sampler import Emitted, Sampler, SampleRequest, apply_penalties
+from inference_svc.engine.sampler import Emitted, Sampler, SampleRequest, apply_penalties, constrain
 
 
 def verify(
@@ -35,16 +38,17 @@ def verify(
     requests: Sequence[SampleRequest],
     drafts: Sequence[int],
     draft_probs: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> Emitted:
     """Keep a prefix of `drafts` and add one token (see the module docstring). logits: [K+1, V];
-    draft_probs: [K, V] (None: each draft is a point mass)."""
+    draft_probs: [K, V] (None: each draft is a point mass); bitmask: [K+1, W] int32 (None: unconstrained)."""
     k = len(drafts)
     if logits.shape[0] != k + 1 or len(requests) != k + 1:
         raise ValueError(f"verify needs K + 1 = {k + 1} rows and requests, got {logits.shape[0]}, {len(requests)}")
     if not bool(torch.isfinite(logits).all()):
         return Emitted([], k, failed=True)
     params = requests[0].params
-    penalized = apply_penalties(logits, requests)  # [K+1, V]
+    penalized = constrain(apply_penalties(logits, requests), logits, bitmask, requests)  # [K+1, V]
     if params.greedy:
         tokens = _greedy(penalized, drafts)
     else:

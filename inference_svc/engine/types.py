@@ -41,6 +41,9 @@ MAX_N = 16
 """Most completions of one request (`n`)."""
 MAX_SPECULATIVE_TOKENS = 16
 """Most drafted tokens one verify step of speculative decoding scores."""
+MAX_GRAMMAR_CHARS = 65536
+"""Longest structured-output specification (a JSON schema, regex, choice list or grammar), in characters."""
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
 
 
 class FinishReason(str, enum.Enum):
@@ -54,6 +57,39 @@ class FinishReason(str, enum.Enum):
     """Aborted from outside: client cancel, disconnect, deadline, shutdown."""
     ERROR = "error"
     """Failed inside the engine, this request alone (e.g. its logits were not finite); `RequestOutput.error`."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output's text, and its compiled form once compiled (`engine.grammar`).
+
+    kind: "json" (spec: a JSON schema, as JSON text), "json_object" (any JSON object; spec ignored), "regex" (spec:
+    a regular expression the whole output matches), "choice" (spec: a JSON list of strings, the output one of them)
+    or "grammar" (spec: an EBNF grammar with a `root` rule, or a Lark grammar when it has no `::=`), or "tool_calls"
+    (spec: JSON `{"format", "functions": [{"name", "parameters"}], "max_calls"}`: tool calls in a model family's
+    format, `openai_api.tool_calls.grammar_spec`). `param` is the
+    request parameter it came from (`response_format`, `structured_outputs`, ...), named in errors."""
+
+    kind: str
+    spec: str = ""
+    param: str = "structured_outputs"
+    compiled: object | None = field(default=None, compare=False, repr=False)
+    """The grammar engine's compiled form (`engine.grammar.GrammarCompiler.compile` sets it); None: not yet."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(self.param, f"unknown kind {self.kind!r}; one of {', '.join(STRUCTURED_KINDS)}")
+        if not isinstance(self.spec, str) or (not self.spec and self.kind != "json_object"):
+            raise InvalidRequestError(self.param, f"{self.kind}: the specification is empty")
+        if len(self.spec) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequestError(
+                self.param, f"{self.kind}: at most {MAX_GRAMMAR_CHARS} characters, got {len(self.spec)}"
+            )
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar (the compile cache's key)."""
+        return (self.kind, "" if self.kind == "json_object" else self.spec)
 
 
 @dataclass(frozen=True)
@@ -104,6 +140,9 @@ class SamplingParams:
     1..MAX_SPECULATIVE_TOKENS); None: the engine's setting (`--speculative`, `--num-speculative-tokens`). The
     output is the same as without it (greedy: token for token; sampled: in distribution). A seeded sampled
     request repeats itself under the same speculation: drafts change how its random stream is consumed."""
+    structured: StructuredOutput | None = None
+    """Constrain the output to a grammar (JSON schema, regex, choice, EBNF): every token is one the grammar allows,
+    and EOS only where the grammar accepts (`engine.grammar`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:

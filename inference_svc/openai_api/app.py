@@ -36,6 +36,11 @@ Contract:
   over either gets 400 naming `chat_template`.
 - Log-probabilities are the model's own (before penalties and temperature), as vLLM's are by default; token
   strings are each token decoded alone.
+- Tool calling (chat): the request's `tools` reach the template; with `tool_choice` other than "none" the server's
+  `tool_call_parser` (`ApiOptions`; none: 400 naming `tool_choice`) reads calls out of each choice's text into
+  `message.tool_calls` (streamed as whole calls in `delta.tool_calls`, `openai_api.tool_calls.ToolCallStream`),
+  with `finish_reason` "tool_calls"; "required" or a named function adds the structured output that forces the
+  calls' text (`tool_calls.grammar_spec`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -76,7 +82,7 @@ from inference_svc.errors import (
 )
 from inference_svc.lifecycle import Lifecycle, State
 from inference_svc.metrics import ServiceMetrics
-from inference_svc.openai_api import json_body
+from inference_svc.openai_api import json_body, tool_calls
 from inference_svc.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -123,6 +129,8 @@ class ApiOptions:
     """Chat answers' `<think>` block moved into `reasoning_content` by this parser (reasoning.py); None: off."""
     pooling: Pooling = field(default_factory=Pooling)
     """How `/v1/embeddings` pools the hidden states (the folder's sentence-transformers modules, else last token)."""
+    tool_call_parser: str | None = None
+    """How tool calls are read from chat output (`openai_api.tool_calls.PARSERS`); None: not at all."""
 
 
 def build_app(owner: Owner, options: ApiOptions) -> Any:
@@ -447,14 +455,29 @@ class _Api:
         req: ChatCompletionRequest = self._parse(ChatCompletionRequest, body)
         self._check_model(req.model)
         sampling = req.to_sampling(engine.engine.config.max_new_tokens_limit)
+        tools, tool_mode, forced = req.tool_setup()
+        parser = self.options.tool_call_parser
+        if tool_mode != "none":
+            if parser is None:
+                raise InvalidRequestError(
+                    "tool_choice", "this server parses no tool calls (start it with --tool-call-parser); use 'none'"
+                )
+            if tool_mode == "forced":  # the whole answer is calls, their arguments valid for the schemas
+                if sampling.structured is not None:
+                    raise InvalidRequestError(
+                        "tool_choice", f"cannot be forced together with {sampling.structured.param}"
+                    )
+                grammar = tool_calls.grammar_spec(parser, tools or [], forced, req.parallel_tool_calls)
+                sampling = dataclasses.replace(sampling, structured=grammar)
         rid = record.request_id = _request_id(request, "chatcmpl")
         engine.check_fits(1, req.n)  # before rendering: n alone may prove it can never fit
-        ids = await self._chat_ids(engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        ids = await self._chat_ids(engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools)
         record.tokens_in = len(ids)
         tok = engine.engine.tokenizer
         deadline = None if req.timeout is None else time.monotonic() + req.timeout
         outputs = engine.generate_many([ids], sampling, request_id=rid, deadline=deadline, n=req.n)
-        view = _ChatView(rid, self.options.model_name, record.created, req, len(ids), tok)
+        view = _ChatView(rid, self.options.model_name, record.created, req, len(ids), tok,
+                         parser if tool_mode != "none" else None)  # fmt: skip
         view.reasoning = self.options.reasoning_parser
         if req.stream:
             return await self._stream(
@@ -469,9 +492,10 @@ class _Api:
         messages: list[Any],
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list | None = None,
     ) -> list[int]:
-        """The messages rendered by the chat template (with the request's `chat_template_kwargs`) and encoded
-        (content never a control token), metered."""
+        """The messages rendered by the chat template (with the request's `chat_template_kwargs` and `tools`) and
+        encoded (content never a control token), metered."""
         template = self.options.chat_template
         if template is None:
             raise InvalidRequestError(
@@ -480,12 +504,19 @@ class _Api:
                 "start the server with --chat-template FILE, or use /v1/completions",
             )
         plain = [
-            {**m.model_dump(exclude_none=True), "content": "" if m.content is None else m.content} for m in messages
+            _with_argument_objects(
+                {**m.model_dump(exclude_none=True), "content": "" if m.content is None else m.content}
+            )
+            for m in messages
         ]
-        chars = sum(len(json.dumps(m)) for m in plain) + len(json.dumps(template_kwargs or {}))
+        chars = (
+            sum(len(json.dumps(m)) for m in plain)
+            + len(json.dumps(template_kwargs or {}))
+            + len(json.dumps(tools or []))
+        )
         limits = RenderLimits(engine.max_prompt_chars, self.options.chat_template_timeout)
         return await engine.tokenize_with(
-            chars, tokenizer_jobs.chat_encode, template, plain, add_generation_prompt, limits, template_kwargs
+            chars, tokenizer_jobs.chat_encode, template, plain, add_generation_prompt, limits, template_kwargs, tools
         )
 
     # ------------------------------------------------------------------ running requests
@@ -640,6 +671,26 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's `tool_calls` with each `function.arguments` JSON string read into an object, as chat
+    templates (Qwen3's, Llama 3.1's) expect them (an argument string that is not a JSON object stays as it is)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    fixed = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                args = json.loads(fn["arguments"])
+            except json.JSONDecodeError:
+                args = None
+            if isinstance(args, dict):
+                call = {**call, "function": {**fn, "arguments": args}}
+        fixed.append(call)
+    return {**message, "tool_calls": fixed}
+
+
 async def _disconnected(request: Request) -> None:
     """Return when the client disconnects (the body has been read: the next ASGI message is the disconnect)."""
     while True:
@@ -762,9 +813,14 @@ class _ChatView(_Tokens):
     """`/v1/chat/completions` JSON for one request."""
 
     def __init__(self, rid: str, model: str, created: int, req: ChatCompletionRequest, prompt_tokens: int,
-                 tokenizer: Any) -> None:  # fmt: skip
+                 tokenizer: Any, tool_parser: str | None = None) -> None:  # fmt: skip
         super().__init__(tokenizer)
         self.rid, self.model, self.created, self.req, self.prompt_tokens = rid, model, created, req, prompt_tokens
+        self.tool_parser = tool_parser
+        """Tool calls are parsed out of the content (`openai_api.tool_calls`), None: the content is all text."""
+        self.tool_streams: dict[int, tool_calls.ToolCallStream] = {}
+        self.tool_counts: dict[int, int] = {}
+        """Choice index → the tool calls streamed so far."""
         self.started: set[int] = set()
         self.finals: dict[int, Usage] = {}
         """Choice index → its final usage."""
@@ -776,26 +832,44 @@ class _ChatView(_Tokens):
         self.splitters: dict[int, ReasoningSplitter] = {}
 
     def _delta(self, out: RequestOutput) -> dict[str, Any]:
-        """One increment's text as a chat delta: `content`, or with a reasoning parser the `reasoning_content` and
-        `content` it has decided so far (a tag's possible start is held back until the next increment)."""
-        if self.reasoning is None:
-            return {"content": out.text_delta} if out.text_delta else {}
-        splitter = self.splitters.setdefault(out.index, ReasoningSplitter(self.reasoning))
-        reasoning, content = splitter.feed(out.text_delta)
-        if out.finished:
-            rest = splitter.finish()
-            reasoning, content = reasoning + rest[0], content + rest[1]
-        delta = {"reasoning_content": reasoning} if reasoning and self.req.include_reasoning else {}
-        return {**delta, "content": content} if content else delta
+        """One increment's text as a chat delta: `content`; with a reasoning parser the `reasoning_content` and
+        `content` it has decided so far (a tag's possible start is held back until the next increment); with a tool
+        parser, the content's complete tool calls as `tool_calls` (numbered across the choice's stream)."""
+        reasoning, content = "", out.text_delta
+        if self.reasoning is not None:
+            splitter = self.splitters.setdefault(out.index, ReasoningSplitter(self.reasoning))
+            reasoning, content = splitter.feed(out.text_delta)
+            if out.finished:
+                rest = splitter.finish()
+                reasoning, content = reasoning + rest[0], content + rest[1]
+        calls: list[dict[str, Any]] = []
+        if self.tool_parser is not None:
+            stream = self.tool_streams.setdefault(out.index, tool_calls.ToolCallStream(self.tool_parser))
+            content, calls = stream.feed(content)
+            if out.finished:
+                rest_text, more = stream.finish()
+                content, calls = content + rest_text, calls + more
+        delta: dict[str, Any] = {"reasoning_content": reasoning} if reasoning and self.req.include_reasoning else {}
+        if content:
+            delta["content"] = content
+        if calls:
+            first = self.tool_counts.get(out.index, 0)
+            self.tool_counts[out.index] = first + len(calls)
+            delta["tool_calls"] = [{"index": first + k, **c} for k, c in enumerate(calls)]
+        return delta
 
     def _message(self, text: str) -> dict[str, Any]:
-        """A whole answer's message: with a reasoning parser, its block moved into `reasoning_content`."""
-        if self.reasoning is None:
-            return {"role": "assistant", "content": text}
-        reasoning, content = split_reasoning(self.reasoning, text)
-        if not self.req.include_reasoning:
-            reasoning = None
-        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        """A whole answer's message: with a reasoning parser, its block moved into `reasoning_content`; with a tool
+        parser, its tool calls parsed out of the content."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning is not None:
+            reasoning, message["content"] = split_reasoning(self.reasoning, text)
+            message["reasoning_content"] = reasoning if self.req.include_reasoning else None
+        if self.tool_parser is not None:
+            content, calls = tool_calls.parse(self.tool_parser, message["content"] or "")
+            if calls:
+                message["content"], message["tool_calls"] = content, calls
+        return message
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
@@ -832,11 +906,14 @@ class _ChatView(_Tokens):
             chunks.append({**self._head("chat.completion.chunk"), "choices": [role]})
         delta = self._delta(out)
         if delta or out.finished or (self.req.logprobs and out.new_token_ids):
+            finish = _FINISH.get(out.finish_reason) if out.finished else None  # type: ignore[arg-type]
+            if finish == "stop" and self.tool_counts.get(out.index):
+                finish = "tool_calls"
             choice: dict[str, Any] = {
                 "index": out.index,
                 "delta": delta,
                 "logprobs": self._logprobs(out.new_token_ids, out.logprobs, out.top_logprobs),
-                "finish_reason": _FINISH.get(out.finish_reason) if out.finished else None,  # type: ignore[arg-type]
+                "finish_reason": finish,
             }
             if out.finished:
                 choice["stop_reason"] = out.stop_reason
@@ -870,5 +947,8 @@ class _ChatView(_Tokens):
             }
             for c in done
         ]
+        for choice in choices:
+            if choice["message"].get("tool_calls") and choice["finish_reason"] == "stop":
+                choice["finish_reason"] = "tool_calls"
         usage = self._usage([c.usage for c in done])
         return {**self._head("chat.completion"), "choices": choices, "usage": usage}

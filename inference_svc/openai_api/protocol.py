@@ -15,9 +15,17 @@ Contract:
     two keys name one id), to biases in [-100, 100];
   - token ids (a token-id `prompt`, `stop_token_ids`, `/detokenize`'s `tokens`) are JSON integers: `true` is not
     a token id.
+- Structured outputs: OpenAI's `response_format` (`text`, `json_object`, `json_schema` with `name`, `schema`,
+  `strict`), vLLM's `structured_outputs` object (exactly one of `json`, `regex`, `choice`, `grammar`,
+  `json_object`) and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` become one
+  `StructuredOutput` naming the parameter it came from (a grammar the engine cannot compile is a 400 naming it);
+  two of them in one request is a 400.
+- Tool calling (chat): `tools` (OpenAI's function tools: a name of 1-64 letters, digits, `_` or `-`, a JSON-schema
+  `parameters` object), `tool_choice` (`none`, `auto`, `required`, or `{"type": "function", "function": {"name"}}`
+  naming one of the tools), `parallel_tool_calls`; `ChatCompletionRequest.tool_setup()` checks them together.
 - Unknown fields are refused by `parse`, unless the caller passes `unknown` (the server's `RequestPolicy`, which
-  by default logs and drops them, as vLLM does). Fields OpenAI has that Tandem does not serve (`tools`,
-  `response_format`, `suffix`, ...) are refused by name with a 400 that says so.
+  by default logs and drops them, as vLLM does). Fields OpenAI has that Tandem does not serve (`functions`,
+  `suffix`, ...) are refused by name with a 400 that says so.
 - `stream_options.continuous_usage_stats` (vLLM's) and `chat_template_kwargs` (vLLM's) are served; see app.py.
 - Every refusal is `InvalidRequestError` whose `field` is the request parameter (`messages[0].content`), turned into
   OpenAI's error shape by the app. Nothing here touches the engine.
@@ -26,20 +34,19 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from inference_svc.embeddings import MAX_EMBEDDING_INPUTS
-from inference_svc.engine.types import MAX_N, SamplingParams
+from inference_svc.engine.types import MAX_N, SamplingParams, StructuredOutput
 from inference_svc.errors import InvalidRequestError
 
 UNSUPPORTED = (
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
-    "audio", "modalities", "prediction", "suffix", "web_search_options", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "structured_outputs",
+    "functions", "function_call", "audio", "modalities", "prediction", "suffix", "web_search_options",
 )  # fmt: skip
 """OpenAI (and vLLM) fields outside this server's scope: a request that sets one gets a 400 naming it."""
 
@@ -55,6 +62,43 @@ class StreamOptions(BaseModel):
     """vLLM's: with `include_usage`, every chunk also carries the usage of its choice so far."""
     include_obfuscation: bool | None = None
     """OpenAI's stream padding against side channels; accepted and ignored (no padding is added)."""
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    """Accepted: the output always follows the schema; an object without `additionalProperties` admits no others."""
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _schema_text(value: dict[str, Any] | str, param: str) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(param, f"the JSON schema is not valid JSON: {exc}") from None
+    return json.dumps(value)
 
 
 class _Common(BaseModel):
@@ -89,6 +133,51 @@ class _Common(BaseModel):
     num_speculative_tokens: int | None = None
     """Speculative decoding for this request: at most this many prompt-lookup drafts per step (0: off); None: the
     server's setting. The output is unchanged by it (greedy) or keeps its distribution (sampled)."""
+    # structured outputs (OpenAI's, vLLM's, vLLM's older names)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        """The one output constraint this request sets (see the module docstring), or None."""
+        found: list[StructuredOutput] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(StructuredOutput("json_object", "", "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise InvalidRequestError("response_format.json_schema", "json_schema needs a 'schema'")
+            spec = _schema_text(rf.json_schema.schema_, "response_format.json_schema.schema")
+            found.append(StructuredOutput("json", spec, "response_format"))
+        so = self.structured_outputs
+        if so is not None:
+            p = "structured_outputs"
+            set_ = [
+                k for k in ("json_", "regex", "choice", "grammar", "json_object") if getattr(so, k) not in (None, False)
+            ]
+            if len(set_) != 1:
+                raise InvalidRequestError(p, "set exactly one of json, regex, choice, grammar, json_object")
+            found.append(self._one(set_[0].rstrip("_"), getattr(so, set_[0]), f"{p}.{set_[0].rstrip('_')}"))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                found.append(self._one(kind, value, f"guided_{kind}"))
+        if len(found) > 1:
+            raise InvalidRequestError(found[1].param, f"only one output constraint per request (also {found[0].param})")
+        return found[0] if found else None
+
+    @staticmethod
+    def _one(kind: str, value: Any, param: str) -> StructuredOutput:
+        if kind == "json":
+            return StructuredOutput("json", _schema_text(value, param), param)
+        if kind == "json_object":
+            return StructuredOutput("json_object", "", param)
+        if kind == "choice":
+            return StructuredOutput("choice", json.dumps(value), param)
+        return StructuredOutput(kind, value, param)
 
     def sampling(self, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
@@ -125,6 +214,7 @@ class _Common(BaseModel):
             "logit_bias": bias,
             "min_tokens": self.min_tokens,
             "num_speculative_tokens": self.num_speculative_tokens,
+            "structured": self.structured(),
         }
         return SamplingParams(**kwargs)
 
@@ -169,6 +259,31 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class _FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -180,6 +295,27 @@ class ChatCompletionRequest(_Common):
     """vLLM's: extra variables for the chat template (`enable_thinking`); one the server sets is refused."""
     include_reasoning: bool = True
     """vLLM's: with a reasoning parser, whether `reasoning_content` is returned (False: the block is dropped)."""
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_setup(self) -> tuple[list[dict[str, Any]] | None, str, str | None]:
+        """(the tools as the template gets them, or None; "none", "auto" or "forced"; the forced function's name,
+        None for any of them)."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none", "auto"):
+                raise InvalidRequestError("tool_choice", "needs tools")
+            return None, "none", None
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("tools", "two tools have the same name")
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        choice = self.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise InvalidRequestError("tool_choice", f"no tool is named {choice.function.name!r}")
+            return tools, "forced", choice.function.name
+        return tools, "forced" if choice == "required" else choice, None
 
     def to_sampling(self, default_max: int) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:

@@ -39,6 +39,15 @@ def bundle_dir(tmp_path_factory: pytest.TempPathFactory, small_tokenizer: Tokeni
     return save_bundle(tmp_path_factory.mktemp("server-model") / "bundle", config, model, small_tokenizer)
 
 
+@pytest.fixture(scope="session")
+def long_bundle(tmp_path_factory: pytest.TempPathFactory, small_tokenizer: Tokenizer) -> Path:
+    """`bundle_dir`'s model with a 2,048-position context (tool definitions make long prompts)."""
+    config = tiny_config(max_position_embeddings=2048)
+    model = build_model(config, seed=0)
+    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(3))
+    return save_bundle(tmp_path_factory.mktemp("long-model") / "bundle", config, model, small_tokenizer)
+
+
 def engine_config(**overrides: Any) -> EngineConfig:
     base: dict[str, Any] = dict(
         kv_cache_memory="2MiB",

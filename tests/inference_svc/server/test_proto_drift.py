@@ -43,8 +43,10 @@ def test_field_numbers_are_stable() -> None:
         "max_new_tokens": 1, "temperature": 2, "top_k": 3, "top_p": 4, "min_p": 5, "seed": 6,
         "repetition_penalty": 7, "stop": 8, "stop_token_ids": 9, "ignore_eos": 10, "logprobs": 11,
         "presence_penalty": 12, "frequency_penalty": 13, "logit_bias": 14, "min_tokens": 15, "top_logprobs": 16,
-        "prompt_logprobs": 17, "n": 18, "num_speculative_tokens": 19,
+        "prompt_logprobs": 17, "n": 18, "num_speculative_tokens": 19, "structured_output": 20,
     }  # fmt: skip
+    assert numbers(pb.StructuredOutput) == {"json_schema": 1, "json_object": 2, "regex": 3, "grammar": 4, "choice": 5}
+    assert numbers(pb.ChoiceList) == {"choices": 1}
     assert numbers(pb.Usage) == {
         "prompt_tokens": 1, "completion_tokens": 2, "cached_prompt_tokens": 3, "draft_tokens": 4,
         "accepted_draft_tokens": 5, "decode_steps": 6,
