@@ -77,13 +77,26 @@ def _train(run_dir: Path, max_steps: int, kill_at: int | None = None) -> subproc
     proc = subprocess.Popen(cmd, cwd=run_dir.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
     marker = run_dir / "checkpoints" / f"step-{kill_at:06d}" / MANIFEST
     deadline = time.monotonic() + 540  # a liveness bound, not a speed expectation
-    while not marker.is_file() and proc.poll() is None and time.monotonic() < deadline:
+    # killed once checkpoint `kill_at` is complete and the row of its last step is in this attempt's file (a kill
+    # between the two would lose that row, whatever the logger does: the row is logged after the checkpoint)
+    while not (marker.is_file() and _logged(run_dir, kill_at - 1)) and proc.poll() is None:
+        assert time.monotonic() < deadline, (run_dir.parent / "killed.log").read_text()[-3000:]
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     log.close()
     assert marker.is_file(), (run_dir.parent / "killed.log").read_text()[-3000:]
     return None
+
+
+def _logged(run_dir: Path, step: int) -> bool:
+    """Whether the newest attempt's metrics file already holds the training row of `step`."""
+    try:
+        rows = read_metrics(run_dir)
+    except Exception:  # noqa: BLE001 - a file being created or a row being written: ask again (bounded above)
+        return False
+    newest = max((r["attempt"] for r in rows), default=0)
+    return any(r["attempt"] == newest and r["step"] == step and r.get("train_loss") is not None for r in rows)
 
 
 @pytest.mark.slow
