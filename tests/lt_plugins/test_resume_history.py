@@ -93,7 +93,7 @@ def _logged(run_dir: Path, step: int) -> bool:
     """Whether the newest attempt's metrics file already holds the training row of `step`."""
     try:
         rows = read_metrics(run_dir)
-    except Exception:
+    except Exception:  # a file being created or a row being written: ask again (bounded by the caller)
         return False
     newest = max((r["attempt"] for r in rows), default=0)
     return any(r["attempt"] == newest and r["step"] == step and r.get("train_loss") is not None for r in rows)
