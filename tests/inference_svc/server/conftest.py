@@ -7,6 +7,8 @@ channels with the ordinary blocking client, exactly like another process would.
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -175,3 +177,26 @@ def metric_value(text: str | bytes, name: str, **labels: str) -> float:
     ]
     assert len(found) <= 1, f"{len(found)} samples {name}{labels}: ask for more labels"
     return found[0] if found else 0.0
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+"""A minimal chat template for the tests that serve chat (role: content lines, then `assistant:`)."""
+
+
+def with_chat_template(bundle: Path, folder: Path, template: str = CHAT_TEMPLATE) -> Path:
+    """A copy of `bundle` at `folder` whose tokenizer_config.json carries `template`."""
+    shutil.copytree(bundle, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chat_bundle(bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's bundle with `CHAT_TEMPLATE`."""
+    return with_chat_template(bundle_dir, tmp_path_factory.mktemp("chat") / "chat-model")

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from inference_svc.serve_process import ServeProcess, free_port
+from tests.inference_svc.server.conftest import with_chat_template
 
 pytestmark = pytest.mark.slow  # a venv for guidellm, a served subprocess (not in make test-fast)
 
@@ -51,13 +52,7 @@ def _guidellm() -> Path:
 
 @pytest.fixture(scope="module")
 def chat_folder(bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("guidellm") / "chat-model"
-    shutil.copytree(bundle_dir, folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return folder
+    return with_chat_template(bundle_dir, tmp_path_factory.mktemp("guidellm") / "chat-model", TEMPLATE)
 
 
 def test_guidellm_defaults_complete_every_request(chat_folder: Path, tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -25,22 +24,7 @@ from inference_svc.client import AsyncTandemClient
 from inference_svc.client_results import GenerateResult
 from tests.inference_svc.server.conftest import ServerThread, engine_config, make_server, metric_value, wait_idle
 
-TEMPLATE = (
-    "{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 PROMPT = "def read(self, size=-1):\n    "
-
-
-@pytest.fixture(scope="module")
-def chat_bundle(bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("http") / "chat-model"
-    shutil.copytree(bundle_dir, folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,22 +25,7 @@ from inference_svc.openai_api import request_policy
 from inference_svc.openai_api.request_policy import RequestPolicy
 from tests.inference_svc.server.conftest import ServerThread, make_server
 
-TEMPLATE = (
-    "{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 MESSAGES = [{"role": "user", "content": "def read(self, size=-1):"}]
-
-
-@pytest.fixture(scope="module")
-def chat_bundle(bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("policy") / "chat-model"
-    shutil.copytree(bundle_dir, folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return folder
 
 
 @pytest.fixture(scope="module")
