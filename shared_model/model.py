@@ -64,6 +64,29 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] int, inv_freq [D/2] fp32 on their device -> cos, sin [B, T, 1, D] in `dtype` (broadcast over
+    heads)."""
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
+
+
+def batched(input_ids: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and positions as [B, T] each: [T] is read as B=1, positions default to 0..T-1 per row."""
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if positions is None:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    elif positions.dim() == 1:
+        positions = positions[None].expand_as(input_ids)
+    if positions.shape != input_ids.shape:
+        raise ValueError(f"positions shape {tuple(positions.shape)} != input_ids {tuple(input_ids.shape)}")
+    return input_ids, positions
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for explicit positions. inv_freq stays fp32 and off the state dict, whatever .to() does."""
 
@@ -72,10 +95,7 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq = rope_inv_freq(config)  # [D/2], a plain attribute: never cast by module.to()
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [B, T] int -> cos, sin: [B, T, 1, D] (broadcast over heads)
-        freqs = positions.float()[..., None] * self._inv_freq.to(positions.device)  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
+        return rope_tables(positions, self._inv_freq.to(positions.device), dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -182,14 +202,7 @@ class CausalLM(nn.Module):
         attention: AttentionBackend | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states [B, T, hidden]. input_ids and positions: [B, T] (or [T], read as B=1)."""
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        elif positions.dim() == 1:
-            positions = positions[None].expand_as(input_ids)
-        if positions.shape != input_ids.shape:
-            raise ValueError(f"positions shape {tuple(positions.shape)} != input_ids {tuple(input_ids.shape)}")
+        input_ids, positions = batched(input_ids, positions)
         backend = CAUSAL if attention is None else attention
         x = self.model.embed_tokens(input_ids)  # [B, T, hidden]
         cos, sin = self.model.rotary_emb(positions, x.dtype)

@@ -33,7 +33,7 @@ from torch import nn
 import tandem_native
 from shared_model.attention import CAUSAL, AttentionBackend
 from shared_model.config import ModelConfig
-from shared_model.model import CausalLM, DecoderLayer, rope_inv_freq
+from shared_model.model import CausalLM, DecoderLayer, batched, rope_inv_freq, rope_tables
 
 ROW_KERNEL_MAX_ROWS = 17
 """Rows of one call (all the rows of a step, every sequence's) up to which the row kernel runs: one sequence's verify
@@ -168,17 +168,10 @@ class ServingDecoder(nn.Module):
         attention: AttentionBackend | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states [B, T, hidden]. input_ids and positions: [B, T] (or [T], read as B=1)."""
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        elif positions.dim() == 1:
-            positions = positions[None].expand_as(input_ids)
+        input_ids, positions = batched(input_ids, positions)
         backend = CAUSAL if attention is None else attention
         x = self.embed_tokens(input_ids)  # [B, T, hidden]
-        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[:, :, None, :], emb.sin().to(x.dtype)[:, :, None, :]  # [B, T, 1, D]
+        cos, sin = rope_tables(positions, self.inv_freq, x.dtype)  # [B, T, 1, D] each
         widths = (self.hidden_width, self.head_width)
         for layer in self.layers:
             x = layer(x, cos, sin, backend, self.eps_t, widths)
