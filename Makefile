@@ -13,7 +13,7 @@ test: venv
 	.venv/bin/python -m pytest -q --durations=15
 
 # The inner loop: the unit tier (no test marked slow or distributed: no training runs, served subprocesses or
-# compiles); about 2-3 minutes on 2 cores. `make test` (and .ci/run) still run everything.
+# compiles); README.md gives the time it took. `make test` (and .ci/run) still run everything.
 test-fast: venv
 	.venv/bin/ruff check .
 	.venv/bin/python -m pytest -q -m "not slow and not distributed"
