@@ -49,8 +49,6 @@ class Prepared:
     """A decoder prepared for serving and the choices that made it (transforms 2 and 3)."""
 
     model: ServingDecoder
-    native: bool
-    """Whether Tandem's C++ kernels run (transform 1's answer, which the later transforms share)."""
     choices: tuple[Choice, ...]
 
 
@@ -77,7 +75,7 @@ def prepare(bundle: Bundle, config: EngineConfig, native: bool) -> Prepared:
     except QuantizationError as exc:
         raise ModelLoadError(f"{bundle.path}: quantization {kind}: {exc}") from exc
     choices.append(_quantization_choice(config))
-    return Prepared(model, native, tuple(choices))
+    return Prepared(model, tuple(choices))
 
 
 def _quantization_choice(config: EngineConfig) -> Choice:
