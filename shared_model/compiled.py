@@ -16,7 +16,7 @@ Contract:
 - Shapes: the token axis is dynamic, so one graph serves every T >= 2 (prefill chunks, verify steps, batched decodes)
   and one T == 1 (a lone decode; torch specialises size 1). A model that branches on T has one graph per branch: a
   quantized projection takes its packed kernel up to `PACKED_MAX_ROWS` rows, so T in 2..4 and T >= 5 are two graphs;
-  a dense one its row kernel up to `ROW_KERNEL_MAX_ROWS` rows (below). `warm_up(run)` calls `run` (which must reach
+  a dense one at each bound of its row table (below). `warm_up(run)` calls `run` (which must reach
   every kind of step), returns the seconds it took, and records them in `compile_seconds`. After warm-up the compiled
   code never compiles again: a call whose shapes or guards no graph covers is refused by dynamo at its guard check (the
   'fail_on_recompile' stance), before anything ran, and runs the same decoder eagerly instead; `eager_calls` counts
@@ -34,16 +34,17 @@ Contract:
 - The op declares no mutated arguments although a paged backend writes its cache: those writes go to tensors that
   are not graph inputs and that the graph never reads, and the layers' calls stay in order because each layer's
   output is the next one's input.
-- An fp32 or bf16 model's projections of up to `serving_model.ROW_KERNEL_MAX_ROWS` rows run Tandem's row kernel inside
-  the graph where it is built (`serving_model.set_row_kernels`; the module's own eager forward then uses it too,
-  until `release_row_kernels()`): another summation order, covered by the same checks, and the same bits for
-  a row at any row count.
+- An fp32 or bf16 model's projections run Tandem's row kernels inside the graph by the row table the caller chose
+  (`CompiledDecoder(model, row_table=...)`, `serving_model.compiled_row_table`, set by
+  `serving_model.set_row_kernels`; the module's own eager forward then uses it too, until `release_row_kernels()`):
+  another summation order, covered by the same checks, and the same bits for a row at any row count a kernel
+  serves.
 - `compiler_available()` says whether inductor can build kernels here (on CPU it needs a C++ compiler).
 - Guards: dynamo checks before each call that its graph still applies. Here the guards on module state (every
   parameter and attribute of the model's modules) are dropped: checking them cost 0.3-0.6 ms a step on the 82M
   model, 2026-12-02 (torch's profiler, "TorchDynamo Cache Lookup"; 70 us without). A served model's modules do not
   change after it was prepared, merged and quantized: the one attribute the graph reads that may change,
-  `ServingLinear.row_kernel`, is set once here and only reset when the compiled forward is dropped (a failed
+  `ServingLinear.row_table`, is set once here and only reset when the compiled forward is dropped (a failed
   compile, `release_row_kernels`), after which no graph runs. The guards that remain check the inputs' shapes,
   dtypes and the backend's handle, which tells the graphs of two decoders (a target and its draft model) apart.
 - One decoder at a time per process runs calls through its graphs: the 'fail_on_recompile' stance is dynamo's
@@ -63,7 +64,7 @@ from collections.abc import Callable
 import torch
 
 from shared_model.attention import AttentionBackend
-from shared_model.serving_model import ServingDecoder, set_row_kernels
+from shared_model.serving_model import RowTable, ServingDecoder, set_row_kernels
 
 _DECODERS: weakref.WeakValueDictionary[int, CompiledDecoder] = weakref.WeakValueDictionary()
 """handle -> each live decoder (the custom op finds the backend of the call in flight there)."""
@@ -155,12 +156,17 @@ class CompiledDecoder:
     """`ServingDecoder.hidden_states` compiled by inductor, attention left to the caller's backend (module doc)."""
 
     def __init__(
-        self, model: ServingDecoder, attention_op: Callable[..., torch.Tensor] | None = None, row_kernels: bool = True
+        self,
+        model: ServingDecoder,
+        attention_op: Callable[..., torch.Tensor] | None = None,
+        row_table: RowTable | None = None,
     ) -> None:
-        """`row_kernels=False`: the projections keep `torch.mv` / `F.linear` (the caller's choice of kernels)."""
+        """`row_table`: the projections' kernels by row count (`serving_model.compiled_row_table`); None keeps
+        `torch.mv` / `F.linear` (the caller's choice of kernels)."""
         self.model = model
-        self.row_kernels = set_row_kernels(model, row_kernels)
-        """Projections whose few-row products run Tandem's row kernel (`serving_model.set_row_kernels`)."""
+        self.row_table = row_table
+        self.row_kernels = set_row_kernels(model, row_table)
+        """Projections that run Tandem's row kernels by `row_table` (`serving_model.set_row_kernels`)."""
         self.handle = next(_HANDLES)
         _DECODERS[self.handle] = self
         self.current_backend: AttentionBackend | None = None
@@ -184,9 +190,10 @@ class CompiledDecoder:
         # fresh storage for views (a decode step's rows of one host copy): guards would pin their storage offsets
         input_ids = input_ids.clone() if input_ids.storage_offset() else input_ids
         positions = positions.clone() if positions.storage_offset() else positions
-        if input_ids.dim() == 2 and input_ids.shape[1] > 1:  # one graph for every T >= 2
-            torch._dynamo.mark_dynamic(input_ids, 1)
-            torch._dynamo.mark_dynamic(positions, positions.dim() - 1)
+        if input_ids.dim() == 2 and input_ids.shape[1] > 1:  # one graph per branch of T >= 2 (a table step of one
+            # row count, such as 2, specializes to it: maybe_mark_dynamic allows that)
+            torch._dynamo.maybe_mark_dynamic(input_ids, 1)
+            torch._dynamo.maybe_mark_dynamic(positions, positions.dim() - 1)
         self.current_backend = backend
         try:
             if self.compile_seconds is None:
@@ -208,8 +215,8 @@ class CompiledDecoder:
     def release_row_kernels(self) -> None:
         """Give the model back its eager projections (`torch.mv`, bit-equal to `F.linear`): when this compiled
         forward is dropped."""
-        set_row_kernels(self.model, False)
-        self.row_kernels = 0
+        set_row_kernels(self.model, None)
+        self.row_table, self.row_kernels = None, 0
 
     def warm_up(self, run: Callable[[], object]) -> float:
         """Compile by calling `run` (steps of each kind through `hidden_states`); returns and records its seconds."""

@@ -28,6 +28,9 @@ Contract:
     one scale each, and multiplies bytes by bytes, as llama.cpp's Q8_0 does. So on such CPUs an int8 layer's
     single-row output carries the activation's rounding too (at most half a step of max|x_g| / 127 per input);
     its reference (`fake_quantized`) applies the same rounding.
+  - From 2 up to `serving_model.TILE_MAX_ROWS` rows of int8 in bf16 on a CPU with AMX tiles (`int8_tile_kernel`):
+    `tandem::tile_gemm_int8`, which widens the codes to bf16 on their way into the tiles (exactly) and scales each
+    fp32 sum once: torch's `_weight_int8pack_mm` maths, with the weight read once for all the rows.
   - Up to `int4_gemv.MAX_ROWS` rows of int4 on such a CPU, with any of the group sizes (`int4_row_kernel`):
     `shared_model.int4_gemv`, which rounds each row to int8 in the weight's groups and multiplies the 4-bit codes
     by those bytes on `vpdpbusd`, as llama.cpp's Q4_0 does. Such a layer keeps only that kernel's layout (codes
@@ -57,10 +60,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import tandem_native
 from shared_model import int4_gemv, int8_gemv
 from shared_model.ledger import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZATIONS
 from shared_model.model import CausalLM
-from shared_model.serving_model import ServingDecoder, fuse_projections
+from shared_model.serving_model import TILE_MAX_ROWS, ServingDecoder, fuse_projections
 
 PACKED_MAX_ROWS = 4
 """Rows up to which the packed kernels beat dequantize-then-GEMM. Their time grows with every row: on one 4096 x 768
@@ -132,6 +136,13 @@ def int8_row_kernel(in_features: int, device: torch.device) -> bool:
     return device.type == "cpu" and int8_gemv.activation_group(in_features) is not None and int8_gemv.available()
 
 
+def int8_tile_kernel(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether an int8 layer of `shape` ([N, K]) computing in `dtype` on `device` runs 2..`TILE_MAX_ROWS` rows on
+    `tandem::tile_gemm_int8` (bf16 on a CPU with AMX tiles; N a multiple of 16, K of 32)."""
+    n, k = shape
+    return dtype == torch.bfloat16 and device.type == "cpu" and n % 16 == 0 and k % 32 == 0 and tandem_native.tiles()
+
+
 def int4_row_kernel(group_size: int, device: torch.device) -> bool:
     """Whether an int4 layer in groups of `group_size` on `device` runs up to `int4_gemv.MAX_ROWS` activation rows
     through `shared_model.int4_gemv` (activations rounded to int8 in the weight's groups), stored in its layout."""
@@ -180,12 +191,14 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self._int4_block_rows = 0  # int4 on CPU: rows per block of torch's packed layout, 0 when not recognized
         self._row_kernel = False  # a VNNI CPU: int8's single row, int4's decode batches run Tandem's kernels
+        self._tile_kernel = False  # int8 in bf16 on an AMX CPU: 2..TILE_MAX_ROWS rows on tandem::tile_gemm_int8
         if kind == "int8":
             q, scales = quantize_int8(weight)
             self.register_buffer("qweight", q)  # [N, K] int8
             self.register_buffer("scales", scales.to(self.dtype))  # [N]
             self._packed_kernel = _has_kernel("_weight_int8pack_mm", device)
             self._row_kernel = row_kernels and int8_row_kernel(self.in_features, device)
+            self._tile_kernel = row_kernels and int8_tile_kernel(q.shape, self.dtype, device)
             self._group = int8_gemv.activation_group(self.in_features) or 0  # the kernel's activation groups
         else:
             q, scales, zeros = quantize_int4(weight, group_size)
@@ -213,6 +226,8 @@ class QuantizedLinear(nn.Module):
         rows = x2.shape[0]
         if self._row_kernel and self.kind == "int8" and rows == 1:
             y = torch.ops.tandem.int8_gemv(x2[0], self.qweight, self.scales, self._group)[None]  # [1, N]
+        elif self._tile_kernel and rows <= TILE_MAX_ROWS:
+            y = torch.ops.tandem.tile_gemm_int8(x2, self.qweight, self.scales)  # [M, N]
         elif self._row_kernel and self.kind == "int4" and rows <= int4_gemv.MAX_ROWS:
             y = torch.ops.tandem.int4_gemv(x2, self.qweight, self.scales_and_zeros, self.group_size)  # [M, N]
         elif rows <= PACKED_MAX_ROWS and not (self._row_kernel and self.kind == "int4"):  # no torch layout then
@@ -230,6 +245,14 @@ class QuantizedLinear(nn.Module):
         m = PACKED_MAX_ROWS
         cuda = self.qweight.device.type == "cuda"
         if self.kind == "int8":
+            if self._row_kernel and self._tile_kernel:
+                table = (
+                    f"1 row: tandem::int8_gemv (int8 activations); 2-{TILE_MAX_ROWS} rows: tandem::tile_gemm_int8; "
+                    "more: dequantize + GEMM"
+                )
+                return "int8_gemv+tile_gemm_int8", table
+            if self._tile_kernel:
+                return "int8_tiles", f"1-{TILE_MAX_ROWS} rows: tandem::tile_gemm_int8; more: dequantize + GEMM"
             if self._row_kernel:
                 table = f"1 row: tandem::int8_gemv (int8 activations); 2-{m}: packed int8; more: dequantize + GEMM"
                 return "int8_gemv", table

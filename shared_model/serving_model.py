@@ -14,17 +14,23 @@ Contract:
   `CausalLM`'s on the CPU (tests/shared_model/test_fuse.py), and the exactness tests hold the two together.
 - Its projections (`qkv`, `o_proj`, `gate_up`, `down_proj` of each layer, `lm_head`) are `ServingLinear`s until
   `shared_model.quantize` swaps in `QuantizedLinear`s. A `ServingLinear` is an `nn.Linear` sharing the same
-  parameters whose bias-free bf16 product of a single CPU row (a batch-1 decode step) runs `torch.mv` instead of
-  `F.linear` (the same bits, tested at decode shapes). `set_row_kernels(decoder, True)` (the compiled step's
-  choice, `shared_model.compiled`) makes up to `ROW_KERNEL_MAX_ROWS` bias-free fp32 or bf16 rows run Tandem's
-  `tandem::row_gemm` where it is built (`tandem_native`): one read of the weight for all the rows, each row's
-  arithmetic the same at any row count (a verify row scores its token exactly as a decode step would), another
-  summation order than `F.linear`'s. `method()` names what a projection runs, for the serving executor's record.
+  parameters that picks its kernel by the row count of a call from its `RowTable` (one literal table per
+  projection, the only place a row count chooses anything). Eager serving's table keeps the training decoder's
+  bits: a bias-free bf16 CPU row runs `torch.mv` (the same bits as `F.linear`, tested at decode shapes), every
+  other call `F.linear`. `set_row_kernels(decoder, table)` (the compiled step's choice, `shared_model.compiled`,
+  with the table from `compiled_row_table`) gives the bias-free fp32 and bf16 projections Tandem's kernels where
+  they are built (`tandem_native`): `tandem::row_gemm` (fused multiply-adds; streams the weight fastest for one
+  or two rows) and, for bf16 on a CPU with AMX, `tandem::tile_gemm` (the weight read once for up to 64 rows). Each
+  kernel gives a row the same bits at any row count (another summation order than `F.linear`'s, and the two
+  kernels' orders differ from each other). `method()` names what a projection runs, for the serving executor's
+  record.
 - Inference only: the merged parameters do not require grad and ZeRO never sees this module; training keeps the
   plain `CausalLM`. Build it after the model has its final device and dtype.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,13 +42,74 @@ from shared_model.config import ModelConfig
 from shared_model.model import CausalLM, DecoderLayer, batched, rope_inv_freq, rope_tables
 
 ROW_KERNEL_MAX_ROWS = 17
-"""Rows of one call (all the rows of a step, every sequence's) up to which the row kernel runs: one sequence's verify
-of the most drafts the engine allows (16) plus its last token (docs/benchmarks.md: the row-count probe). A step of
-more rows (several verify items, or decodes beside a prefill chunk) runs `F.linear` for all of them."""
+"""Rows up to which a compiled step whose verify rows must score drafts exactly as decoding would runs every call
+through `tandem::row_gemm`: one sequence's verify of the most drafts the engine allows (16) plus its last token."""
+FMA_MAX_ROWS = 2
+"""Rows up to which `tandem::row_gemm` runs where `tandem::tile_gemm` takes more: it streams the weight faster for
+one or two rows, the tiles from three (docs/benchmarks.md: the row kernels' table)."""
+TILE_MAX_ROWS = 64
+"""Rows up to which `tandem::tile_gemm` runs: its cost is flat to 16 rows and below `F.linear`'s to 64; oneDNN's
+blocked GEMM (`F.linear`) wins on prefill chunks."""
+_KERNEL_NAMES = {
+    "mv": "torch.mv",
+    "row_gemm": "tandem::row_gemm",
+    "tile_gemm": "tandem::tile_gemm",
+    "linear": "F.linear",
+}
+
+
+@dataclass(frozen=True)
+class RowTable:
+    """A projection's kernel by the row count of a call: the first `(most rows, kernel)` step that holds, else
+    `more`. Kernels: 'mv' (one bf16 row, `torch.mv`), 'row_gemm', 'tile_gemm' (Tandem's) and 'linear' (`F.linear`)."""
+
+    steps: tuple[tuple[int, str], ...] = ()
+    more: str = "linear"
+
+    def kernel(self, rows: int) -> str:
+        for most, name in self.steps:
+            if rows <= most:
+                return name
+        return self.more
+
+    @property
+    def largest_step(self) -> int:
+        """The most rows any step takes (0 without steps): a compiled step's graphs branch there."""
+        return self.steps[-1][0] if self.steps else 0
+
+    def describe(self) -> str:
+        """'1-2 rows: tandem::row_gemm; 3-64 rows: tandem::tile_gemm; more: F.linear' (for the load plan)."""
+        parts, low = [], 1
+        for most, name in self.steps:
+            span = f"{low}" if most == low else f"{low}-{most}"
+            parts.append(f"{span} row{'s' if most > 1 else ''}: {_KERNEL_NAMES[name]}")
+            low = most + 1
+        parts.append(f"{'more' if self.steps else 'every row count'}: {_KERNEL_NAMES[self.more]}")
+        return "; ".join(parts)
+
+
+EAGER_BF16_TABLE = RowTable(((1, "mv"),))
+"""Eager bias-free bf16 on the CPU: `torch.mv` for one row, bit-equal to `F.linear`."""
+PLAIN_TABLE = RowTable()
+
+
+def compiled_row_table(dtype: torch.dtype, tiles: bool, exact_verify: bool) -> RowTable:
+    """The compiled step's table for a bias-free fp32 or bf16 projection on a CPU with Tandem's kernels.
+
+    `exact_verify` (speculative decoding on by default): `row_gemm` up to `ROW_KERNEL_MAX_ROWS` rows, so a verify
+    step's rows score their drafts with a decode row's bits. Otherwise bf16 with AMX tiles (`tiles`): `row_gemm` for
+    up to `FMA_MAX_ROWS` rows, `tile_gemm` up to `TILE_MAX_ROWS`; without tiles, or fp32: `row_gemm` up to
+    `FMA_MAX_ROWS`. `F.linear` beyond. (A request that asks for speculation on such an engine keeps its output
+    distribution; its verify rows may round otherwise than its decode rows.)"""
+    if exact_verify:
+        return RowTable(((ROW_KERNEL_MAX_ROWS, "row_gemm"),))
+    if dtype == torch.bfloat16 and tiles:
+        return RowTable(((FMA_MAX_ROWS, "row_gemm"), (TILE_MAX_ROWS, "tile_gemm")))
+    return RowTable(((FMA_MAX_ROWS, "row_gemm"),))
 
 
 class ServingLinear(nn.Linear):
-    """`nn.Linear` with a GEMV for one bias-free bf16 row on CPU, and optionally the row kernel (see the module doc)."""
+    """`nn.Linear` whose kernel a `RowTable` picks by the row count of each call (see the module doc)."""
 
     @classmethod
     def sharing(cls, linear: nn.Linear) -> ServingLinear:
@@ -53,8 +120,20 @@ class ServingLinear(nn.Linear):
         out.weight, out.bias = linear.weight, linear.bias
         return out
 
-    row_kernel = False
-    """Whether up to `ROW_KERNEL_MAX_ROWS` rows run `tandem::row_gemm` (`set_row_kernels`)."""
+    row_table: RowTable | None = None
+    """The compiled step's table (`set_row_kernels`); None: the eager table (`eager_table`)."""
+
+    def eager_table(self) -> RowTable:
+        w = self.weight
+        return (
+            EAGER_BF16_TABLE
+            if self.bias is None and w.dtype == torch.bfloat16 and w.device.type == "cpu"
+            else PLAIN_TABLE
+        )
+
+    @property
+    def table(self) -> RowTable:
+        return self.row_table if self.row_table is not None else self.eager_table()
 
     def can_use_row_kernel(self) -> bool:
         w = self.weight
@@ -65,22 +144,20 @@ class ServingLinear(nn.Linear):
 
     def method(self) -> tuple[str, str]:
         """(The method this projection runs, its row-count table in words): what `forward` does, for the load plan."""
-        if self.row_kernel:
-            n = ROW_KERNEL_MAX_ROWS
-            return "row_gemm", f"1-{n} rows: tandem::row_gemm (the same bits at any row count); more: F.linear"
-        w = self.weight
-        if self.bias is None and w.dtype == torch.bfloat16 and w.device.type == "cpu":
-            return "mv+linear", "1 bf16 row: torch.mv (bit-equal to F.linear); more: F.linear"
-        return "linear", "F.linear at every row count"
+        table = self.table
+        kernels = [name for _, name in table.steps] + [table.more]
+        return "+".join(dict.fromkeys(kernels)), table.describe()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.row_kernel and x.dtype == self.weight.dtype and rows <= ROW_KERNEL_MAX_ROWS:
-            y = torch.ops.tandem.row_gemm(x.reshape(rows, x.shape[-1]), self.weight)  # [rows, out]
-            return y.view(*x.shape[:-1], self.out_features)  # [..., out]
-        if self.bias is None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and rows == 1:
+        kernel = self.table.kernel(rows)
+        if kernel == "linear" or x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        if kernel == "mv":
             return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], self.out_features)  # [..., out]
-        return F.linear(x, self.weight, self.bias)
+        op = torch.ops.tandem.tile_gemm if kernel == "tile_gemm" else torch.ops.tandem.row_gemm
+        y = op(x.reshape(rows, x.shape[-1]), self.weight)  # [rows, out]
+        return y.view(*x.shape[:-1], self.out_features)  # [..., out]
 
 
 def rms_norm_into(x: torch.Tensor, weight: torch.Tensor, width: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
@@ -202,14 +279,15 @@ def fuse_projections(model: CausalLM | ServingDecoder) -> ServingDecoder:
     return model if isinstance(model, ServingDecoder) else ServingDecoder(model)
 
 
-def set_row_kernels(model: ServingDecoder, on: bool) -> int:
-    """Let (or stop) the decoder's `ServingLinear`s run up to `ROW_KERNEL_MAX_ROWS` rows through `tandem::row_gemm`
-    where it is built and takes their dtype (see the module docstring); returns how many projections use it now."""
+def set_row_kernels(model: ServingDecoder, table: RowTable | None) -> int:
+    """Give the decoder's `ServingLinear`s that can take Tandem's kernels (bias-free fp32/bf16 on a CPU where the
+    library is built) `table` as their row-count table, or their eager table back (None); returns how many
+    projections run a compiled table now."""
     count = 0
     for linear in model.projections():
         if isinstance(linear, ServingLinear):
-            linear.row_kernel = on and linear.can_use_row_kernel()
-            count += linear.row_kernel
+            linear.row_table = table if table is not None and linear.can_use_row_kernel() else None
+            count += linear.row_table is not None
     return count
 
 

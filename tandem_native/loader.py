@@ -9,10 +9,11 @@ Contract:
   argument: nothing here reads a switch.
 - Once loaded, the operators exist (`torch.ops.tandem.*`), each with a fake kernel for tracing registered here, so
   a compiled step calls them through the dispatcher with no Python wrapper: `int8_gemv` (`shared_model.int8_gemv`),
-  `int4_gemv` and `int4_dequantize` (`shared_model.int4_gemv`), `row_gemm` (`shared_model.serving_model`) and
-  `paged_attention` (`inference_svc.attention.native_cpu`). The module's own functions (`decode_attention`,
-  `store_kv`, `decode_step`, the graph binding calls, `truncation_thresholds`, `sample_rows`, `int8_gemv`) are
-  called from Python directly.
+  `int4_gemv` and `int4_dequantize` (`shared_model.int4_gemv`), `row_gemm` and `tile_gemm`
+  (`shared_model.serving_model`), `tile_gemm_int8` (`shared_model.quantize`) and `paged_attention`
+  (`inference_svc.attention.native_cpu`). The module's own functions (`decode_attention`, `store_kv`, `decode_step`,
+  the graph binding calls, `truncation_thresholds`, `sample_rows`, `int8_gemv`, `tile_gemm_ready`) are called from
+  Python directly.
 - The build: torch's extension builder compiles `SOURCES` with `FLAGS` in `~/.cache/tandem/native/<hash>/`, the
   hash covering the sources' names and text, the flags, torch's and Python's versions and the compiler. The sources
   are copied there first and built from the copies, so every clone of the same commit shares one build (a fresh
@@ -96,6 +97,13 @@ def status() -> tuple[bool, str]:
         return False, "it could not be built here (ninja missing or a failed build: see the log)"
     extra = [f for f in ("amx_tile", "avx512_bf16") if f in _cpu_flags()]
     return True, "built for this CPU (AVX-512 BW/VL/VNNI" + "".join(f", {f}" for f in extra) + ")"
+
+
+def tiles() -> bool:
+    """Whether `tandem::tile_gemm` runs in this process: the library is built and the CPU has AMX-BF16 tiles that
+    Linux lets this process use (asked once, by the library itself)."""
+    module = library()
+    return module is not None and bool(module.tile_gemm_ready())
 
 
 def build_dir() -> Path:
@@ -184,6 +192,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tandem::row_gemm")
     def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake("tandem::tile_gemm")
+    def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake("tandem::tile_gemm_int8")
+    def _(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], q.shape[0]))
 
     @torch.library.register_fake("tandem::int4_gemv")
     def _(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:

@@ -175,6 +175,7 @@ class Engine:
             draft_model = executor.prepare(draft, config, native).model
         self.attention_backend, backend, attention_choice = executor.choose_attention(config, device, native)
         compile_step, compile_choice = executor.choose_compile(config, device, model)
+        row_table = executor.choose_row_table(config, native, self.dtype) if compile_step else None
         self.draft_path = None if draft is None else draft.path
         self.weight_bytes = serving_weight_bytes(model)
         self.draft_weight_bytes = 0 if draft_model is None else serving_weight_bytes(draft_model)
@@ -202,13 +203,14 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.runner = ModelRunner(
             model, self.model_config, num_blocks, bs, self.dtype, device, backend, kv_dtype=self.kv_dtype,
-            compiled=compile_step, native=native,
+            compiled=compile_step, native=native, row_table=row_table,
         )  # fmt: skip
         self.draft_runner = None
         if draft is not None and draft_model is not None:
+            draft_table = executor.choose_row_table(config, native, draft.dtype) if compile_step else None
             self.draft_runner = ModelRunner(draft_model, draft.config, num_blocks, bs, draft.dtype, device, backend,
                                             prompt_logprobs=False, kv_dtype=self.kv_dtype,
-                                            compiled=compile_step, native=native)  # fmt: skip
+                                            compiled=compile_step, native=native, row_table=draft_table)  # fmt: skip
         self.sampler = Sampler(native=native)
         self._eos_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_id} if self.tokenizer.eos_id is not None else set()
@@ -250,14 +252,18 @@ class Engine:
     def _warm_up(self, runner: ModelRunner) -> float:
         """Compile `runner`'s graphs on throwaway sequences over free blocks, then zero those blocks; seconds.
 
-        The compile runs a prefill chunk longer than `ROW_KERNEL_MAX_ROWS` where the pool allows, a lone decode and a
-        decode of two sequences (T >= 2, T == 1, and the small T a model branches on); a 5-row chunk (a verify step's
-        shape) must then be covered already (were it not, `CompiledDecoder` logs it and runs it eagerly). A compile
-        that fails is a `ModelLoadError` under 'on'; under 'auto' it raises `_CompileFailed`, and the engine records
-        that and runs every step eagerly. No timing decides anything here (`inference_svc.executor.prepare`)."""
+        The compile runs a prefill chunk longer than the projections' row table's last bound where the pool allows,
+        a lone decode, a decode of two sequences and chunks on each side of each bound of the table and of 5 rows
+        (T == 1 and every T >= 2 branch a model takes); a 5-row chunk (a verify step's shape) must then be covered
+        (were it not, `CompiledDecoder` logs it and runs it eagerly). A compile that fails is a `ModelLoadError`
+        under 'on'; under 'auto' it raises `_CompileFailed`, and the engine records that and runs every step
+        eagerly. No timing decides anything here (`inference_svc.executor.prepare`)."""
         assert runner.compiled is not None
         bs = self.config.block_size
-        n = min(max(2 * bs, ROW_KERNEL_MAX_ROWS + 1), (self.block_manager.num_blocks // 2) * bs - 1)  # 2 x (n + 1) fit
+        table = runner.compiled.row_table
+        bounds = [most for most, _ in table.steps if most >= 2] if table is not None else []
+        longest = max([ROW_KERNEL_MAX_ROWS, *bounds])  # the quantized layers branch at few rows too
+        n = min(max(2 * bs, longest + 1), (self.block_manager.num_blocks // 2) * bs - 1)  # 2 x (n + 1) fit
         if n < 6:
             raise _CompileFailed(f"the KV pool is too small to warm up on ({self.block_manager.num_blocks} blocks)")
         per_seq = -(-(n + 1) // bs)
@@ -274,6 +280,9 @@ class Engine:
             runner.run([ScheduledSeq(seqs[0], 0, n)])  # prefill
             runner.run([ScheduledSeq(seqs[0], n, 1)])  # lone decode
             runner.run([ScheduledSeq(s, n, 1) for s in seqs])  # batched decode
+            for rows in sorted({5, *bounds, *(b + 1 for b in bounds)}):  # each side of each branch, a verify's 5
+                if 2 < rows <= n:
+                    runner.run([ScheduledSeq(seqs[1], n + 1 - rows, rows)])
 
         peak = runner.peak_workspace_bytes  # the warm-up's steps are not the service's
         try:

@@ -42,7 +42,7 @@ from inference_svc.engine.sequence import Sequence
 from inference_svc.engine.types import MAX_SPECULATIVE_TOKENS, TokenLogprob
 from shared_model.compiled import CompiledDecoder
 from shared_model.config import ModelConfig
-from shared_model.serving_model import ServingDecoder
+from shared_model.serving_model import RowTable, ServingDecoder
 
 
 @dataclass(frozen=True)
@@ -131,9 +131,11 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         compiled: bool = False,
         native: bool = True,
+        row_table: RowTable | None = None,
     ) -> None:
-        """`native`: the load plan's `cpu_kernels` choice (Tandem's C++ kernels: the compiled step's row GEMM and
-        in-graph decode attention); False keeps torch's."""
+        """`native`: the load plan's `cpu_kernels` choice (Tandem's C++ kernels: the compiled step's in-graph decode
+        attention); False keeps torch's. `row_table`: the compiled step's projections' kernels by row count (the
+        load plan's `linear` choice, `inference_svc.executor.choose_row_table`); None keeps torch's."""
         self.model = model
         self.computes_prompt_logprobs = prompt_logprobs
         """False for a draft model's runner: the target's logits are the ones reported."""
@@ -151,7 +153,7 @@ class ModelRunner:
         factory = self.backend_factory
         torch_backend = isinstance(factory, PagedAttentionFactory) and is_torch_ops(factory.ops)
         graph_op = GraphAttention.operator(self.cache) if compiled and torch_backend and native else None
-        self.compiled = CompiledDecoder(model, attention_op=graph_op, row_kernels=native) if compiled else None
+        self.compiled = CompiledDecoder(model, attention_op=graph_op, row_table=row_table) if compiled else None
         """The compiled forward (None: eager); the engine warms it up before serving."""
         self._hidden_states = model.hidden_states if self.compiled is None else self.compiled.hidden_states
         self.graph_attention = (

@@ -9,7 +9,9 @@ Contract:
   2. `merge_projections`: q/k/v and gate/up merged into one matrix each (`shared_model.serving_model`).
   3. `quantization` (`EngineConfig.quantization`, `int4_kernel`): the weight format (`shared_model.quantize`).
   4. `linear.<projection>`: the method each projection runs, with its row-count table (the module's own
-     `method()`): recorded from the modules themselves, so the record cannot drift from what runs.
+     `method()`): recorded from the modules themselves, so the record cannot drift from what runs. A compiled
+     step's dense projections take the table `choose_row_table` picks by a rule (`serving_model.compiled_row_table`:
+     the weights' dtype, whether this CPU has AMX tiles, whether speculative decoding is on by default).
   5. `attention`: the attention backend (`EngineConfig.attention_backend`) and its CPU decode kernels.
   6. `sampler`: the CPU sampler's C++ thresholds and one-call sampling, or torch's sort.
   7. `compile`: whether the step runs compiled (`EngineConfig.compile`). 'auto' is a rule, never a timing: compiled
@@ -35,7 +37,7 @@ from inference_svc.executor.plan import Choice
 from shared_model.bundle import Bundle
 from shared_model.compiled import compiler_available
 from shared_model.quantize import QuantizationError, QuantizedLinear, quantize_weights
-from shared_model.serving_model import ServingDecoder, ServingLinear
+from shared_model.serving_model import RowTable, ServingDecoder, ServingLinear, compiled_row_table
 
 COMPILE_AUTO_MIN_PARAMS = 2_000_000
 """`compile='auto'` compiles on CPU from this many parameters up: below it a step costs well under a millisecond
@@ -98,6 +100,13 @@ def linear_choices(model: ServingDecoder) -> list[Choice]:
         "lm_head": model.lm_head,
     }
     return [Choice(f"linear.{name}", *_method(m)) for name, m in modules.items()]
+
+
+def choose_row_table(config: EngineConfig, native: bool, dtype: torch.dtype) -> RowTable | None:
+    """Transform 4's rule for a compiled step's dense projections (None: torch's kernels, without Tandem's)."""
+    if not native or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return compiled_row_table(dtype, tiles=tandem_native.tiles(), exact_verify=config.speculative != "off")
 
 
 def _method(module: torch.nn.Module) -> tuple[str, str]:

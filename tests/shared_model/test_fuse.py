@@ -11,7 +11,14 @@ import tandem_native
 from shared_model.attention import CAUSAL
 from shared_model.config import RopeScaling
 from shared_model.model import build_model
-from shared_model.serving_model import ROW_KERNEL_MAX_ROWS, ServingLinear, fuse_projections, set_row_kernels
+from shared_model.serving_model import (
+    ROW_KERNEL_MAX_ROWS,
+    RowTable,
+    ServingLinear,
+    compiled_row_table,
+    fuse_projections,
+    set_row_kernels,
+)
 from tests.conftest import tiny_config
 
 CONFIGS = {
@@ -73,28 +80,75 @@ def test_state_dict_keeps_its_names_and_values_and_shares_the_merged_memory() ->
     assert layer.input_norm is model.model.layers[0].input_layernorm.weight
 
 
+def _tables() -> list:
+    """(id, dtype, table) of every compiled row table this machine can run."""
+    out = []
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        out.append((f"{name}-exact-verify", dtype, compiled_row_table(dtype, tiles=False, exact_verify=True)))
+        out.append((f"{name}-fma", dtype, compiled_row_table(dtype, tiles=False, exact_verify=False)))
+    if tandem_native.tiles():
+        out.append(("bf16-tiles", torch.bfloat16, compiled_row_table(torch.bfloat16, tiles=True, exact_verify=False)))
+    return out
+
+
 @pytest.mark.skipif(not tandem_native.available(), reason="needs AVX-512 VNNI and a C++ compiler")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("dtype", "table"), [t[1:] for t in _tables()], ids=[t[0] for t in _tables()])
 def test_row_kernels_are_the_compiled_steps_choice_and_give_each_row_the_same_bits_at_any_row_count(
-    dtype: torch.dtype,
+    dtype: torch.dtype, table: RowTable
 ) -> None:
     model = fuse_projections(build_model(tiny_config(), dtype=dtype, seed=0))
-    assert set_row_kernels(model, True) == 4 * model.config.num_layers + 1  # qkv, o, gate/up, down; the LM head
+    assert set_row_kernels(model, table) == 4 * model.config.num_layers + 1  # qkv, o, gate/up, down; the LM head
     head = model.lm_head
-    assert head.row_kernel
+    assert head.row_table is table
+    most = table.largest_step
     with torch.inference_mode():  # serving: no autograd through the kernel
-        x = torch.randn(ROW_KERNEL_MAX_ROWS + 1, model.config.hidden_size, dtype=dtype)
-        batch = head(x[:ROW_KERNEL_MAX_ROWS]).float()  # [17, vocab]: one kernel call
-        exact = x[:ROW_KERNEL_MAX_ROWS].double() @ head.weight.double().t()
+        x = torch.randn(most + 1, model.config.hidden_size, dtype=dtype)
+        exact = x.double() @ head.weight.double().t()  # [most + 1, vocab]
         bound = (2**-7 if dtype == torch.bfloat16 else 1e-5) * exact.abs().max().item()  # fp32 sums, one rounding
-        assert (batch - exact).abs().max().item() <= bound
-        for m in (0, 5, ROW_KERNEL_MAX_ROWS - 1):  # a decode step's row alone, a verify step's 5 rows
-            assert torch.equal(head(x[m : m + 1]).float(), batch[m : m + 1])
-            assert torch.equal(head(x[m : m + 5]).float()[0], batch[m])
-        assert torch.equal(head(x[None, 3:8]).float()[0], batch[3:8])  # [B, T, hidden] inputs too
-        past = head(x)  # one row more: F.linear
+        low = 1
+        for top, kernel in table.steps:  # within each step of the table: one kernel, each row's bits at any count
+            full = head(x[:top]).float()  # one call of `top` rows
+            assert (full - exact[:top]).abs().max().item() <= bound, kernel
+            for count in sorted({low, top}):  # the last `count` rows alone: the same bits
+                assert torch.equal(head(x[top - count : top]).float(), full[top - count :]), (kernel, count)
+            low = top + 1
+        assert torch.equal(head(x[None, : min(most, 5)]).float()[0], head(x[: min(most, 5)]).float())  # [B, T, hidden]
+        past = head(x)  # one row more than the table's last step: F.linear
         assert torch.equal(past, F.linear(x, head.weight))
-        compiled = torch.compile(head, fullgraph=True)  # the custom op does not break the graph
+        torch._dynamo.reset()  # each table's graphs are new entries of ServingLinear.forward: no recompile limit
+        compiled = torch.compile(head, fullgraph=True)  # the custom ops do not break the graph
         assert torch.equal(compiled(x[:1]), head(x[:1]))
-        assert set_row_kernels(model, False) == 0 and not head.row_kernel
+        assert torch.equal(compiled(x[:most]), head(x[:most]))
+        assert set_row_kernels(model, None) == 0 and head.row_table is None
         assert torch.equal(head(x[:1]), F.linear(x[:1], head.weight))  # the eager path's bit-equality is back
+
+
+@pytest.mark.skipif(not tandem_native.tiles(), reason="needs a CPU with AMX-BF16 tiles this process may use")
+@pytest.mark.parametrize(("n", "k"), [(256, 64), (200, 96), (40, 32)], ids=["tiles", "tail-rows", "one-tile"])
+def test_tile_gemm_matches_the_exact_product_and_each_row_keeps_its_bits_at_any_row_count(n: int, k: int) -> None:
+    """Up to 64 rows share one read of the weight (four activation tiles); more rows take passes of 64; weight rows
+    past the last whole tile of 16 run the FMA kernel. Every row: its own bits, whatever else is in the call."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(70, k, generator=gen).bfloat16()
+    with torch.inference_mode():
+        exact = x.double() @ w.double().t()
+        full = torch.ops.tandem.tile_gemm(x, w)  # [70, n]
+        assert full.dtype == torch.bfloat16 and full.shape == (70, n)
+        assert (full.double() - exact).abs().max().item() <= 2**-7 * exact.abs().max().item()
+        for lo, hi in ((0, 1), (3, 4), (0, 5), (10, 26), (0, 64), (5, 70)):
+            assert torch.equal(torch.ops.tandem.tile_gemm(x[lo:hi], w), full[lo:hi]), (lo, hi)
+        with pytest.raises(RuntimeError, match="tile_gemm: x and w must both be bf16"):
+            torch.ops.tandem.tile_gemm(x.float(), w.float())
+
+
+def test_row_table_describes_itself_and_the_compiled_rule() -> None:
+    table = compiled_row_table(torch.bfloat16, tiles=True, exact_verify=False)
+    assert [table.kernel(r) for r in (1, 2, 3, 64, 65)] == ["row_gemm"] * 2 + ["tile_gemm"] * 2 + ["linear"]
+    assert table.describe() == "1-2 rows: tandem::row_gemm; 3-64 rows: tandem::tile_gemm; more: F.linear"
+    exact = compiled_row_table(torch.bfloat16, tiles=True, exact_verify=True)  # verify rows as decode rows score
+    assert exact.steps == ((ROW_KERNEL_MAX_ROWS, "row_gemm"),)
+    assert compiled_row_table(torch.float32, tiles=True, exact_verify=False).steps == ((2, "row_gemm"),)
+    assert RowTable().describe() == "every row count: F.linear"
+    linear = ServingLinear(64, 32, bias=False, dtype=torch.bfloat16)
+    assert linear.method() == ("mv+linear", "1 row: torch.mv; more: F.linear")

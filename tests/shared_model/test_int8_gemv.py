@@ -99,3 +99,26 @@ def test_the_op_refuses_what_it_cannot_run() -> None:
         int8_gemv.int8_gemv(torch.zeros(96), q, torch.ones(8))
     with pytest.raises(RuntimeError, match="shapes do not match"):
         tandem_native.library().int8_gemv(torch.zeros(64), torch.zeros(8, 128, dtype=torch.int8), torch.ones(8), 64)
+
+
+@pytest.mark.skipif(not tandem_native.tiles(), reason="needs a CPU with AMX-BF16 tiles this process may use")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_int8_layer_runs_2_to_64_rows_on_the_tiles_with_torchs_packed_maths(compiled: bool) -> None:
+    """A decode batch of an int8 layer reads the int8 bytes once on AMX tiles (not a dequantized copy of the weight
+    per call): the same maths as `_weight_int8pack_mm` (codes times bf16 activations, the row scale once), and each
+    row's bits do not depend on how many rows share the call."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(96, 256, generator=g)
+    layer = QuantizedLinear(weight, None, "int8", 64, torch.bfloat16)
+    assert layer._tile_kernel and layer.method()[0] == "int8_gemv+tile_gemm_int8"
+    fn = torch.compile(layer, fullgraph=True) if compiled else layer
+    x = torch.randn(65, 256, generator=g, dtype=torch.bfloat16)
+    exact = (x.double() @ layer.qweight.double().t()) * layer.scales.double()  # [65, 96]
+    tiles = fn(x[:64])  # one call of 64 rows
+    assert (tiles.double() - exact[:64]).abs().max() <= 2**-7 * exact.abs().max()
+    packed = torch.ops.aten._weight_int8pack_mm(x[:64], layer.qweight, layer.scales)
+    assert (tiles.double() - packed.double()).abs().max() <= 2**-7 * exact.abs().max()
+    for lo, hi in ((0, 2), (5, 21), (40, 64)):  # any row count from 2 to 64: the same bits per row
+        assert torch.equal(fn(x[lo:hi]), tiles[lo:hi])
+    beyond = layer(x)  # 65 rows: dequantize + GEMM
+    assert (beyond.double() - exact).abs().max() <= 2**-7 * exact.abs().max()

@@ -289,7 +289,7 @@ def test_a_failed_auto_compile_runs_eagerly_and_the_plan_says_why(qwen3_dir, mak
     assert engine.runner.compiled is None and not engine.info().compiled
     choice = next(c for c in engine.info().load_plan if c.lever == "compile")
     assert choice.value == "off" and "inductor exploded" in choice.reason
-    assert all(c.value != "row_gemm" for c in engine.info().load_plan)  # the row kernel left with the graph
+    assert all("row_gemm" not in c.value for c in engine.info().load_plan)  # the row kernels left with the graph
     prompts = [list(range(20, 50)), [7, 8, 9] * 5]
     want = make_engine(qwen3_dir, compile="off").generate(prompts, SamplingParams(max_new_tokens=8))
     got = engine.generate(prompts, SamplingParams(max_new_tokens=8))
