@@ -62,8 +62,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inference_svc import tokenizer_jobs
-from inference_svc.engine.engine import check_encoded, check_text_prompt
 from inference_svc.engine.types import MAX_N, EngineInfo, FinishReason, RequestOutput, SamplingParams
+from inference_svc.engine.validation import check_encoded, check_text_prompt
 from inference_svc.engine_thread import EngineThread
 from inference_svc.errors import (
     CapacityError,
