@@ -16,9 +16,8 @@ Contract:
   When the workers of all pools outnumber the CPUs, libgomp stops letting idle workers spin between parallel
   regions ("throttled" spinning: about 100 spins, then a futex sleep), so each of the hundreds of parallel regions
   of a decode step waits for its workers to wake. A model loaded on one live thread (the event loop's default
-  executor) and stepped on another thus decoded 2-3x slower: on the 2-core VM, the 82M int8 model at 2 threads
-  gave 41.7 tok/s against 113.8 tok/s when loaded and stepped on one thread (`benchmarks/engine_thread.py`,
-  docs/benchmarks.md §7).
+  executor) and stepped on another thus decoded several times slower (`benchmarks/engine_thread.py`; the figures
+  are in docs/benchmarks.md §7).
 """
 
 from __future__ import annotations
