@@ -628,4 +628,3 @@ class AsyncEngine:
             self._step_failures = 0
             if self.engine.has_unfinished_requests():
                 time.sleep(_IDLE_POLL_S)  # do not spin on a broken engine
-
