@@ -4,9 +4,10 @@ Contract:
 - One dedicated thread, the *engine thread* (an `EngineThread`: the caller's, else its own), is the only
   caller of `Engine` once `start()` has run. A server loads the engine and runs `warmup` on that same thread before
   `start()`, so that all of the model's torch work runs on one thread (why: `inference_svc.engine_thread`). The
-  event loop talks to it through a command inbox (add, abort, call); the engine thread applies at most
-  `MAX_COMMANDS_PER_STEP` commands between two steps (a flood of commands cannot starve running streams) and
-  answers through `loop.call_soon_threadsafe`, once per step with every increment of that step.
+  event loop talks to it through that thread's one queue (`EngineThread.inbox`: add, abort, stop, and calls such
+  as `run_in_engine`'s); the engine loop applies at most `MAX_COMMANDS_PER_STEP` of them between two steps (a
+  flood of commands cannot starve running streams) and answers through `loop.call_soon_threadsafe`, once per step
+  with every increment of that step.
 - State has one owner each: the admission counters and the per-request streams belong to the event loop; the
   per-request deadlines, abort causes and inter-token clocks belong to the engine thread.
 - Text is refused before it is tokenized when it has more characters than the context could ever hold
@@ -62,9 +63,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inference_svc import tokenizer_jobs
-from inference_svc.engine.engine import check_encoded, check_text_prompt
 from inference_svc.engine.types import MAX_N, EngineInfo, FinishReason, RequestOutput, SamplingParams
-from inference_svc.engine_thread import EngineThread
+from inference_svc.engine.validation import check_encoded, check_text_prompt
+from inference_svc.engine_thread import Call, EngineThread
 from inference_svc.errors import (
     CapacityError,
     DeadlineExceededError,
@@ -83,7 +84,7 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_ID_CHARS = 128
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 MAX_COMMANDS_PER_STEP = 64
-"""Inbox commands (add, abort, call) the engine thread applies between two steps: a flood of them delays the
+"""Inbox commands (add, abort, call) the engine loop applies between two steps: a flood of them delays the
 running streams by at most this many commands' work per step."""
 _IDLE_POLL_S = 0.05
 
@@ -105,12 +106,6 @@ class _Abort:
     request_id: str
     cause: BaseException | None
     """Raised to the request's reader once the engine confirms the abort (None: a plain cancel)."""
-
-
-@dataclass
-class _Call:
-    fn: Callable[[], Any]
-    future: asyncio.Future
 
 
 _STOP = object()
@@ -180,7 +175,6 @@ class AsyncEngine:
         """The most commands it has applied between two steps so far (written by the engine thread: a gauge for
         tests and benchmarks)."""
         # shared, written once
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._running: concurrent.futures.Future | None = None
         """The engine loop's future on `thread` (None: not started, or stopped)."""
         self._broken = False  # written once by the engine thread; the lifecycle hears of it in the loop
@@ -217,7 +211,7 @@ class AsyncEngine:
         """End the engine thread (after `drain`, or abruptly)."""
         if self._running is None:
             return
-        self._inbox.put(_STOP)
+        self._put(_STOP)
         await asyncio.to_thread(concurrent.futures.wait, [self._running], 30.0)
         self._running = None
         if self.thread is not None:
@@ -232,7 +226,7 @@ class AsyncEngine:
             await asyncio.wait_for(self._idle.wait(), timeout=grace)
         cut = list(self._streams)
         for rid in cut:
-            self._inbox.put(_Abort(rid, EngineStoppedError("the server shut down before this request finished")))
+            self._put(_Abort(rid, EngineStoppedError("the server shut down before this request finished")))
         if cut:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), timeout=10.0)
@@ -254,11 +248,9 @@ class AsyncEngine:
 
     async def run_in_engine(self, fn: Callable[[], Any]) -> Any:
         """Run `fn()` in the engine thread between steps (e.g. `engine.stats`) and return its result."""
-        if self._running is None:
+        if self._running is None or self.thread is None:
             return fn()
-        future = asyncio.get_running_loop().create_future()
-        self._inbox.put(_Call(fn, future))
-        return await future
+        return await self.thread.run(fn)  # a `Call` in the thread's one queue: the engine loop runs it between steps
 
     async def stats(self) -> Any:
         return await self.run_in_engine(self.engine.stats)
@@ -336,7 +328,7 @@ class AsyncEngine:
                 if i and sampling.seed is not None:
                     params = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**64)
                 where[child] = (p, i)
-                self._inbox.put(_Add(child, ids, params, arrival, deadline))
+                self._put(_Add(child, ids, params, arrival, deadline))
         running = set(where)
         try:
             while running:
@@ -354,7 +346,7 @@ class AsyncEngine:
                 self._release(streams[child])
                 self._streams.pop(child, None)
                 if child in running:
-                    self._inbox.put(_Abort(child, None))
+                    self._put(_Abort(child, None))
             if not self._streams:
                 self._idle.set()
 
@@ -498,16 +490,24 @@ class AsyncEngine:
             self._mark_broken()
             self._post([(rid, RequestFailedError("the engine thread crashed")) for rid in list(self._live)])
 
+    def _put(self, command: object) -> None:
+        """Queue a command for the engine loop (dropped once the engine thread is gone: a late abort)."""
+        thread = self.thread
+        if thread is not None:
+            thread.put(command)
+
     def _handle_commands(self) -> bool:
         """Apply at most `max_commands_per_step` queued commands (the rest wait for the next round, after a step),
         so a flood of commands cannot starve the running streams; block briefly when idle. False once asked to
         stop."""
+        assert self.thread is not None
+        inbox = self.thread.inbox
         block = not self.engine.has_unfinished_requests()
         errors: list[tuple[str, RequestOutput | BaseException]] = []
         handled = 0
         while handled < self.max_commands_per_step:
             try:
-                cmd = self._inbox.get(timeout=_IDLE_POLL_S) if block else self._inbox.get_nowait()
+                cmd = inbox.get(timeout=_IDLE_POLL_S) if block else inbox.get_nowait()
             except queue.Empty:
                 break
             block = False
@@ -519,8 +519,8 @@ class AsyncEngine:
                 self._add(cmd, errors)
             elif isinstance(cmd, _Abort):
                 self._abort(cmd.request_id, cmd.cause, errors)
-            elif isinstance(cmd, _Call):
-                self._call(cmd)
+            elif isinstance(cmd, Call):
+                cmd.run()
         self.largest_command_batch = max(self.largest_command_batch, handled)
         self._post(errors)
         return True
@@ -549,16 +549,6 @@ class AsyncEngine:
             # already finished inside the engine: nothing to wait for, tell the reader now
             errors.append((rid, live.cause))
             self._live.pop(rid, None)
-
-    def _call(self, cmd: _Call) -> None:
-        loop = self._loop
-        assert loop is not None
-        try:
-            result = cmd.fn()
-        except Exception as exc:
-            loop.call_soon_threadsafe(_set_future, cmd.future, None, exc)
-        else:
-            loop.call_soon_threadsafe(_set_future, cmd.future, result, None)
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
@@ -638,12 +628,3 @@ class AsyncEngine:
             self._step_failures = 0
             if self.engine.has_unfinished_requests():
                 time.sleep(_IDLE_POLL_S)  # do not spin on a broken engine
-
-
-def _set_future(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)

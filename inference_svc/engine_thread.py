@@ -1,20 +1,23 @@
 """The one thread that runs a served model's torch work: loading, compiling, warm-up and every decode step.
 
 Contract:
-- `EngineThread()` starts one daemon thread named `tandem-engine`. `submit(fn, *args)` queues `fn(*args)` there
-  and returns a `concurrent.futures.Future` (RuntimeError after `close()`); `await run(fn, *args)` does the same
-  from an event loop. Calls run one at a time, in the order submitted. A long-running call (`AsyncEngine`'s
-  engine loop) holds the thread until it returns; calls submitted meanwhile wait for it.
+- `EngineThread()` starts one daemon thread named `tandem-engine`, and owns the thread's one queue, `inbox`.
+  `submit(fn, *args)` queues `fn(*args)` there as a `Call` and returns a `concurrent.futures.Future`
+  (RuntimeError after `close()`); `await run(fn, *args)` does the same from an event loop. Calls run one at a
+  time, in the order queued.
+- One queue for everything the thread does: while a long-running call holds the thread (`AsyncEngine`'s engine
+  loop), that loop drains `inbox` itself: the engine commands put with `put` (add, abort, stop) and the `Call`s
+  submitted meanwhile, which it runs between two steps (`Call.run`), at most `MAX_COMMANDS_PER_STEP` of them
+  per step. A command put when no such loop runs is dropped (only a late abort can be).
 - `ident` is the thread's `threading.get_ident()`. `close()` lets queued calls finish and ends the thread; it does
-  not wait for a running call (the engine loop is stopped through its own inbox first).
+  not wait for a running call (the engine loop is stopped through the inbox first).
 - Why one thread for all of it: torch's CPU kernels run on OpenMP (libgomp in torch's CPU wheels), and libgomp
   keeps one pool of worker threads per thread that ever started a parallel region, for that thread's lifetime.
   When the workers of all pools outnumber the CPUs, libgomp stops letting idle workers spin between parallel
   regions ("throttled" spinning: about 100 spins, then a futex sleep), so each of the hundreds of parallel regions
   of a decode step waits for its workers to wake. A model loaded on one live thread (the event loop's default
-  executor) and stepped on another thus decoded 2-3x slower: on the 2-core VM, the 82M int8 model at 2 threads
-  gave 41.7 tok/s against 113.8 tok/s when loaded and stepped on one thread (`benchmarks/engine_thread.py`,
-  docs/benchmarks.md §7).
+  executor) and stepped on another thus decoded several times slower (`benchmarks/engine_thread.py`; the figures
+  are in docs/benchmarks.md §7).
 """
 
 from __future__ import annotations
@@ -31,12 +34,32 @@ T = TypeVar("T")
 THREAD_NAME = "tandem-engine"
 
 
+class Call:
+    """`fn(*args)` to run on the engine thread, and the future its result or exception goes to."""
+
+    __slots__ = ("args", "fn", "future")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, future: concurrent.futures.Future) -> None:
+        self.fn, self.args, self.future = fn, args, future
+
+    def run(self) -> None:
+        """Run it (unless its future was cancelled) and settle the future; never raises."""
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = self.fn(*self.args)
+        except BaseException as exc:  # handed to the caller, whatever it is
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(result)
+
+
 class EngineThread:
     """One named daemon thread running submitted calls in order (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._inbox: queue.SimpleQueue[tuple[Callable[..., Any], tuple, concurrent.futures.Future] | None]
-        self._inbox = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        """The thread's one queue: `Call`s, the engine loop's commands, and None (the end)."""
         # a daemon thread, unlike ThreadPoolExecutor's: an engine loop still running at exit must not block it
         self._thread = threading.Thread(target=self._serve, name=THREAD_NAME, daemon=True)
         self._thread.start()
@@ -50,8 +73,13 @@ class EngineThread:
         if self._closed:
             raise RuntimeError("the engine thread is closed")
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._inbox.put((fn, args, future))
+        self.inbox.put(Call(fn, args, future))
         return future
+
+    def put(self, command: object) -> None:
+        """Queue a command for the loop that holds the thread (`AsyncEngine`'s engine loop); never raises (a
+        command put after `close()` is never read)."""
+        self.inbox.put(command)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the thread, awaited from the running event loop."""
@@ -61,16 +89,10 @@ class EngineThread:
         """End the thread once the queued calls have run (a running call is not waited for); idempotent."""
         if not self._closed:
             self._closed = True
-            self._inbox.put(None)
+            self.inbox.put(None)
 
     def _serve(self) -> None:
-        while (item := self._inbox.get()) is not None:
-            fn, args, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # handed to the caller, whatever it is
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+        while (item := self.inbox.get()) is not None:
+            if isinstance(item, Call):
+                item.run()
+            # else: a command for an engine loop that no longer runs (a late abort): nothing to do

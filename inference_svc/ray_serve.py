@@ -219,7 +219,7 @@ class TandemIngress:
         from starlette.responses import JSONResponse, StreamingResponse
 
         from inference_svc.errors import EngineStoppedError
-        from inference_svc.openai_api.app import error_body
+        from inference_svc.openai_api.handling import error_body
 
         body = await request.body()
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")

@@ -5,8 +5,18 @@ or `generate(prompts, sampling)` to run to completion.
 """
 
 from inference_svc.engine.config import EngineConfig, EngineConfigError, parse_bytes
-from inference_svc.engine.engine import Engine, EngineStats, GenerationResult, kv_bytes_per_token
-from inference_svc.engine.types import EngineInfo, FinishReason, RequestOutput, SamplingParams, Timing, Usage
+from inference_svc.engine.engine import Engine
+from inference_svc.engine.loader import kv_bytes_per_token
+from inference_svc.engine.outputs import GenerationResult
+from inference_svc.engine.types import (
+    EngineInfo,
+    EngineStats,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    Timing,
+    Usage,
+)
 
 __all__ = [
     "Engine",

@@ -12,8 +12,8 @@ Contract:
   one entry per row → (tokens, the rows whose logits are not all finite), as lists: `sampler.probabilities` then
   `Sampler.draw` (argmax for a greedy row) in one call, the same tokens as that torch path (the sampler's tests hold
   it to them). Lists, not tensors: building five small tensors cost more than the call.
-- Why: torch's CPU sort of one row of 8,192 logits took about 0.5 ms (64 rows: 18 ms), most of a sampled decode
-  step's sampling time (2026-12-02).
+- Why: torch's CPU sort of a row of logits was most of a sampled decode step's sampling time (figures:
+  docs/benchmarks.md §7, "Sampling without a sort").
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_svc.engine.model_runner import ModelRunner, ScheduledSeq
+from inference_svc.engine.model_runner import ModelRunner
 from inference_svc.engine.sampler import Sampler, SampleRequest, apply_penalties
-from inference_svc.engine.sequence import Sequence
+from inference_svc.engine.sequence import ScheduledSeq, Sequence
 from inference_svc.engine.speculative import Draft
 
 DRAFT_SEED_OFFSET = 0x5EED

@@ -14,10 +14,13 @@ Contract:
 - `step()` returns one `RequestOutput` per request that produced a token, finished or was cancelled this step.
   A request whose logits are not finite finishes alone with `finish_reason=ERROR` and `error` set (one log line);
   `generate()` raises `RequestFailedError` for it.
-- Times come from `time.monotonic()`; `Timing` is in milliseconds from the request's arrival.
-- Bytes per KV token and block come from `shared_model.ledger` (2 · layers · kv_width · bytes per element, plus
-  the fp8/int8 scales per block) for the stored K/V dtype (`config.kv_cache_dtype`, `engine.kv_cache`); the pool
-  holds kv_cache_memory // bytes per block blocks (a draft model's block bytes added: its K/V shares the budget).
+- Files by job: loading, the draft model's checks, the KV pool's sizing and the compile warm-up are
+  `engine.loader`; the request checks are `engine.validation.RequestValidator` (`check_request` and
+  `check_prompt_length` delegate to it); `RequestOutput`/`GenerationResult`/`Timing` assembly is `engine.outputs`.
+  This module keeps the Engine's state, the step and the public methods.
+- Times come from `time.monotonic()`; `Timing` is in milliseconds from the request's arrival (`engine.outputs`).
+- The KV pool is sized by `engine.loader.size_kv_pool` for the stored K/V dtype (`config.kv_cache_dtype`,
+  `engine.kv_cache`), a draft model's blocks beside the target's (its K/V shares the budget).
 - Speculative decoding (`config.speculative`, or per request `SamplingParams.num_speculative_tokens`): the
   scheduler's `Speculator` drafts by prompt lookup or with the draft model; a verify item's K + 1 rows go to
   `rejection.verify`, the others to the sampler, and usage reports drafts, kept drafts and steps.
@@ -43,111 +46,34 @@ import logging
 import threading
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from inference_svc.engine import loader
 from inference_svc.engine.block_manager import BlockManager
-from inference_svc.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from inference_svc.engine.config import EngineConfig
 from inference_svc.engine.detokenizer import IncrementalDetokenizer
-from inference_svc.engine.draft_model import DraftModelProposer
 from inference_svc.engine.grammar import ConstrainedDecoding, GrammarCompiler, MaskItem
 from inference_svc.engine.kv_cache import ledger_dtype_name, resolve_kv_dtype
-from inference_svc.engine.model_runner import ModelRunner, ScheduledSeq
+from inference_svc.engine.model_runner import ModelRunner
+from inference_svc.engine.outputs import GenerationResult, generation_result, to_output
 from inference_svc.engine.pooling import Pooling
 from inference_svc.engine.rejection import verify
 from inference_svc.engine.sampler import Emitted, Sampler, SampleRequest
 from inference_svc.engine.scheduler import Scheduler, StepEvent
-from inference_svc.engine.sequence import Sequence
-from inference_svc.engine.speculative import NgramProposer, Proposer, SpeculationPolicy, Speculator
-from inference_svc.engine.types import (
-    Completion,
-    EngineInfo,
-    FinishReason,
-    RequestOutput,
-    SamplingParams,
-    Timing,
-    TokenLogprob,
-    Usage,
-)
+from inference_svc.engine.sequence import ScheduledSeq, Sequence
+from inference_svc.engine.types import Completion, EngineInfo, EngineStats, FinishReason, RequestOutput, SamplingParams
+from inference_svc.engine.validation import RequestValidator
 from inference_svc.errors import InvalidRequestError, ModelLoadError, RequestFailedError
 from inference_svc.executor import prepare as executor  # a module: it imports the engine's config in turn
 from inference_svc.executor.plan import LoadPlan
-from shared_model import ledger
-from shared_model.bundle import Bundle, load_bundle, parse_dtype
+from shared_model.bundle import Bundle
 from shared_model.config import ModelConfig
 from shared_model.quantize import serving_weight_bytes
-from shared_model.serving_model import ROW_KERNEL_MAX_ROWS
 from shared_model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's load and counters (for metrics)."""
-
-    num_running: int
-    num_waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    kv_blocks_cached: int
-    """Blocks holding a registered prefix (in use or evictable)."""
-    prefix_cache_hit_tokens: int
-    """Prompt tokens found in the prefix cache, over all lookups (a counter)."""
-    prefix_cache_queried_tokens: int
-    """Prompt tokens looked up in the prefix cache, over all lookups (a counter)."""
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    cached_prompt_tokens_total: int
-    spec_verify_steps_total: int = 0
-    """Sequence-steps that verified drafts (speculative decoding)."""
-    spec_draft_tokens_total: int = 0
-    spec_accepted_tokens_total: int = 0
-    spec_emitted_tokens_total: int = 0
-    """Tokens the verify steps produced: kept drafts plus the token each added."""
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        """Kept drafts / drafts, over all verify steps."""
-        return self.spec_accepted_tokens_total / self.spec_draft_tokens_total if self.spec_draft_tokens_total else 0.0
-
-    @property
-    def spec_tokens_per_step(self) -> float:
-        """Tokens per verify step (1 would mean speculation never kept a draft)."""
-        return self.spec_emitted_tokens_total / self.spec_verify_steps_total if self.spec_verify_steps_total else 0.0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Prompt tokens served from the prefix cache / prompt tokens looked up, over all admissions."""
-        return (
-            self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens if self.prefix_cache_queried_tokens else 0.0
-        )
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """The whole of one request, as returned by `Engine.generate`."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    usage: Usage
-    timing: Timing
-    logprobs: list[float] | None = None
-    top_logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    stop_reason: str | int | None = None
-
-
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, block_size: int = ledger.KV_BLOCK_SIZE) -> int:
-    """Bytes of K and V one token occupies across all layers, stored as `dtype` (`ledger.kv_bytes_per_token`)."""
-    return ledger.kv_bytes_per_token(config, ledger_dtype_name(dtype), block_size)
 
 
 class Engine:
@@ -171,7 +97,7 @@ class Engine:
         model = prepared.model
         draft_model = None
         if draft is not None:
-            _check_draft(bundle, draft)
+            loader.check_draft(bundle, draft)
             draft_model = executor.prepare(draft, config, native).model
         self.attention_backend, backend, attention_choice = executor.choose_attention(config, device, native)
         compile_step, compile_choice = executor.choose_compile(config, device, model)
@@ -181,25 +107,14 @@ class Engine:
         self.draft_weight_bytes = 0 if draft_model is None else serving_weight_bytes(draft_model)
         bs = config.block_size
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
-        kv_name = ledger_dtype_name(self.kv_dtype)
-        self.bytes_per_token = kv_bytes_per_token(self.model_config, self.kv_dtype, bs)
-        self.bytes_per_block = ledger.kv_bytes_per_block(self.model_config, kv_name, bs)
-        # a draft model stores its K/V in the same dtype, in blocks of its own beside the target's
-        self.draft_bytes_per_token = 0 if draft is None else kv_bytes_per_token(draft.config, self.kv_dtype, bs)
-        self.draft_bytes_per_block = 0 if draft is None else ledger.kv_bytes_per_block(draft.config, kv_name, bs)
-        budget = _kv_budget(config, device, self.weight_bytes + self.draft_weight_bytes)
-        per_token = self.bytes_per_token + self.draft_bytes_per_token
-        num_blocks = budget // (self.bytes_per_block + self.draft_bytes_per_block)
-        if num_blocks < 1:
-            raise ModelLoadError(
-                f"kv_cache_memory: {budget} bytes hold no block of {bs} tokens ({per_token} bytes/token"
-                + (f", {self.draft_bytes_per_token} of them the draft model's)" if draft else ")")
-            )
-        self.max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-            num_blocks * bs,
-        )
+        pool = loader.size_kv_pool(config, self.model_config, self.kv_dtype, None if draft is None else draft.config,
+                                   device, self.weight_bytes + self.draft_weight_bytes)  # fmt: skip
+        self.bytes_per_token = pool.bytes_per_token
+        self.bytes_per_block = pool.bytes_per_block
+        self.draft_bytes_per_token = pool.draft_bytes_per_token
+        self.draft_bytes_per_block = pool.draft_bytes_per_block
+        self.max_model_len = pool.max_model_len
+        num_blocks = pool.num_blocks
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.runner = ModelRunner(
             model, self.model_config, num_blocks, bs, self.dtype, device, backend, kv_dtype=self.kv_dtype,
@@ -215,7 +130,13 @@ class Engine:
         self._eos_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_id} if self.tokenizer.eos_id is not None else set()
         )
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self._speculator())
+        self.validator = RequestValidator(
+            config, self.model_config, self.tokenizer, self._eos_ids, self.max_model_len, num_blocks
+        )
+        """The request checks, over what is fixed at load (any thread may call it)."""
+        # always built: a request may ask for speculation on an engine that does not speculate by default
+        speculator = loader.build_speculator(config, self.draft_runner, self.sampler, self._eos_ids)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, speculator)
         self._requests: dict[str, Sequence] = {}
         self._pending_aborts: dict[str, None] = {}
         """Request ids to cancel at the next step, in the order asked (a dict: O(1) membership and insertion)."""
@@ -231,9 +152,13 @@ class Engine:
         """Seconds the start-up compile took, target and draft together (0 when nothing was compiled)."""
         if compile_step:
             try:
-                self.compile_seconds = sum(self._warm_up(r) for r in (self.runner, self.draft_runner) if r is not None)
+                self.compile_seconds = sum(
+                    loader.warm_up(r, config, num_blocks, self.tokenizer)
+                    for r in (self.runner, self.draft_runner)
+                    if r is not None
+                )
                 log.info("compiled the decode step in %.1f s", self.compile_seconds)
-            except _CompileFailed as failed:
+            except loader.CompileFailed as failed:
                 compile_choice = executor.compile_failed(failed.__cause__ or failed)
                 for r in (self.runner, self.draft_runner):
                     if r is not None:
@@ -248,55 +173,6 @@ class Engine:
     def compiled(self) -> bool:
         """Whether the target model's steps run compiled (the runner owns that state; 'auto' may have dropped it)."""
         return self.runner.compiled is not None
-
-    def _warm_up(self, runner: ModelRunner) -> float:
-        """Compile `runner`'s graphs on throwaway sequences over free blocks, then zero those blocks; seconds.
-
-        The compile runs a prefill chunk longer than the projections' row table's last bound where the pool allows,
-        a lone decode, a decode of two sequences and chunks on each side of each bound of the table and of 5 rows
-        (T == 1 and every T >= 2 branch a model takes); a 5-row chunk (a verify step's shape) must then be covered
-        (were it not, `CompiledDecoder` logs it and runs it eagerly). A compile that fails is a `ModelLoadError`
-        under 'on'; under 'auto' it raises `_CompileFailed`, and the engine records that and runs every step
-        eagerly. No timing decides anything here (`inference_svc.executor.prepare`)."""
-        assert runner.compiled is not None
-        bs = self.config.block_size
-        table = runner.compiled.row_table
-        bounds = [most for most, _ in table.steps if most >= 2] if table is not None else []
-        longest = max([ROW_KERNEL_MAX_ROWS, *bounds])  # the quantized layers branch at few rows too
-        n = min(max(2 * bs, longest + 1), (self.block_manager.num_blocks // 2) * bs - 1)  # 2 x (n + 1) fit
-        if n < 6:
-            raise _CompileFailed(f"the KV pool is too small to warm up on ({self.block_manager.num_blocks} blocks)")
-        per_seq = -(-(n + 1) // bs)
-        seqs = [
-            Sequence(f"compile-warm-up-{i}", -1, [0] * n, n, SamplingParams(), 0.0,
-                     IncrementalDetokenizer(self.tokenizer, ()), frozenset(),
-                     block_table=list(range(i * per_seq, (i + 1) * per_seq)))
-            for i in range(2)
-        ]  # fmt: skip
-        for s in seqs:
-            s.token_ids.append(0)
-
-        def run() -> None:
-            runner.run([ScheduledSeq(seqs[0], 0, n)])  # prefill
-            runner.run([ScheduledSeq(seqs[0], n, 1)])  # lone decode
-            runner.run([ScheduledSeq(s, n, 1) for s in seqs])  # batched decode
-            for rows in sorted({5, *bounds, *(b + 1 for b in bounds)}):  # each side of each branch, a verify's 5
-                if 2 < rows <= n:
-                    runner.run([ScheduledSeq(seqs[1], n + 1 - rows, rows)])
-
-        peak = runner.peak_workspace_bytes  # the warm-up's steps are not the service's
-        try:
-            seconds = runner.compiled.warm_up(run)
-            runner.run([ScheduledSeq(seqs[0], n - 4, 5)])  # a verify-shaped chunk: covered, or logged and counted
-        except Exception as exc:
-            if self.config.compile == "on":
-                raise ModelLoadError(f"compile: compiling the decode step failed: {exc}") from exc
-            log.warning("compile auto: compiling the decode step failed (%s); running eagerly", exc)
-            raise _CompileFailed(str(exc)) from exc
-        finally:
-            runner.peak_workspace_bytes = peak
-            runner.zero_blocks(sorted(b for s in seqs for b in s.block_table))
-        return seconds
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -319,39 +195,8 @@ class Engine:
     @classmethod
     def from_bundle(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
         config = config or EngineConfig()
-        device = _resolve_device(config.device)
-        dtype: str | torch.dtype = "auto" if config.dtype == "auto" else parse_dtype(config.dtype)
-        try:
-            bundle = load_bundle(path, dtype=dtype, device=device, verify_checksums=config.verify_checksums)
-        except Exception as exc:
-            raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
-        draft = None
-        if config.draft_model_path is not None:
-            try:
-                draft = load_bundle(config.draft_model_path, dtype=bundle.dtype, device=device,
-                                    verify_checksums=config.verify_checksums)  # fmt: skip
-            except Exception as exc:
-                where = f"speculative: cannot load the draft model from {config.speculative}"
-                raise ModelLoadError(f"{where}: {exc}") from exc
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
+        bundle, device, draft = loader.load_bundles(path, config)
         return cls(bundle, config, device, draft)
-
-    def _speculator(self) -> Speculator:
-        """Always built: a request may ask for speculation on an engine that does not speculate by default (it
-        then drafts by prompt lookup, or with the draft model when the engine has one)."""
-        c = self.config
-        proposer: Proposer
-        if self.draft_runner is not None:
-            proposer = DraftModelProposer(self.draft_runner, self.sampler, self._eos_ids, c.prefill_chunk_size)
-        else:
-            proposer = NgramProposer(c.speculative_ngram_min, c.speculative_ngram_max)
-        return Speculator(
-            proposer,
-            SpeculationPolicy(c.speculative_verify_cost),
-            default_k=c.num_speculative_tokens if c.speculative != "off" else 0,
-            max_batch=c.speculative_max_batch or None,
-        )
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -369,8 +214,8 @@ class Engine:
         if checked and not isinstance(prompt, str):
             token_ids = list(prompt)
         else:
-            token_ids = self._prompt_ids(prompt)
-            self._check_sampling(sampling)
+            token_ids = self.validator.prompt_ids(prompt)
+            self.validator.check_sampling(sampling)
         seq = Sequence(
             request_id=request_id,
             seq_index=self._next_index,
@@ -393,64 +238,19 @@ class Engine:
         """`InvalidRequestError` naming the field when `add_request` would refuse these token ids or these
         sampling parameters (everything but the request id). Reads only what is fixed at load: any thread may
         call it."""
-        self._prompt_ids(prompt_ids)
-        self._check_sampling(sampling)
-
-    def _check_sampling(self, sampling: SamplingParams) -> None:
-        if sampling.max_new_tokens > self.config.max_new_tokens_limit:
-            raise InvalidRequestError(
-                "max_new_tokens",
-                f"{sampling.max_new_tokens} is above this engine's limit of {self.config.max_new_tokens_limit}",
-            )
-        vocab = self.model_config.vocab_size
-        bad_stop = [t for t in sampling.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise InvalidRequestError("stop_token_ids", f"ids {bad_stop} are outside the vocabulary")
-        bad_bias = [t for t, _ in sampling.logit_bias if t >= vocab]
-        if bad_bias:
-            raise InvalidRequestError("logit_bias", f"token ids {bad_bias[:5]} are outside the vocabulary [0, {vocab})")
-        check_min_tokens(sampling, vocab, self._eos_ids)
+        self.validator.check_request(prompt_ids, sampling)
 
     def check_prompt_length(self, num_tokens: int) -> None:
         """InvalidRequestError when a prompt of `num_tokens` tokens cannot fit the context (prompt + at least one
         generated token). Reads only what is fixed at load, so any thread may call it (the async engine does,
         before a long prompt's ids become a list)."""
-        if num_tokens >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"the prompt has {num_tokens} tokens; this engine's context holds {self.max_model_len} "
-                f"(prompt + at least one generated token), limited by {self._context_limit()}",
-            )
-
-    def _context_limit(self) -> str:
-        """What sets `max_model_len`, in the words of the setting a user would change."""
-        if self.max_model_len == self.model_config.max_position_embeddings:
-            return f"the model's max_position_embeddings ({self.model_config.max_position_embeddings}, config.json)"
-        if self.max_model_len == self.config.max_model_len:
-            return f"max_model_len ({self.config.max_model_len}, --max-model-len)"
-        return f"the KV-cache pool ({self.block_manager.num_blocks} blocks of {self.config.block_size} tokens)"
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            check_text_prompt(prompt)
-            ids = check_encoded(self.tokenizer.encode(prompt))
-            self.check_prompt_length(len(ids))
-            return ids
-        ids = list(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt_token_ids", "the prompt has no tokens")
-        self.check_prompt_length(len(ids))  # before the scan below, which is as long as the prompt
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError("prompt_token_ids", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return ids
+        self.validator.check_prompt_length(num_tokens)
 
     def embed(self, prompts: list[list[int]], pooling: Pooling) -> torch.Tensor:
         """[N, H] float32 pooled final-norm hidden states of these token-id prompts (`ModelRunner.embed`: prompt-only
         forwards, batched within `max_num_batched_tokens`). Every prompt is checked first (`InvalidRequestError`
         naming `prompt_token_ids`); no KV block or scheduler state is touched, so it may run between steps."""
-        checked = [self._prompt_ids(p) for p in prompts]
+        checked = [self.validator.prompt_ids(p) for p in prompts]
         return self.runner.embed(checked, pooling, self.config.max_num_batched_tokens)
 
     def abort_request(self, request_id: str) -> bool:
@@ -483,7 +283,7 @@ class Engine:
                 self.runner.zero_blocks(scrub)
                 if self.draft_runner is not None:
                     self.draft_runner.zero_blocks(scrub)
-        outputs = [self._to_output(e) for e in events]
+        outputs = [to_output(e) for e in events]
         for e in events:
             if e.finished:
                 self._requests.pop(e.seq.request_id, None)
@@ -554,31 +354,6 @@ class Engine:
             if e is not None and e.failed:
                 log.error("request %s: the model's logits are not finite; failing it alone", items[j].seq.request_id)
         return [e for e in out if e is not None]
-
-    def _to_output(self, e: StepEvent) -> RequestOutput:
-        seq = e.seq
-        usage = Usage(
-            seq.num_prompt_tokens,
-            seq.num_output_tokens,
-            seq.num_cached_prompt_tokens,
-            draft_tokens=seq.num_draft_tokens,
-            accepted_draft_tokens=seq.num_accepted_tokens,
-            decode_steps=seq.num_token_steps,
-        )
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=e.new_token_ids,
-            text_delta=e.text_delta,
-            logprobs=e.logprobs if seq.sampling.wants_logprobs else None,
-            top_logprobs=e.top_logprobs,
-            prompt_logprobs=e.prompt_logprobs,
-            finished=e.finished,
-            stop_reason=seq.stop_reason if e.finished else None,
-            finish_reason=seq.finish_reason if e.finished else None,
-            usage=usage,
-            timing=_timing(seq) if e.finished else None,
-            error=e.error,
-        )
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> EngineStats:
@@ -651,99 +426,4 @@ class Engine:
         failed = [c.error for c in done.values() if c.finish_reason is FinishReason.ERROR]
         if failed:
             raise RequestFailedError(f"{len(failed)} of {len(ids)} requests failed: {failed[0]}")
-        return [
-            GenerationResult(
-                request_id=rid,
-                prompt_token_ids=prompt_ids[rid],
-                token_ids=done[rid].token_ids,
-                text=done[rid].text,
-                finish_reason=done[rid].finish_reason or FinishReason.STOP,
-                usage=done[rid].usage,
-                timing=done[rid].timing or Timing(),
-                logprobs=done[rid].logprobs,
-                top_logprobs=done[rid].top_logprobs,
-                prompt_logprobs=done[rid].prompt_logprobs,
-                stop_reason=done[rid].stop_reason,
-            )
-            for rid in ids
-        ]
-
-
-def check_text_prompt(text: str) -> None:
-    """The checks a text prompt gets before it is tokenized (the engine's and the async engine's, one place)."""
-    if not text:
-        raise InvalidRequestError("prompt", "the prompt is empty")
-
-
-def check_min_tokens(sampling: SamplingParams, vocab: int, eos_ids: frozenset[int]) -> None:
-    """Refuse `min_tokens` > 0 when the tokens it keeps out until then (the stop token ids, and EOS unless
-    `ignore_eos`) are the whole vocabulary: nothing could be sampled before `min_tokens`."""
-    if sampling.min_tokens <= 0:
-        return
-    banned = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_ids))
-    if len({t for t in banned if 0 <= t < vocab}) >= vocab:
-        raise InvalidRequestError(
-            "min_tokens",
-            f"every token id of the vocabulary ({vocab}) is a stop token (stop_token_ids, and EOS unless ignore_eos), "
-            "so no token could be sampled before min_tokens; lower min_tokens to 0 or stop on fewer ids",
-        )
-
-
-def check_encoded(ids: list[int]) -> list[int]:
-    """The check a text prompt gets once tokenized."""
-    if not ids:
-        raise InvalidRequestError("prompt", "the prompt encodes to no tokens")
-    return ids
-
-
-def _timing(seq: Sequence) -> Timing:
-    def ms(t: float | None) -> float:
-        return 0.0 if t is None else (t - seq.arrival_time) * 1000.0
-
-    n = seq.num_output_tokens
-    tpot = 0.0
-    if n > 1 and seq.first_token_time is not None and seq.finish_time is not None:
-        tpot = (seq.finish_time - seq.first_token_time) * 1000.0 / (n - 1)
-    return Timing(queue_ms=ms(seq.first_scheduled_time), ttft_ms=ms(seq.first_token_time), tpot_ms=tpot,
-                  total_ms=ms(seq.finish_time))  # fmt: skip
-
-
-def _check_draft(target: Bundle, draft: Bundle) -> None:
-    """A draft model must speak the target's vocabulary: the same ids for the same tokens."""
-    where = f"speculative: the draft model {draft.path}"
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise ModelLoadError(
-            f"{where} has vocab_size {draft.config.vocab_size}, the target {target.config.vocab_size}: "
-            "a draft model must share the target's tokenizer"
-        )
-    if draft.tokenizer is not None and target.tokenizer is not None:
-        mine, theirs = draft.tokenizer.token_strings(), target.tokenizer.token_strings()
-        if mine != theirs:
-            pairs = enumerate(zip(mine, theirs, strict=False))
-            first = next((i for i, (a, b) in pairs if a != b), min(len(mine), len(theirs)))
-            raise ModelLoadError(
-                f"{where} has a different tokenizer (first difference at token id {first}): a draft model must "
-                "share the target's tokenizer"
-            )
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError("device: CUDA was requested but is not available")
-    return device
-
-
-def _kv_budget(config: EngineConfig, device: torch.device, weight_bytes: int) -> int:
-    if config.kv_cache_bytes is not None:
-        return config.kv_cache_bytes
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * config.gpu_memory_fraction)
-    return DEFAULT_CPU_KV_BYTES
-
-
-class _CompileFailed(Exception):
-    """An 'auto' compile that failed at warm-up (the engine records it and runs eagerly)."""
+        return [generation_result(rid, prompt_ids[rid], done[rid]) for rid in ids]

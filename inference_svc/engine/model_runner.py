@@ -38,54 +38,11 @@ from inference_svc.attention.torch_ops import is_torch_ops, torch_ops
 from inference_svc.engine.kv_cache import KVCache
 from inference_svc.engine.logprobs import ROWS_PER_PIECE, token_logprobs
 from inference_svc.engine.pooling import Pooling
-from inference_svc.engine.sequence import Sequence
+from inference_svc.engine.sequence import ScheduledSeq
 from inference_svc.engine.types import MAX_SPECULATIVE_TOKENS, TokenLogprob
 from shared_model.compiled import CompiledDecoder
 from shared_model.config import ModelConfig
 from shared_model.serving_model import RowTable, ServingDecoder
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One sequence's share of a step: compute positions [start, start + num_tokens).
-
-    With `draft` (speculative decoding), positions index `seq.token_ids + draft`: the drafted tokens are not in the
-    sequence. A verify item is a decoding sequence's last token followed by all its drafts (every row is scored);
-    a draft model's decode step is one drafted token at its position.
-    """
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    draft: tuple[int, ...] = ()
-    draft_probs: torch.Tensor | None = None
-    """[K, V] fp32: the distributions the drafts were sampled from (None: point masses)."""
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.start == self.seq.num_tokens - 1 and self.start > 0 and not self.draft
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the sequence (its drafts included), so it produces a token."""
-        return self.start + self.num_tokens == self.seq.num_tokens + len(self.draft)
-
-    @property
-    def num_sample_rows(self) -> int:
-        """Logits rows this item gets back: one per position from the sequence's last token on (K + 1 for a
-        verify item, 1 for any other item that samples), else 0."""
-        if not self.samples:
-            return 0
-        return min(self.num_tokens, self.start + self.num_tokens - self.seq.num_tokens + 1)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The tokens at positions [start, start + num_tokens)."""
-        end = self.start + self.num_tokens
-        if not self.draft or end <= self.seq.num_tokens:
-            return self.seq.token_ids[self.start : end]
-        return [*self.seq.token_ids, *self.draft][self.start : end]
-
 
 BackendFactory = Callable[[KVCache, AttentionMetadata], Callable]
 

@@ -37,9 +37,8 @@ from dataclasses import dataclass, field
 
 from inference_svc.engine.block_manager import BlockManager
 from inference_svc.engine.config import EngineConfig
-from inference_svc.engine.model_runner import ScheduledSeq
 from inference_svc.engine.sampler import Emitted
-from inference_svc.engine.sequence import Sequence, SequenceStatus
+from inference_svc.engine.sequence import ScheduledSeq, Sequence, SequenceStatus
 from inference_svc.engine.speculative import Draft, Speculator
 from inference_svc.engine.types import FinishReason, TokenLogprob
 

@@ -7,6 +7,8 @@ Contract:
   tokens; `token_ids[:num_prompt_tokens]` is the prompt and the rest is the output.
 - A preempted sequence goes back to WAITING with its blocks freed and `num_computed_tokens = 0`: its prompt and the
   tokens it already produced are recomputed (prefilled) when it is admitted again; output already streamed is kept.
+- A `ScheduledSeq` is one sequence's share of one step, as the scheduler decides it and the model runner computes
+  it (it lives here, beside `Sequence`, so that neither of the two imports the other).
 """
 
 from __future__ import annotations
@@ -91,3 +93,45 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step: compute positions [start, start + num_tokens).
+
+    With `draft` (speculative decoding), positions index `seq.token_ids + draft`: the drafted tokens are not in the
+    sequence. A verify item is a decoding sequence's last token followed by all its drafts (every row is scored);
+    a draft model's decode step is one drafted token at its position.
+    """
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    draft: tuple[int, ...] = ()
+    draft_probs: torch.Tensor | None = None
+    """[K, V] fp32: the distributions the drafts were sampled from (None: point masses)."""
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start == self.seq.num_tokens - 1 and self.start > 0 and not self.draft
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence (its drafts included), so it produces a token."""
+        return self.start + self.num_tokens == self.seq.num_tokens + len(self.draft)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logits rows this item gets back: one per position from the sequence's last token on (K + 1 for a
+        verify item, 1 for any other item that samples), else 0."""
+        if not self.samples:
+            return 0
+        return min(self.num_tokens, self.start + self.num_tokens - self.seq.num_tokens + 1)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens at positions [start, start + num_tokens)."""
+        end = self.start + self.num_tokens
+        if not self.draft or end <= self.seq.num_tokens:
+            return self.seq.token_ids[self.start : end]
+        return [*self.seq.token_ids, *self.draft][self.start : end]

@@ -9,7 +9,8 @@ Contract:
   The first increment that carries a token also carries the prompt's logprobs when they were asked for.
 - Log-probabilities are those of the model's own distribution (log_softmax of the raw logits, before penalties,
   biases, temperature or truncation), as vLLM reports them by default; `TokenLogprob` holds one token's.
-- `EngineInfo` is what an engine reports about itself (model, sizes, settings): typed, never a dict read by key.
+- `EngineInfo` is what an engine reports about itself (model, sizes, settings): typed, never a dict read by key;
+  `EngineStats` is a snapshot of its load and counters (for metrics).
 - These are plain data: no engine state lives here.
 """
 
@@ -409,3 +410,47 @@ class Completion:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load and counters (for metrics)."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    """Blocks holding a registered prefix (in use or evictable)."""
+    prefix_cache_hit_tokens: int
+    """Prompt tokens found in the prefix cache, over all lookups (a counter)."""
+    prefix_cache_queried_tokens: int
+    """Prompt tokens looked up in the prefix cache, over all lookups (a counter)."""
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    cached_prompt_tokens_total: int
+    spec_verify_steps_total: int = 0
+    """Sequence-steps that verified drafts (speculative decoding)."""
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_emitted_tokens_total: int = 0
+    """Tokens the verify steps produced: kept drafts plus the token each added."""
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Kept drafts / drafts, over all verify steps."""
+        return self.spec_accepted_tokens_total / self.spec_draft_tokens_total if self.spec_draft_tokens_total else 0.0
+
+    @property
+    def spec_tokens_per_step(self) -> float:
+        """Tokens per verify step (1 would mean speculation never kept a draft)."""
+        return self.spec_emitted_tokens_total / self.spec_verify_steps_total if self.spec_verify_steps_total else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens looked up, over all admissions."""
+        return (
+            self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens if self.prefix_cache_queried_tokens else 0.0
+        )

@@ -26,7 +26,8 @@ Contract:
 - Unknown fields are refused by `parse`, unless the caller passes `unknown` (the server's `RequestPolicy`, which
   by default logs and drops them, as vLLM does). Fields OpenAI has that Tandem does not serve (`functions`,
   `suffix`, ...) are refused by name with a 400 that says so.
-- `stream_options.continuous_usage_stats` (vLLM's) and `chat_template_kwargs` (vLLM's) are served; see app.py.
+- `stream_options.continuous_usage_stats` (vLLM's) and `chat_template_kwargs` (vLLM's) are served (completions.py,
+  chat.py).
 - Every refusal is `InvalidRequestError` whose `field` is the request parameter (`messages[0].content`), turned into
   OpenAI's error shape by the app. Nothing here touches the engine.
 """

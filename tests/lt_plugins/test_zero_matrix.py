@@ -14,7 +14,7 @@ Defects these cells caught:
   optimizer" (ZeroStrategy now sets `zero_force_ds_cpu_optimizer: false`); DeepSpeed's CPU Adam runs too;
 - ZeRO-3 + bf16-mixed + `init_from` an fp32 folder (issue 34): inside zero.Init a bf16 config turns
   `torch.empty(dtype=float32)` into bfloat16 and the partition reader took that for the file's element size
-  (scrambled weights, stopped by "holds NaN or Inf"); fixed in shared_model/bundle.py, `FolderTensors.copy_range`.
+  (scrambled weights, stopped by "holds NaN or Inf"); fixed in shared_model/bundle/read.py, `FolderTensors.copy_range`.
 """
 
 from __future__ import annotations

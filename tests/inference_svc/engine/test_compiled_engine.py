@@ -21,7 +21,8 @@ import tandem_native
 from inference_svc.attention import native_cpu as cpu_attention
 from inference_svc.engine import Engine, EngineConfig, SamplingParams
 from inference_svc.engine.config import EngineConfigError
-from inference_svc.engine.model_runner import ModelRunner, ScheduledSeq
+from inference_svc.engine.model_runner import ModelRunner
+from inference_svc.engine.sequence import ScheduledSeq
 from inference_svc.errors import ModelLoadError
 from inference_svc.executor import prepare as executor_prepare
 from inference_svc.executor.prepare import COMPILE_AUTO_MIN_PARAMS

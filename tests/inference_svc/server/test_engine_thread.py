@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from inference_svc.async_engine import AsyncEngine
+from inference_svc.engine import SamplingParams
 from inference_svc.engine_thread import THREAD_NAME, EngineThread
 from tests.inference_svc.server.conftest import make_server
 
@@ -54,6 +55,32 @@ def test_server_loads_warms_up_and_steps_on_the_engine_thread(bundle_dir, monkey
         assert warmed_on == [ident]
         assert stepped_on == {ident}
         assert ident not in (threading.get_ident(), srv._thread.ident)  # neither the caller nor the event loop
+    finally:
+        srv.close()
+
+
+def test_one_queue_a_call_submitted_while_serving_runs_between_steps(bundle_dir) -> None:
+    """The engine thread has one queue: a call submitted to it while the engine loop holds the thread is run by
+    that loop between two steps, on the engine thread, even while a stream decodes (with a second queue inside
+    the loop, the call waited behind the loop until the server stopped: this `result(30)` timed out)."""
+    srv = make_server(bundle_dir)
+    try:
+        engine = srv.server.engine
+        assert engine is not None and engine.thread is not None
+        thread = engine.thread
+        assert thread.submit(threading.get_ident).result(30) == thread.ident  # idle loop
+
+        async def during_a_stream() -> tuple[int, int]:
+            stream = engine.generate([5, 6, 7], SamplingParams(max_new_tokens=24, ignore_eos=True), request_id="s")
+            await anext(stream)  # decoding
+            ident = await thread.run(threading.get_ident)
+            n = 1
+            async for _ in stream:
+                n += 1
+            return ident, n
+
+        ident, n = srv.call(during_a_stream(), timeout=60)
+        assert ident == thread.ident and n >= 2
     finally:
         srv.close()
 

@@ -129,7 +129,7 @@ def test_a_flood_of_commands_is_applied_in_bounded_batches_between_steps(bundle_
     step = engine.engine.step
 
     def recorded_step():  # the real step; the inbox's length when it starts is noted
-        inbox_at_step.append(engine._inbox.qsize())
+        inbox_at_step.append(engine.thread.inbox.qsize())
         return step()
 
     engine.engine.step = recorded_step
@@ -148,10 +148,10 @@ def test_a_flood_of_commands_is_applied_in_bounded_batches_between_steps(bundle_
         gens = [engine.generate([5, 6, 7], SamplingParams(max_new_tokens=1), request_id=f"f{i}") for i in range(n)]
         firsts = [asyncio.ensure_future(anext(g)) for g in gens]
         for _ in range(1000):  # bounded: every flood request has queued its add
-            if engine._inbox.qsize() >= n:
+            if engine.thread.inbox.qsize() >= n:
                 break
             await asyncio.sleep(0.005)
-        queued = engine._inbox.qsize()
+        queued = engine.thread.inbox.qsize()
         inbox_at_step.clear()
         release.set()
         await parked

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from inference_svc.client import NO_RETRY, TandemClient
-from inference_svc.server import ApiKeyInterceptor
+from inference_svc.grpc_service.auth import ApiKeyInterceptor
 from tests.inference_svc.server.conftest import ServerThread, make_server
 
 KEY = "tk-test-0123456789abcdef"

@@ -24,9 +24,9 @@ import grpc
 import pytest
 
 from inference_svc.client import NO_RETRY
+from inference_svc.grpc_service.auth import ApiKeyInterceptor
 from inference_svc.proto_gen import inference_pb2 as pb
 from inference_svc.proto_gen import inference_pb2_grpc as pb_grpc
-from inference_svc.server import ApiKeyInterceptor
 from tests.inference_svc.server.conftest import MAX_NEW_TOKENS_LIMIT, ServerThread, make_server, metric_value
 
 KEY = "tk-hostile-0123456789"

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from inference_svc.engine.engine import EngineStats
+from inference_svc.engine import EngineStats
 from inference_svc.engine.types import Timing
 from inference_svc.executor.plan import Choice, LoadPlan
 from inference_svc.metrics import ServiceMetrics

@@ -26,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from inference_svc.cli import build_serve_config
-from inference_svc.engine.engine import EngineStats
+from inference_svc.engine import EngineStats
 from inference_svc.engine.types import Timing
 from inference_svc.executor.plan import LoadPlan
 from inference_svc.metrics import ServiceMetrics

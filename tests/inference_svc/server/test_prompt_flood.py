@@ -74,12 +74,12 @@ def test_text_beyond_the_tokenizer_budget_is_refused_before_parsing(bundle_dir) 
 
 
 def test_last_field_length_reads_the_wire_as_the_parser_keeps_it() -> None:
+    from inference_svc.grpc_service.wire_guard import INPUT_FIELDS, PROMPT_FIELD, last_field_length
     from inference_svc.proto_gen import inference_pb2 as pb
-    from inference_svc.server import _INPUT_FIELDS, _PROMPT_FIELD, last_field_length
 
     def length(message: pb.GenerateRequest | bytes, max_fields: int = 64) -> int | None:
         raw = message if isinstance(message, bytes) else message.SerializeToString()
-        return last_field_length(raw, _PROMPT_FIELD, _INPUT_FIELDS, max_fields)
+        return last_field_length(raw, PROMPT_FIELD, INPUT_FIELDS, max_fields)
 
     sampling = pb.SamplingParams(temperature=0.5, max_new_tokens=7, stop=["x" * 300])
     text = pb.GenerateRequest(request_id="r1", prompt="h\u00e9llo" * 100, sampling=sampling)

@@ -92,7 +92,7 @@ def test_a_client_hanging_up_mid_body_is_cancelled_without_a_traceback(srv: Serv
 
 
 def test_a_grpc_deadline_counts_as_deadline_exceeded(srv: ServerThread, slow) -> None:
-    from inference_svc.server import DEADLINE_SLACK_S, cut_by_deadline
+    from inference_svc.grpc_service.servicer import DEADLINE_SLACK_S, cut_by_deadline
 
     before, cancelled = _count(srv, "DEADLINE_EXCEEDED"), _count(srv, "CANCELLED")
     with srv.client(retry=NO_RETRY) as c:
