@@ -12,14 +12,16 @@ What it does, in one run:
    (`--llama-dense-type F16` for F16); int8: Tandem `--quantization int8` against llama-server Q8_0; int4: Tandem
    `--quantization int4` against Q4_0; vLLM's CPU build serves bf16 only here) and each peer, starts the server on
    a free loopback port (timed to its first 200 on /health), then for each concurrency C (default 1, 16, 64):
-   a warm-up burst of C requests of `--warmup-tokens`, then `--rounds` × C requests kept C at a time by C client
-   tasks (asyncio + httpx, one connection each): streamed `/v1/completions` with a fresh random `--prompt-tokens`
-   token-id prompt per request (the same prompts for every server), `max_tokens` = `--tokens`, `ignore_eos`,
-   temperature 0 (llama-server also gets `n_predict`). A response that does not bring exactly `--tokens` tokens
-   (its `usage`, else its streamed chunks) counts as an error of the cell.
+   a warm-up burst of C requests of `--warmup-tokens`, then max(`--min-requests`, `--rounds` × C) requests kept C
+   at a time by C asyncio tasks through Tandem's own OpenAI-API load client (`inference_svc.bench.openai_backend`,
+   the one `tandem bench --backend openai` uses; httpx, one connection per request in flight): streamed
+   `/v1/completions` with a fresh random `--prompt-tokens` token-id prompt per request (the same prompts for every
+   server), `max_tokens` = `--tokens`, `ignore_eos`, temperature 0, `stream_options.include_usage` (llama-server
+   reads `max_tokens` as its `n_predict` and honours `ignore_eos`). A response that does not bring exactly
+   `--tokens` tokens (its `usage`, else its token events) counts as an error of the cell.
    Per cell: aggregate output tok/s (all output tokens / the span from the first request sent to the last one
-   finished), TTFT p50/p90 (client side: request sent to first streamed token), time per output token p50 (per
-   request: (last token's arrival - first token's) / (tokens - 1)), end-to-end latency p50; and per precision and C
+   finished), TTFT p50/p90 (client side: request sent to the first token event), time per output token p50 (per
+   request: (last token event - first) / (tokens - 1)), end-to-end latency p50; and per precision and C
    the ratios Tandem / peer (aggregate tok/s: > 1 is Tandem faster; TTFT: < 1 is Tandem faster).
 4. `--busy-core [CORE]` (issue 33 goal 3): for each server, at concurrency 1, time per output token p50 quiet, with
    one busy-looping process pinned to CORE (`os.sched_setaffinity`; default the last core this process may use),
@@ -116,7 +118,10 @@ class PeerServer:
 
     def wait_ready(self, timeout_s: float) -> float:
         """Seconds from the start until GET /health answered 200 (ServerError if it exits or times out)."""
-        import httpx
+        try:
+            import httpx2 as httpx
+        except ImportError:  # the classic package: the same API
+            import httpx  # type: ignore[no-redef]
 
         deadline = self.t_start + timeout_s
         with httpx.Client(timeout=5.0) as client:
@@ -150,9 +155,6 @@ class PeerServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
         finally:
             self._log.close()
-
-    def extra_payload(self, n_tokens: int) -> dict[str, Any]:
-        return {}
 
 
 class TandemServer(PeerServer):
@@ -206,9 +208,6 @@ class LlamaServer(PeerServer):
                     "extra_flags": extra}  # fmt: skip
         super().__init__(cmd, dict(os.environ), log_path, port, settings)
 
-    def extra_payload(self, n_tokens: int) -> dict[str, Any]:
-        return {"n_predict": n_tokens}  # its native name of max_tokens, honoured beside ignore_eos
-
 
 # ------------------------------------------------------------------------------------------------ the workload
 @dataclasses.dataclass
@@ -221,38 +220,17 @@ class Outcome:
     error: str = ""
 
 
-async def one_request(client, url: str, payload: dict[str, Any], want: int) -> Outcome:
-    arrivals: list[float] = []
-    usage_tokens: int | None = None
-    t0 = time.perf_counter()
-    try:
-        async with client.stream("POST", url, json=payload) as r:
-            if r.status_code != 200:
-                body = (await r.aread()).decode(errors="replace")[:300]
-                return Outcome(False, error=f"HTTP {r.status_code}: {body}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    return Outcome(False, error=f"stream error: {json.dumps(obj['error'])[:300]}")
-                choices = obj.get("choices") or []
-                if choices and choices[0].get("text"):
-                    arrivals.append(time.perf_counter())
-                usage = obj.get("usage")
-                if usage and usage.get("completion_tokens") is not None:
-                    usage_tokens = int(usage["completion_tokens"])
-    except Exception as exc:
-        return Outcome(False, error=f"{type(exc).__name__}: {exc}"[:300])
-    end = time.perf_counter()
-    tokens = usage_tokens if usage_tokens is not None else len(arrivals)
-    if tokens != want or not arrivals:
-        return Outcome(False, tokens, error=f"{tokens} tokens ({len(arrivals)} streamed chunks), not {want}")
-    tpot = (arrivals[-1] - arrivals[0]) / (tokens - 1) if tokens > 1 else float("nan")
-    return Outcome(True, tokens, arrivals[0] - t0, tpot, end - t0)
+def outcome(rec, want: int) -> Outcome:
+    """An `inference_svc.bench` request record as this benchmark's outcome: a failure, or a response that did not
+    bring exactly `want` tokens (its `usage`, else its token events), is an error."""
+    if not rec.ok:
+        return Outcome(False, error=f"{rec.status}: {rec.detail}"[:300])
+    if rec.output_tokens != want or not rec.token_times:
+        why = f"{rec.output_tokens} tokens ({len(rec.token_times)} token events), not {want}"
+        return Outcome(False, rec.output_tokens, error=why)
+    times = rec.token_times
+    tpot = (times[-1] - times[0]) / (want - 1) if want > 1 else float("nan")
+    return Outcome(True, want, rec.first_token - rec.start, tpot, rec.end - rec.start)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -261,30 +239,25 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-async def run_load(base_url: str, prompt_list: list[list[int]], concurrency: int, n_tokens: int, timeout_s: float,
-                   extra: dict[str, Any] | None = None) -> tuple[list[Outcome], float]:  # fmt: skip
-    """All of `prompt_list` to `base_url`/v1/completions, `concurrency` at a time (closed loop: each of
-    `concurrency` tasks sends its next request when its last one ended; `extra`: the server's own request fields);
-    (outcomes in prompt order, wall seconds from the first sent to the last finished)."""
-    import httpx
+async def run_load(base_url: str, prompt_list: list[list[int]], concurrency: int, n_tokens: int,
+                   timeout_s: float) -> tuple[list[Outcome], float]:  # fmt: skip
+    """All of `prompt_list` to `base_url`/v1/completions through Tandem's own OpenAI-API load client
+    (`inference_svc.bench.openai_backend.OpenAIBackend`: streamed, `max_tokens`, `ignore_eos`, temperature 0,
+    `stream_options.include_usage`; token times at each token-carrying event), `concurrency` at a time (closed
+    loop: each of `concurrency` tasks sends its next request when its last one ended); (outcomes in prompt order,
+    wall seconds from the first sent to the last finished)."""
+    from inference_svc.bench.openai_backend import OpenAIBackend
+    from inference_svc.bench.workload import RequestSpec
 
-    url = base_url + "/v1/completions"
-    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
-    timeout = httpx.Timeout(timeout_s, connect=30.0)
-    queue = list(enumerate(prompt_list))
-    outcomes: list[Outcome | None] = [None] * len(prompt_list)
-
-    def payload(p: list[int]) -> dict[str, Any]:
-        return {"model": SERVED_NAME, "prompt": p, "max_tokens": n_tokens, "temperature": 0.0, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True},
-                **(extra or {})}  # fmt: skip
-
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    specs = [RequestSpec(i, tuple(p), n_tokens) for i, p in enumerate(prompt_list)]
+    queue = list(specs)
+    outcomes: list[Outcome | None] = [None] * len(specs)
+    async with OpenAIBackend(base_url, SERVED_NAME) as backend:
 
         async def worker() -> None:
             while queue:
-                i, p = queue.pop(0)
-                outcomes[i] = await one_request(client, url, payload(p), n_tokens)
+                spec = queue.pop(0)
+                outcomes[spec.index] = outcome(await backend.send(spec, timeout_s, f"peers-{spec.index}"), n_tokens)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -325,10 +298,8 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict[str, Any]:
 def measure(server: PeerServer, prompt_list, concurrency: int, args, warm_prompts) -> dict[str, Any]:
     url, timeout = server.base_url, args.request_timeout
     if warm_prompts:
-        extra = server.extra_payload(args.warmup_tokens)
-        asyncio.run(run_load(url, warm_prompts, concurrency, args.warmup_tokens, timeout, extra))
-    extra = server.extra_payload(args.tokens)
-    outcomes, wall = asyncio.run(run_load(url, prompt_list, concurrency, args.tokens, timeout, extra))
+        asyncio.run(run_load(url, warm_prompts, concurrency, args.warmup_tokens, timeout))
+    outcomes, wall = asyncio.run(run_load(url, prompt_list, concurrency, args.tokens, timeout))
     return summarize(outcomes, wall)
 
 

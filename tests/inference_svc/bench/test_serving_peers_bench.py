@@ -63,9 +63,24 @@ def test_a_refused_request_is_an_error_of_the_cell_not_a_crash(http_server) -> N
     base = f"http://127.0.0.1:{http_server.server.http_port}"
     # the test server's ceiling is 64 new tokens: asking 100 is refused with a 400, the other request is served
     outcomes, wall = asyncio.run(sp.run_load(base, sp.prompts(2, 4, 512, seed=2), 2, 100, 60.0))
-    assert all(not o.ok and o.error.startswith("HTTP 400") for o in outcomes)
+    assert all(not o.ok and o.error.startswith("INVALID_ARGUMENT: ") and "max_tokens" in o.error for o in outcomes)
     s = sp.summarize(outcomes, wall)
-    assert (s["ok"], s["errors"], s["tok_s"]) == (0, 2, 0.0) and s["first_error"].startswith("HTTP 400")
+    assert (s["ok"], s["errors"], s["tok_s"]) == (0, 2, 0.0) and s["first_error"] == outcomes[0].error
+
+
+def test_a_response_short_of_its_tokens_is_an_error() -> None:
+    from inference_svc.bench.loadgen import RequestRecord
+    from inference_svc.bench.workload import RequestSpec
+
+    sp = _load("serving_peers")
+    rec = RequestRecord.starting(RequestSpec(0, (5, 6), 4))
+    rec.first_token, rec.token_times, rec.end = rec.start + 1.0, [rec.start + t for t in (1.0, 1.5, 2.0)], rec.start + 2
+    rec.output_tokens = 3  # a server that stopped at EOS although ignore_eos was asked
+    short = sp.outcome(rec, 4)
+    assert not short.ok and short.error == "3 tokens (3 token events), not 4"
+    rec.output_tokens, rec.token_times = 4, [*rec.token_times, rec.start + 2.5]
+    full = sp.outcome(rec, 4)
+    assert full.ok and (full.ttft, full.tpot, full.e2e) == pytest.approx((1.0, 0.5, 2.0))
 
 
 def test_percentiles_and_ratio_of_ratios() -> None:
