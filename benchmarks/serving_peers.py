@@ -29,10 +29,11 @@ What it does, in one run:
    ≤ 1.0 is the goal) and / vLLM's.
 Each server's settings (its command line and environment) are printed and stored: every server gets
 `--threads` (default: all cores this process may use) threads; Tandem: `tandem serve --threads N --max-running
-max(64, C)` with its defaults otherwise (compiled step, CPU kernels, prefix caching, chunked prefill); vLLM:
-`--dtype bfloat16 --max-model-len 2048`, VLLM_CPU_KVCACHE_SPACE=1, LD_PRELOAD tcmalloc + libiomp5,
-VLLM_CPU_OMP_THREADS_BIND=0-(N-1); llama-server: `-np max(C) --cont-batching -t N -tb N -c slots × ctx` (one
-context of `--llama-ctx-per-slot` per slot), flash attention auto, its default batch sizes.
+max(64, C) --kv-cache-memory 1GiB` (vLLM's KV budget, `--kv-gib`) with its defaults otherwise (compiled step, CPU
+kernels, prefix caching, chunked prefill); vLLM (its CPU guide): `--dtype bfloat16 --max-model-len 2048`,
+VLLM_CPU_KVCACHE_SPACE=1, LD_PRELOAD tcmalloc + libiomp5, VLLM_CPU_OMP_THREADS_BIND=0-(N-1) (all cores: none
+reserved for its front end); llama-server (its README): `-np max(C) --cont-batching -t N -tb N -c slots × ctx`
+(one context of `--llama-ctx-per-slot` per slot), flash attention auto, its default batch sizes.
 Writes `<out>/serving_peers.json`, `<out>/serving_peers.png` (matplotlib; skipped with a message without it) and
 prints a markdown table for docs/benchmarks.md with the date, machine and command. Exit status 1 when a step
 failed (the JSON still holds what was measured). Random weights: only speed means anything here.
@@ -161,10 +162,11 @@ class TandemServer(PeerServer):
     name = "tandem"
 
     def __init__(self, bundle: Path, precision: str, threads: int, max_running: int, log_path: Path,
-                 extra: list[str], quant_dtype: str) -> None:  # fmt: skip
+                 extra: list[str], quant_dtype: str, kv_gib: int) -> None:  # fmt: skip
         port, grpc_port = free_port(), free_port()
         dtype = "bfloat16" if precision == "bf16" else quant_dtype
         flags = ["--device", "cpu", "--dtype", dtype, "--threads", str(threads), "--max-running", str(max_running),
+                 "--kv-cache-memory", f"{kv_gib}GiB",
                  "--http-port", str(port), "--served-model-name", SERVED_NAME, "--no-metrics",
                  "--log-level", "WARNING", "--no-access-log"]  # fmt: skip
         if precision in GGUF_TYPE:
@@ -175,6 +177,7 @@ class TandemServer(PeerServer):
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}  # fmt: skip
         quant = precision if precision in GGUF_TYPE else "none"
         settings = {"threads": threads, "dtype": dtype, "quantization": quant, "max_running": max_running,
+                    "kv_cache_memory": f"{kv_gib}GiB",
                     "extra_flags": extra,
                     "defaults": "compile auto, cpu-kernels auto, prefix caching, chunked prefill"}  # fmt: skip
         super().__init__(cmd, env, log_path, port, settings)
@@ -457,7 +460,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--llama-amx", action="store_true", help="llama.cpp built with AMX (see llama_cpp.py)")
     p.add_argument("--llama-cpp-version", default=llama_cpp.VERSION)
     p.add_argument("--vllm-version", default=vllm_cpu.VERSION)
-    p.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--kv-gib", type=int, default=1,
+                   help="KV-cache GiB of vLLM (VLLM_CPU_KVCACHE_SPACE) and Tandem (--kv-cache-memory)")  # fmt: skip
     p.add_argument("--busy-core", nargs="?", type=int, const=-1, default=None,
                    help="also measure concurrency-1 time per token with a busy loop pinned to this core (default: "
                    "the last usable core)")  # fmt: skip
@@ -497,9 +501,9 @@ def start_server(peer: str, precision: str, ctx: dict[str, Any], args, log_path:
     slots = max(args.concurrencies)
     if peer == "tandem":
         return TandemServer(ctx["bundle"], precision, args.threads, max(64, slots), log_path,
-                            shlex.split(args.tandem_flags), args.quant_dtype)  # fmt: skip
+                            shlex.split(args.tandem_flags), args.quant_dtype, args.kv_gib)  # fmt: skip
     if peer == "vllm":
-        return VllmServer(ctx["venv"], ctx["bundle"], args.threads, max(256, slots), log_path, args.vllm_kv_gib)
+        return VllmServer(ctx["venv"], ctx["bundle"], args.threads, max(256, slots), log_path, args.kv_gib)
     gguf = ctx["ggufs"][GGUF_TYPE.get(precision, args.llama_dense_type)]
     return LlamaServer(ctx["tools"].server, gguf, args.threads, slots, args.llama_ctx_per_slot, log_path,
                        shlex.split(args.llama_flags))  # fmt: skip
