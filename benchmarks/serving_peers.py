@@ -21,7 +21,8 @@ What it does, in one run:
    `--tokens` tokens (its `usage`, else its token events) counts as an error of the cell.
    Per cell: aggregate output tok/s (all output tokens / the span from the first request sent to the last one
    finished), TTFT p50/p90 (client side: request sent to the first token event), time per output token p50 (per
-   request: (last token event - first) / (tokens - 1)), end-to-end latency p50; and per precision and C
+   request, as vLLM's benchmark defines TPOT: (end-to-end - TTFT) / (tokens - 1); not the token events' span,
+   since llama-server delivers a stream's first tokens together), end-to-end latency p50; and per precision and C
    the ratios Tandem / peer (aggregate tok/s: > 1 is Tandem faster; TTFT: < 1 is Tandem faster).
 4. `--busy-core [CORE]` (issue 33 goal 3): for each server, at concurrency 1, time per output token p50 quiet, with
    one busy-looping process pinned to CORE (`os.sched_setaffinity`; default the last core this process may use),
@@ -218,7 +219,7 @@ class Outcome:
     ok: bool
     tokens: int = 0
     ttft: float = float("nan")  # s, request sent -> first streamed token
-    tpot: float = float("nan")  # s per output token after the first
+    tpot: float = float("nan")  # s per output token after the first: (e2e - ttft) / (tokens - 1)
     e2e: float = float("nan")
     error: str = ""
 
@@ -231,9 +232,10 @@ def outcome(rec, want: int) -> Outcome:
     if rec.output_tokens != want or not rec.token_times:
         why = f"{rec.output_tokens} tokens ({len(rec.token_times)} token events), not {want}"
         return Outcome(False, rec.output_tokens, error=why)
-    times = rec.token_times
-    tpot = (times[-1] - times[0]) / (want - 1) if want > 1 else float("nan")
-    return Outcome(True, want, rec.first_token - rec.start, tpot, rec.end - rec.start)
+    ttft, e2e = rec.first_token - rec.start, rec.end - rec.start
+    # vLLM's benchmark's TPOT: the span after the first token over the tokens after it. Not the span of the token
+    # events: a server may deliver several tokens in one event or one read (llama-server does at a stream's start)
+    return Outcome(True, want, ttft, (e2e - ttft) / (want - 1), e2e)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
