@@ -423,7 +423,8 @@ def chart(results: dict[str, Any], path: Path) -> str | None:
             ax.set_title(f"{prec}: {title}", fontsize=9)
             ax.legend(fontsize=7)
     m = results["model"]
-    fig.suptitle(f"OpenAI-API serving on CPU, random Qwen3 {m['params'] / 1e6:.0f}M, {results['date'][:10]}",
+    size = f"{m['params'] / 1e6:.0f}M" if m["params"] >= 1e7 else f"{m['params'] / 1e6:.1f}M"
+    fig.suptitle(f"OpenAI-API serving on CPU, random Qwen3 {size}, {results['date'][:10]}",
                  fontsize=10)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
