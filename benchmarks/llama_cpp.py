@@ -6,6 +6,9 @@ Release, CPU only, static libraries, GGML_NATIVE=ON, no CURL/OpenSSL/server/test
 `~/.cache/tandem/llama.cpp/<version>/` (`$TANDEM_CACHE` replaces `~/.cache/tandem`). Each step works in a temporary
 folder beside its result and renames it into place only when it succeeded, under a file lock, so an interrupted or
 concurrent run never leaves a half-built tree that a later run would trust. A second run reuses the cache.
+`ensure_tools(version, server=True)` also builds `llama-server` in the same `build/` folder (configured with
+-DLLAMA_BUILD_SERVER=ON, which only adds that target: ggml and llama are compiled once for all three); a tools-only
+call accepts either configuration, a server call rebuilds a folder configured without it (all three targets at once).
 `ensure_examples(tools, targets)` builds example programs (default `llama-lookup`, for
 `benchmarks/speculative.py`) the same way in a second folder, `build-examples/`, configured with
 -DLLAMA_BUILD_EXAMPLES=ON (and the tools' other flags) and building only those targets; about 30 minutes on 2
@@ -17,6 +20,7 @@ converter runs under a small wrapper that maps an unrecognized one to llama.cpp'
 edited) and the result says so. `quantize(...)` and `bench(...)` run the built tools.
 
     .venv/bin/python benchmarks/llama_cpp.py [--version 0.3.36]   # build (or find) the tools, print their paths
+    .venv/bin/python benchmarks/llama_cpp.py --server                 # and llama-server
     .venv/bin/python benchmarks/llama_cpp.py --examples llama-lookup   # and the example programs
 """
 
@@ -55,8 +59,14 @@ NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 # The explicit -mno-amx-* flags win over GGML_NATIVE's -march=native, so the AVX-512/VNNI/BF16 paths stay.
 
 
-def cmake_flags(amx: bool) -> list[str]:
-    return CMAKE_FLAGS if amx else [*CMAKE_FLAGS, f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+SERVER_TARGET = "llama-server"
+
+
+def cmake_flags(amx: bool, server: bool = False) -> list[str]:
+    flags = CMAKE_FLAGS
+    if server:
+        flags = [("-DLLAMA_BUILD_SERVER=ON" if f == "-DLLAMA_BUILD_SERVER=OFF" else f) for f in flags]
+    return flags if amx else [*flags, f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
 
 
 class StepError(RuntimeError):
@@ -72,6 +82,7 @@ class Tools:
     build_s: float  # seconds this run spent building (0.0 when the cache was used)
     cached: bool
     info: dict[str, Any]
+    server: Path | None = None  # llama-server, when asked for
 
 
 def cache_root() -> Path:
@@ -135,13 +146,21 @@ def _ensure_source(vdir: Path, version: str) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def ensure_tools(version: str = VERSION, jobs: int | None = None, log=print, amx: bool = False) -> Tools:
+def ensure_tools(
+    version: str = VERSION, jobs: int | None = None, log=print, amx: bool = False, server: bool = False
+) -> Tools:
     """Build (once) or find `llama-bench` and `llama-quantize` for `version` (in `build/`, or `build-amx/` with AMX
-    left to GGML_NATIVE). A cached build made with other cmake flags is rebuilt."""
+    left to GGML_NATIVE), and `llama-server` too when `server`. A cached build made with other cmake flags (or, for
+    `server`, configured without the server) is rebuilt; a tools-only call accepts a folder configured either way."""
     vdir = cache_root() / version
     build = vdir / ("build-amx" if amx else "build")
-    src, info, build_s = _ensure_build(vdir, version, build, cmake_flags(amx), TARGETS, jobs, log)
-    return Tools(version, src, build / "bin" / TARGETS[0], build / "bin" / TARGETS[1], build_s, build_s == 0.0, info)
+    flags = cmake_flags(amx, server=True)
+    targets = [*TARGETS, SERVER_TARGET] if server else TARGETS
+    accept = [flags] if server else [flags, cmake_flags(amx)]
+    src, info, build_s = _ensure_build(vdir, version, build, flags, targets, jobs, log, accept=accept)
+    bins = build / "bin"
+    srv = bins / SERVER_TARGET if server else None
+    return Tools(version, src, bins / TARGETS[0], bins / TARGETS[1], build_s, build_s == 0.0, info, srv)
 
 
 EXAMPLE_TARGETS = ["llama-lookup"]
@@ -174,7 +193,7 @@ def ensure_examples(
     one of `targets`, is rebuilt (with the targets it had as well)."""
     targets = list(targets or EXAMPLE_TARGETS)
     if amx is None:
-        amx = tools.info.get("cmake_flags") == CMAKE_FLAGS
+        amx = not any(NO_AMX in f for f in tools.info.get("cmake_flags", []))
     vdir = cache_root() / tools.version
     build = vdir / ("build-examples-amx" if amx else "build-examples")
     flags = example_flags(amx)
@@ -187,10 +206,19 @@ def ensure_examples(
 
 
 def _ensure_build(
-    vdir: Path, version: str, build: Path, flags: list[str], targets: list[str], jobs: int | None, log
+    vdir: Path,
+    version: str,
+    build: Path,
+    flags: list[str],
+    targets: list[str],
+    jobs: int | None,
+    log,
+    accept: list[list[str]] | None = None,
 ) -> tuple[Path, dict[str, Any], float]:
     """(the vendored llama.cpp source, the build's info, seconds spent building: 0.0 when cached). Builds `targets`
-    into a temporary folder beside `build` and renames it into place on success, under `vdir/.lock`."""
+    into a temporary folder beside `build` and renames it into place on success, under `vdir/.lock`. A cached
+    folder is used when its flags are one of `accept` (default: `flags`) and it has every target; a rebuild with
+    `flags` also builds the targets the old folder had, when it was configured with `flags`."""
     vdir.mkdir(parents=True, exist_ok=True)
     with _locked(vdir / ".lock"):
         for stale in [*vdir.glob(".src-*"), *vdir.glob(".build-*")]:  # left by an interrupted run (we hold the lock)
@@ -198,8 +226,10 @@ def _ensure_build(
         src = _ensure_source(vdir, version) / "vendor" / "llama.cpp"
         info_file = build / "tandem_build.json"
         info = json.loads(info_file.read_text()) if info_file.is_file() else {}
-        if info.get("cmake_flags") == flags and all((build / "bin" / t).is_file() for t in targets):
+        if info.get("cmake_flags") in (accept or [flags]) and all((build / "bin" / t).is_file() for t in targets):
             return src, info, 0.0
+        if info.get("cmake_flags") == flags:
+            targets = [*targets, *(t for t in info.get("targets", []) if t not in targets)]
         tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=vdir))
         blog = vdir / f"{build.name}.log"
         blog.write_text("")
@@ -313,13 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--version", default=VERSION)
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--amx", action="store_true", help="leave AMX on (GGML_NATIVE's choice); see NO_AMX")
+    p.add_argument("--server", action="store_true", help=f"build {SERVER_TARGET} too (same build folder)")
     p.add_argument("--examples", default="", help=f"comma-separated example targets to build too, e.g. "
                    f"{','.join(EXAMPLE_TARGETS)} (in build-examples/)")  # fmt: skip
     args = p.parse_args(argv)
     try:
-        tools = ensure_tools(args.version, args.jobs, amx=args.amx)
+        tools = ensure_tools(args.version, args.jobs, amx=args.amx, server=args.server)
         state = "cached" if tools.cached else f"built in {tools.build_s:.0f} s"
-        print(f"llama.cpp {tools.version} ({state}): {tools.bench} {tools.quantize}")
+        print(f"llama.cpp {tools.version} ({state}): {tools.bench} {tools.quantize} {tools.server or ''}".rstrip())
         targets = [t.strip() for t in args.examples.split(",") if t.strip()]
         if targets:
             ex = ensure_examples(tools, targets, args.jobs, amx=args.amx)
