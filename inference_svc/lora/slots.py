@@ -1,0 +1,218 @@
+"""The stacked adapter weights of a served model: `max_loras` slots, loaded and unloaded at run time, and the
+per-row LoRA deltas of a step.
+
+Contract:
+- `LoraSlots(model, max_loras, max_rank, dtype)` wraps each decoder layer's four projections of the
+  `ServingDecoder` (`qkv`, `o_proj`, `gate_up`, `down_proj`, quantized or not) in a `LoraProjection` and is the one
+  owner of the adapter weights they hold: per projection, A stacked [max_loras, P·max_rank, in] and Bᵀ stacked
+  [max_loras, P·max_rank, out] in the compute dtype, P the parts a merged projection joins (3 for q/k/v, 2 for
+  gate/up). An adapter's parts are laid side by side in its slot: the rows of A for q, then k, then v, and Bᵀ
+  block-diagonal (part p's rows write only part p's output columns), the scale folded into Bᵀ, so one pair of
+  small matmuls serves a merged projection. Only the parts the adapter targets take rows (`widths`).
+- `load(adapter)` writes a checked `LoraAdapter` into a free slot; `unload(name)` frees it. Both run on the engine
+  thread between steps (the async engine's command path), so no step ever reads a half-written slot. A load
+  beyond `max_loras` or of a name already loaded is an `AdapterError`; `lookup` of an unknown name is a
+  `ModelNotFoundError`. Each load gets a new `cache_salt`, so blocks computed under one loading of an adapter are
+  never reused under another adapter, the base, or a reload of the same name.
+- `with slots.rows(row_slots)` sets a step's rows' slots (-1: the base model) for the forward inside it; a
+  `LoraProjection` then returns the base projection's output unchanged, the same tensor and bits, for every base
+  row, and adds scale·(x·Aᵀ)·Bᵀ to the rows of each adapter: one base matmul for the whole step, plus two small
+  matmuls per adapter present in it (its rows gathered; a contiguous run of rows is sliced, not gathered).
+  Outside `rows` (embeddings, warm-up) no delta is added.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from inference_svc.errors import ModelNotFoundError
+from inference_svc.lora.adapter import AdapterError, LoraAdapter, projection_shapes
+from shared_model.serving_model import ServingDecoder
+
+MERGED = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+"""A `ServingLayer`'s projection → the Hugging Face projections it joins, in the order of its output."""
+
+Rows = slice | torch.Tensor
+"""The rows of a step's flat [T] layout one adapter serves: a contiguous run, or their indices (int64 [n])."""
+
+
+@dataclass(frozen=True)
+class LoadedAdapter:
+    """An adapter held in a slot."""
+
+    name: str
+    path: str
+    slot: int
+    rank: int
+    cache_salt: int
+    """Prefix-cache namespace of the requests this loading serves (never 0, the base model's)."""
+
+
+class LoraProjection(nn.Module):
+    """A projection plus its stacked adapters (see the module docstring)."""
+
+    def __init__(self, base: nn.Module, parts_out: Sequence[int], owner: LoraSlots, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.base = base
+        weight = base.weight if isinstance(getattr(base, "weight", None), torch.Tensor) else None
+        device = weight.device if weight is not None else torch.device("cpu")
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.parts_out = tuple(parts_out)
+        width = len(parts_out) * owner.max_rank
+        self.register_buffer(
+            "lora_a", torch.zeros(owner.max_loras, width, self.in_features, dtype=dtype, device=device)
+        )
+        self.register_buffer(
+            "lora_bt", torch.zeros(owner.max_loras, width, self.out_features, dtype=dtype, device=device)
+        )
+        # lora_a: [S, P*R, in]; lora_bt: [S, P*R, out]
+        self.widths = [0] * owner.max_loras
+        """Rows of `lora_a` / `lora_bt` each slot uses (0: its adapter does not adapt this projection)."""
+        self._owner = owner
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    def method(self) -> tuple[str, str]:
+        """The base projection's method (the load plan's record), plus the adapters' delta."""
+        base = self.base.method() if hasattr(self.base, "method") else ("F.linear", "F.linear")
+        return base[0], f"{base[1]}; plus each adapter row's LoRA delta (two small matmuls per adapter)"
+
+    def write(self, slot: int, pieces: Sequence[tuple[torch.Tensor, torch.Tensor] | None], scaling: float) -> None:
+        """Fill `slot` from one (A [r, in], B [out_p, r]) per part (None: the part is not adapted)."""
+        self.lora_a[slot].zero_()
+        self.lora_bt[slot].zero_()
+        row, col = 0, 0
+        for out_p, piece in zip(self.parts_out, pieces, strict=True):
+            if piece is not None:
+                a, b = piece
+                r = a.shape[0]
+                self.lora_a[slot, row : row + r].copy_(a)
+                self.lora_bt[slot, row : row + r, col : col + out_p].copy_(b.t() * scaling)
+                row += r
+            col += out_p
+        self.widths[slot] = row
+
+    def clear(self, slot: int) -> None:
+        self.widths[slot] = 0
+        self.lora_a[slot].zero_()
+        self.lora_bt[slot].zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)  # [..., out]: the base projection, all rows at once
+        segments = self._owner.segments
+        if not segments:
+            return y
+        x2 = x.reshape(-1, self.in_features)  # [T, in]
+        if not y.is_contiguous():
+            y = y.contiguous()
+        y2 = y.view(-1, self.out_features)  # [T, out], the same storage as y
+        for slot, rows in segments:
+            w = self.widths[slot]
+            if w == 0:
+                continue
+            delta = (x2[rows] @ self.lora_a[slot, :w].t()) @ self.lora_bt[slot, :w]  # [n, w] -> [n, out]
+            if isinstance(rows, slice):
+                y2[rows] += delta
+            else:
+                y2.index_add_(0, rows, delta)
+        return y
+
+
+class LoraSlots:
+    """The one owner of a served model's adapter slots (see the module docstring)."""
+
+    def __init__(self, model: ServingDecoder, max_loras: int, max_rank: int, dtype: torch.dtype) -> None:
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.model = model
+        self.segments: list[tuple[int, Rows]] = []
+        """The current step's (slot, rows) of each adapter present (empty: no delta anywhere)."""
+        self.loaded: dict[str, LoadedAdapter] = {}
+        self._salts = itertools.count(1)
+        self.projections: list[dict[str, LoraProjection]] = []
+        """Per layer: `ServingLayer` attribute name → its wrapped projection."""
+        c = model.config
+        outs = {p: shape[0] for p, shape in projection_shapes(c).items()}
+        for layer in model.layers:
+            wrapped = {}
+            for attr, parts in MERGED.items():
+                base = getattr(layer, attr)
+                if isinstance(base, LoraProjection):
+                    raise ValueError("the model's projections already carry LoRA slots")
+                wrapped[attr] = LoraProjection(base, [outs[p] for p in parts], self, dtype)
+                setattr(layer, attr, wrapped[attr])
+            self.projections.append(wrapped)
+
+    # ------------------------------------------------------------------ adapters (engine thread)
+    def load(self, adapter: LoraAdapter) -> LoadedAdapter:
+        """Write `adapter` into a free slot (see the module docstring)."""
+        if adapter.name in self.loaded:
+            raise AdapterError("lora_name", f"an adapter named {adapter.name!r} is already loaded")
+        if adapter.rank > self.max_rank:
+            raise AdapterError("r", f"adapter {adapter.name!r} has rank {adapter.rank}, above --max-lora-rank")
+        used = {a.slot for a in self.loaded.values()}
+        free = [s for s in range(self.max_loras) if s not in used]
+        if not free:
+            names = ", ".join(sorted(self.loaded))
+            raise AdapterError(
+                "max_loras", f"all {self.max_loras} adapter slots are in use ({names}); unload one first"
+            )
+        slot = free[0]
+        with torch.inference_mode():
+            for layer, wrapped in enumerate(self.projections):
+                for attr, parts in MERGED.items():
+                    pieces = [adapter.weights.get((layer, p)) for p in parts]
+                    wrapped[attr].write(slot, pieces, adapter.scaling)
+        loaded = LoadedAdapter(adapter.name, str(adapter.path), slot, adapter.rank, next(self._salts))
+        self.loaded[adapter.name] = loaded
+        return loaded
+
+    def unload(self, name: str) -> LoadedAdapter:
+        """Free the slot of `name` (the caller checked that no request uses it); ModelNotFoundError if unknown."""
+        loaded = self.lookup(name)
+        with torch.inference_mode():
+            for wrapped in self.projections:
+                for proj in wrapped.values():
+                    proj.clear(loaded.slot)
+        del self.loaded[name]
+        return loaded
+
+    def lookup(self, name: str) -> LoadedAdapter:
+        """The loaded adapter called `name`; ModelNotFoundError naming it otherwise."""
+        loaded = self.loaded.get(name)
+        if loaded is None:
+            have = ", ".join(sorted(self.loaded)) or "none"
+            raise ModelNotFoundError(f"the LoRA adapter '{name}' is not loaded here (loaded: {have})")
+        return loaded
+
+    # ------------------------------------------------------------------ steps
+    @contextmanager
+    def rows(self, row_slots: Sequence[int], device: torch.device) -> Iterator[None]:
+        """Serve the step's rows (their slots in the flat [T] layout, -1: base) from their adapters inside."""
+        by_slot: dict[int, list[int]] = {}
+        for i, s in enumerate(row_slots):
+            if s >= 0:
+                by_slot.setdefault(s, []).append(i)
+        segments: list[tuple[int, Rows]] = []
+        for s, idx in by_slot.items():
+            if idx[-1] - idx[0] + 1 == len(idx):
+                segments.append((s, slice(idx[0], idx[-1] + 1)))
+            else:
+                segments.append((s, torch.tensor(idx, dtype=torch.int64, device=device)))
+        self.segments = segments
+        try:
+            yield
+        finally:
+            self.segments = []

@@ -1,0 +1,169 @@
+"""LoRA adapters in the engine's step: greedy output equal to transformers + PEFT's, mixed batches equal to each
+request alone, base rows bit-identical to an engine without LoRA, the prefix cache keyed by adapter, and every bad
+adapter refused in one line naming the field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference_svc.engine import EngineConfig
+from inference_svc.engine.config import EngineConfigError
+from inference_svc.engine.types import SamplingParams
+from inference_svc.errors import AdapterInUseError, ModelLoadError, ModelNotFoundError
+from inference_svc.lora.adapter import AdapterError, load_adapter
+from tests.inference_svc.peft_adapters import MLP, greedy, make_adapter
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [list(range(5, 5 + 11)), list(range(40, 40 + 23)), list(range(300, 300 + 7)), list(range(90, 90 + 19))]
+N = 8
+
+
+@pytest.fixture(scope="module")
+def adapters(qwen3_dir: Path, tmp_path_factory) -> dict:
+    """Two adapters of the qwen3 folder ('a': every projection, rank 4; 'b': q, v and the MLP, rank 8), their PEFT
+    models' greedy outputs, and the base model's."""
+    root = tmp_path_factory.mktemp("adapters")
+    base = transformers.AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
+    out: dict = {"base": [greedy(base, p, N) for p in PROMPTS], "dirs": {}}
+    for name, seed, rank, targets in (("a", 11, 4, None), ("b", 12, 8, ("q_proj", "v_proj", *MLP))):
+        kwargs = {"targets": targets} if targets else {}
+        model = make_adapter(qwen3_dir, root / name, seed, rank=rank, **kwargs)
+        out[name] = [greedy(model, p, N) for p in PROMPTS]
+        out["dirs"][name] = root / name
+    return out
+
+
+def _lora_engine(make_engine, qwen3_dir, adapters, **kw):
+    mods = tuple(f"{n}={d}" for n, d in adapters["dirs"].items())
+    kw.setdefault("max_loras", 3)
+    return make_engine(qwen3_dir, lora_modules=mods, max_lora_rank=8, compile="auto", **kw)
+
+
+def _params(name: str | None, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=N, ignore_eos=True, lora_name=name, **kw)
+
+
+def test_each_adapter_matches_peft_greedy(qwen3_dir, adapters, make_engine):
+    engine = _lora_engine(make_engine, qwen3_dir, adapters)
+    for name in ("a", "b"):
+        got = [r.token_ids for r in (engine.generate([p], _params(name))[0] for p in PROMPTS)]
+        assert got == adapters[name], name
+        assert got != adapters["base"]  # the adapters do change the output (B is not zero)
+    base = [engine.generate([p], _params(None))[0].token_ids for p in PROMPTS]
+    assert base == adapters["base"]
+    plan = engine.load_plan
+    assert plan.value("lora") == "2/3"
+    assert plan.value("compile") == "off" and "LoRA" in next(c.reason for c in plan if c.lever == "compile")
+
+
+def test_mixed_batch_gives_each_request_what_it_gets_alone(qwen3_dir, adapters, make_engine):
+    engine = _lora_engine(make_engine, qwen3_dir, adapters, enable_prefix_caching=False)
+    names = [None, "a", "b", "a"]
+    together = engine.generate(PROMPTS, [_params(n) for n in names])
+    for i, (res, name) in enumerate(zip(together, names, strict=True)):
+        assert res.token_ids == (adapters["base"] if name is None else adapters[name])[i]
+
+
+def test_base_rows_are_bit_identical_to_an_engine_without_lora(qwen3_dir, adapters, make_engine):
+    plain = make_engine(qwen3_dir, enable_prefix_caching=False)
+    lora = _lora_engine(make_engine, qwen3_dir, adapters, enable_prefix_caching=False)
+    want = plain.generate(PROMPTS, [_params(None, logprobs=True)] * 4)
+    got = lora.generate(PROMPTS, [_params(n, logprobs=True) for n in (None, "a", None, "b")])
+    for i in (0, 2):
+        assert got[i].token_ids == want[i].token_ids
+        assert got[i].logprobs == want[i].logprobs  # the same bits, not just the same argmax
+
+
+def test_prefix_cache_never_crosses_adapters(qwen3_dir, adapters, make_engine):
+    engine = _lora_engine(make_engine, qwen3_dir, adapters, block_size=16, enable_prefix_caching=True)
+    prompt = list(range(7, 7 + 40))  # two full blocks cached after the first run
+    base = engine.generate([prompt], _params(None))[0]
+    first_a = engine.generate([prompt], _params("a"))[0]
+    assert first_a.usage.cached_prompt_tokens == 0  # the base model's blocks are not reused for 'a'
+    again_a = engine.generate([prompt], _params("a"))[0]
+    assert again_a.usage.cached_prompt_tokens == 32 and again_a.token_ids == first_a.token_ids
+    assert engine.generate([prompt], _params("b"))[0].usage.cached_prompt_tokens == 0
+    assert engine.generate([prompt], _params(None))[0].usage.cached_prompt_tokens == 32
+    # a fresh engine computing 'a' from nothing agrees, so the cached run read 'a's own K/V
+    fresh = _lora_engine(make_engine, qwen3_dir, adapters, enable_prefix_caching=False)
+    assert fresh.generate([prompt], _params("a"))[0].token_ids == first_a.token_ids != base.token_ids
+    # unloaded and loaded again from the same folder: a new namespace, nothing reused
+    engine.unload_lora_adapter("a")
+    engine.lora.load(load_adapter("a", adapters["dirs"]["a"], engine.model_config, 8))
+    assert engine.generate([prompt], _params("a"))[0].usage.cached_prompt_tokens == 0
+
+
+def test_unknown_adapter_and_unload_rules(qwen3_dir, adapters, make_engine):
+    engine = _lora_engine(make_engine, qwen3_dir, adapters, max_loras=2)
+    with pytest.raises(ModelNotFoundError, match="'nope' is not loaded"):
+        engine.add_request("r0", PROMPTS[0], _params("nope"))
+    with pytest.raises(ModelNotFoundError, match="'nope'"):
+        engine.unload_lora_adapter("nope")
+    engine.add_request("r1", PROMPTS[0], _params("b"))
+    with pytest.raises(AdapterInUseError, match="'b' serves 1 unfinished"):
+        engine.unload_lora_adapter("b")
+    with pytest.raises(AdapterError, match="max_loras: all 2 adapter slots are in use"):
+        engine.lora.load(load_adapter("c", adapters["dirs"]["a"], engine.model_config, 8))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.unload_lora_adapter("b")
+    with pytest.raises(ModelNotFoundError):
+        engine.add_request("r2", PROMPTS[0], _params("b"))
+    plain = make_engine(qwen3_dir)
+    with pytest.raises(ModelNotFoundError, match="serves no adapters"):
+        plain.add_request("r3", PROMPTS[0], _params("a"))
+
+
+def _edited(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_bad_adapters_are_refused_naming_the_field(qwen3_dir, adapters, tmp_path, make_engine):
+    engine = _lora_engine(make_engine, qwen3_dir, adapters)
+    config = engine.model_config
+    b = adapters["dirs"]["b"]
+
+    def refused(path: Path, max_rank: int = 8) -> AdapterError:
+        with pytest.raises(AdapterError) as info:
+            load_adapter("x", path, config, max_rank)
+        assert "\n" not in str(info.value)
+        return info.value
+
+    assert refused(b, max_rank=4).field == "r" and "rank 8, above --max-lora-rank 4" in str(refused(b, 4))
+    err = refused(_edited(b, tmp_path / "t", target_modules=["q_proj", "c_attn"]))
+    assert err.field == "target_modules" and "c_attn" in str(err)
+    assert refused(_edited(b, tmp_path / "d", use_dora=True)).field == "use_dora"
+    assert refused(tmp_path / "missing").field == "lora_path"
+    # an adapter of another base (a wider MLP): refused by shape, naming the base
+    other_dir = tmp_path / "other-base"
+    cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, intermediate_size=96)  # fmt: skip
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(other_dir)
+    make_adapter(other_dir, tmp_path / "other", seed=1)
+    err = refused(tmp_path / "other")
+    assert err.field == "base_model" and "trained on another base model" in str(err)
+    # the same refusals at start-up: one line naming lora_modules and the field
+    with pytest.raises(ModelLoadError, match=r"lora_modules: big=.*r: .*above --max-lora-rank 4"):
+        make_engine(qwen3_dir, lora_modules=(f"big={b}",), max_lora_rank=4)
+
+
+def test_config_refusals():
+    with pytest.raises(EngineConfigError, match="compile: 'on' cannot serve LoRA"):
+        EngineConfig(lora_modules=("a=/x",), compile="on")
+    with pytest.raises(EngineConfigError, match="lora_modules: each must be NAME=DIR"):
+        EngineConfig(lora_modules=("just-a-dir",))
+    with pytest.raises(EngineConfigError, match="lora_modules: the adapter name 'a' is given twice"):
+        EngineConfig(lora_modules=("a=/x", "a=/y"), max_loras=2)
+    with pytest.raises(EngineConfigError, match="lora_modules: 2 adapters are more than --max-loras 1"):
+        EngineConfig(lora_modules=("a=/x", "b=/y"))
