@@ -95,7 +95,7 @@ def add_flags(group: Any, cls: type, spec: FlagSpec = FlagSpec()) -> None:
         kind = _scalar_type(hints[f.name])
         text = _first_sentence(docs.get(f.name, ""))
         if typing.get_origin(kind) is tuple:
-            group.add_argument(*names, dest=f.name, default=list(default), action="append", help=text + " (repeatable)")
+            group.add_argument(*names, dest=f.name, default=list(default), action="append", help=text)
             continue
         if kind is bool:
             group.add_argument(*names, dest=f.name, default=default, action=argparse.BooleanOptionalAction, help=text)

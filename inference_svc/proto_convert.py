@@ -46,8 +46,9 @@ FINISH_REASONS = {
 }
 
 
-def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
-    """proto SamplingParams → engine SamplingParams (unset optional fields take the engine defaults)."""
+def sampling_from_proto(s: pb.SamplingParams, lora_name: str = "") -> SamplingParams:
+    """proto SamplingParams (and GenerateRequest.lora_name, "" for the base model) → engine SamplingParams (unset
+    optional fields take the engine defaults)."""
     kwargs: dict[str, Any] = {name: getattr(s, name) for name in _SAMPLING_OPTIONAL if s.HasField(name)}
     return SamplingParams(
         **kwargs,
@@ -57,6 +58,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         logprobs=s.logprobs,
         logit_bias=dict(s.logit_bias),
         structured=structured_from_proto(s.structured_output) if s.HasField("structured_output") else None,
+        lora_name=lora_name or None,
     )
 
 

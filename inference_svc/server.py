@@ -205,7 +205,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[RequestOutput]:
         engine = self._engine()
         prompt = prompt_from_proto(request)
-        sampling = sampling_from_proto(request.sampling)
+        sampling = sampling_from_proto(request.sampling, request.lora_name)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         n = n_from_proto(request.sampling)

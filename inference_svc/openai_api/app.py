@@ -8,6 +8,9 @@ Contract:
   server's `Lifecycle` is SERVING, else 503 with its state: loading, draining, stopped or broken) and
   `GET /metrics` (the service's registry, served here only when this API listens on
   the same interface as the metrics server: `--metrics-host` decides who may read metrics, whichever port).
+- LoRA (`openai_api.lora_routes`): a request's `model` may name a loaded adapter (its output's `model` echoes it);
+  `/v1/models` lists the adapters with `parent` the base; `POST /v1/load_lora_adapter` and
+  `/v1/unload_lora_adapter` load and unload them at run time. Embeddings come from the base model only.
 - Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with the HTTP status of
   `inference_svc.status` (the table the gRPC codes come from); `code` is the gRPC status name, so an error reads
   the same over both protocols.
@@ -76,13 +79,13 @@ from inference_svc.errors import (
     ClientGoneError,
     EngineStoppedError,
     InvalidRequestError,
-    ModelNotFoundError,
     RequestTimeoutError,
     RequestTooLargeError,
 )
 from inference_svc.lifecycle import Lifecycle, State
 from inference_svc.metrics import ServiceMetrics
 from inference_svc.openai_api import json_body, tool_calls
+from inference_svc.openai_api.lora_routes import adapter_cards, lora_routes, resolve_model
 from inference_svc.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -146,6 +149,7 @@ def build_app(owner: Owner, options: ApiOptions) -> Any:
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
+        *lora_routes(api),
     ]
 
     async def internal(request: Request, exc: Exception) -> Response:  # a failure no route turned into an error
@@ -277,11 +281,9 @@ class _Api:
             ) from None
         return json_body.load(raw)
 
-    def _check_model(self, name: str | None) -> None:
-        if name is not None and name != self.options.model_name:
-            raise ModelNotFoundError(
-                f"the model '{name}' does not exist here; this server serves '{self.options.model_name}'"
-            )
+    def _check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter `name` picks (None: the base model); 404 naming `model` for a name not served."""
+        return resolve_model(name, self.options.model_name, self.owner.engine)
 
     async def _handle(
         self,
@@ -339,18 +341,22 @@ class _Api:
             return self._error(exc, record)
         finally:
             self.owner.access_log.finish(record)
-        return JSONResponse({"object": "list", "data": [self._card()]})
+        cards = [self._card(), *adapter_cards(self.owner.engine, self.options.model_name, self.created)]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
         """OpenAI's `GET /v1/models/{model}`: the served model's card, or 404 (`param` "model") for another id."""
         record = self._record(request)
         try:
             self._authorize(request)
-            self._check_model(request.path_params["model_id"])
+            adapter = self._check_model(request.path_params["model_id"])
         except Exception as exc:
             return self._error(exc, record)
         finally:
             self.owner.access_log.finish(record)
+        if adapter is not None:
+            cards = adapter_cards(self.owner.engine, self.options.model_name, self.created)
+            return JSONResponse(next(c for c in cards if c["id"] == adapter))
         return JSONResponse(self._card())
 
     def _card(self) -> dict[str, Any]:
@@ -369,8 +375,8 @@ class _Api:
 
     async def _completions(self, request: Request, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
         req: CompletionRequest = self._parse(CompletionRequest, body)
-        self._check_model(req.model)
-        sampling = req.to_sampling(16)
+        adapter = self._check_model(req.model)
+        sampling = dataclasses.replace(req.to_sampling(16), lora_name=adapter)
         rid = record.request_id = _request_id(request, "cmpl")
         texts = req.prompts()
         if len(texts) > 1 and "x-request-id" in request.headers:
@@ -388,7 +394,7 @@ class _Api:
         deadline = None if req.timeout is None else time.monotonic() + req.timeout
         outputs = engine.generate_many(prompts, sampling, request_id=rid, deadline=deadline, n=req.n)  # whole or none
         echo_text = [tok.decode(ids, skip_special_tokens=False) if req.echo else "" for ids in prompts]
-        view = _CompletionView(rid, self.options.model_name, record.created, req, prompts, echo_text, tok)
+        view = _CompletionView(rid, adapter or self.options.model_name, record.created, req, prompts, echo_text, tok)
         if req.stream:
             return await self._stream(
                 request, outputs, view.chunk, view.usage_chunk, req.include_usage, record, _COMPLETION_NAMES
@@ -402,7 +408,8 @@ class _Api:
 
     async def _embeddings(self, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
         req: EmbeddingRequest = self._parse(EmbeddingRequest, body)
-        self._check_model(req.model)
+        if self._check_model(req.model) is not None:
+            raise InvalidRequestError("model", f"'{req.model}' is a LoRA adapter; embeddings come from the base model")
         vectors, record.tokens_in = await embed(engine, req.inputs(), self.options.pooling, req.dimensions, "input")
         data = []
         for i, row in enumerate(vectors):
@@ -453,8 +460,9 @@ class _Api:
 
     async def _chat(self, request: Request, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
         req: ChatCompletionRequest = self._parse(ChatCompletionRequest, body)
-        self._check_model(req.model)
+        adapter = self._check_model(req.model)
         sampling = req.to_sampling(engine.engine.config.max_new_tokens_limit)
+        sampling = dataclasses.replace(sampling, lora_name=adapter)
         tools, tool_mode, forced = req.tool_setup()
         parser = self.options.tool_call_parser
         if tool_mode != "none":
@@ -476,7 +484,7 @@ class _Api:
         tok = engine.engine.tokenizer
         deadline = None if req.timeout is None else time.monotonic() + req.timeout
         outputs = engine.generate_many([ids], sampling, request_id=rid, deadline=deadline, n=req.n)
-        view = _ChatView(rid, self.options.model_name, record.created, req, len(ids), tok,
+        view = _ChatView(rid, adapter or self.options.model_name, record.created, req, len(ids), tok,
                          parser if tool_mode != "none" else None)  # fmt: skip
         view.reasoning = self.options.reasoning_parser
         if req.stream:

@@ -1,6 +1,7 @@
 """Test helper: random LoRA adapters in PEFT's own format for a tiny random Hugging Face folder (never a hub).
 
-`make_adapter(base_dir, out_dir, seed, ...)` wraps the folder's model with `peft.get_peft_model` under a
+`make_base(folder, tokenizer, seed)` saves a tiny random Qwen3 (peaked logits: few greedy near-ties) with the given
+tokenizer. `make_adapter(base_dir, out_dir, seed, ...)` wraps the folder's model with `peft.get_peft_model` under a
 `LoraConfig`, gives every B matrix random values (PEFT starts B at zero, which would make the adapter a no-op), saves
 it with `save_pretrained` and returns the PEFT model (eval mode, fp32) for reference outputs.
 `greedy(model, prompt, n)` is transformers' greedy continuation, one argmax per position, no EOS stop.
@@ -15,6 +16,21 @@ import torch
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def make_base(folder: Path, tokenizer, seed: int) -> Path:
+    import transformers
+
+    cfg = transformers.Qwen3Config(
+        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=512, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_theta=10000.0, initializer_range=0.2,
+        eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id, pad_token_id=tokenizer.pad_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    tokenizer.save(folder)
+    return folder
 
 
 def make_adapter(

@@ -38,7 +38,9 @@ def test_field_numbers_are_stable() -> None:
     def numbers(msg) -> dict[str, int]:
         return {f.name: f.number for f in msg.DESCRIPTOR.fields}
 
-    assert numbers(pb.GenerateRequest) == {"request_id": 1, "prompt": 2, "prompt_token_ids": 3, "sampling": 4}
+    assert numbers(pb.GenerateRequest) == {
+        "request_id": 1, "prompt": 2, "prompt_token_ids": 3, "sampling": 4, "lora_name": 5,
+    }  # fmt: skip
     assert numbers(pb.SamplingParams) == {
         "max_new_tokens": 1, "temperature": 2, "top_k": 3, "top_p": 4, "min_p": 5, "seed": 6,
         "repetition_penalty": 7, "stop": 8, "stop_token_ids": 9, "ignore_eos": 10, "logprobs": 11,
