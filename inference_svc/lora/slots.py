@@ -17,7 +17,10 @@ Contract:
 - `with slots.rows(row_slots)` sets a step's rows' slots (-1: the base model) for the forward inside it; a
   `LoraProjection` then returns the base projection's output unchanged, the same tensor and bits, for every base
   row, and adds scale·(x·Aᵀ)·Bᵀ to the rows of each adapter: one base matmul for the whole step, plus two small
-  matmuls per adapter present in it (its rows gathered; a contiguous run of rows is sliced, not gathered).
+  matmuls per adapter present in it. The adapter rows are grouped by slot once per step (`StepRows`): when they
+  already form one run in slot order (one stream, or one adapter's rows side by side) each group's product is
+  added in place into its slice of the output; otherwise they are gathered once per projection, each group's
+  product written into its slice of one delta, and the delta added back in one `index_add_`.
   Outside `rows` (embeddings, warm-up) no delta is added.
 """
 
@@ -43,8 +46,19 @@ MERGED = {
 }
 """A `ServingLayer`'s projection → the Hugging Face projections it joins, in the order of its output."""
 
-Rows = slice | torch.Tensor
-"""The rows of a step's flat [T] layout one adapter serves: a contiguous run, or their indices (int64 [n])."""
+
+@dataclass(frozen=True)
+class StepRows:
+    """A step's rows that have an adapter, grouped by slot (see the module docstring)."""
+
+    span: slice
+    """Without `gather`: the rows of the flat [T] layout the groups cover, one run, groups in order within it."""
+    gather: torch.Tensor | None
+    """int64 [n]: the adapter rows grouped by slot (None: they are `span` already)."""
+    groups: tuple[tuple[int, slice], ...]
+    """(slot, its positions among the n grouped rows)."""
+    count: int
+    """n, the rows with an adapter."""
 
 
 @dataclass(frozen=True)
@@ -112,22 +126,29 @@ class LoraProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # [..., out]: the base projection, all rows at once
-        segments = self._owner.segments
-        if not segments:
+        step = self._owner.step
+        if step is None:
             return y
         x2 = x.reshape(-1, self.in_features)  # [T, in]
         if not y.is_contiguous():
             y = y.contiguous()
         y2 = y.view(-1, self.out_features)  # [T, out], the same storage as y
-        for slot, rows in segments:
+        if step.gather is None:  # one run in slot order: add each group's product into its rows in place
+            xs, ys = x2[step.span], y2[step.span]  # [n, in], [n, out] views
+            for slot, pos in step.groups:
+                w = self.widths[slot]
+                if w:
+                    ys[pos].addmm_(xs[pos] @ self.lora_a[slot, :w].t(), self.lora_bt[slot, :w])
+            return y
+        xs = x2.index_select(0, step.gather)  # [n, in], grouped by slot
+        delta = torch.empty(step.count, self.out_features, dtype=y.dtype, device=y.device)  # [n, out]
+        for slot, pos in step.groups:
             w = self.widths[slot]
-            if w == 0:
-                continue
-            delta = (x2[rows] @ self.lora_a[slot, :w].t()) @ self.lora_bt[slot, :w]  # [n, w] -> [n, out]
-            if isinstance(rows, slice):
-                y2[rows] += delta
+            if w:
+                torch.mm(xs[pos] @ self.lora_a[slot, :w].t(), self.lora_bt[slot, :w], out=delta[pos])
             else:
-                y2.index_add_(0, rows, delta)
+                delta[pos].zero_()
+        y2.index_add_(0, step.gather, delta)
         return y
 
 
@@ -137,8 +158,8 @@ class LoraSlots:
     def __init__(self, model: ServingDecoder, max_loras: int, max_rank: int, dtype: torch.dtype) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.model = model
-        self.segments: list[tuple[int, Rows]] = []
-        """The current step's (slot, rows) of each adapter present (empty: no delta anywhere)."""
+        self.step: StepRows | None = None
+        """The current step's adapter rows (None: no delta anywhere)."""
         self.loaded: dict[str, LoadedAdapter] = {}
         self._salts = itertools.count(1)
         self.projections: list[dict[str, LoraProjection]] = []
@@ -201,18 +222,26 @@ class LoraSlots:
     @contextmanager
     def rows(self, row_slots: Sequence[int], device: torch.device) -> Iterator[None]:
         """Serve the step's rows (their slots in the flat [T] layout, -1: base) from their adapters inside."""
-        by_slot: dict[int, list[int]] = {}
-        for i, s in enumerate(row_slots):
-            if s >= 0:
-                by_slot.setdefault(s, []).append(i)
-        segments: list[tuple[int, Rows]] = []
-        for s, idx in by_slot.items():
-            if idx[-1] - idx[0] + 1 == len(idx):
-                segments.append((s, slice(idx[0], idx[-1] + 1)))
-            else:
-                segments.append((s, torch.tensor(idx, dtype=torch.int64, device=device)))
-        self.segments = segments
+        self.step = group_rows(row_slots, device)
         try:
             yield
         finally:
-            self.segments = []
+            self.step = None
+
+
+def group_rows(row_slots: Sequence[int], device: torch.device) -> StepRows | None:
+    """The `StepRows` of a step whose rows have these slots (-1: base); None when no row has an adapter."""
+    by_slot: dict[int, list[int]] = {}
+    for i, s in enumerate(row_slots):
+        if s >= 0:
+            by_slot.setdefault(s, []).append(i)
+    if not by_slot:
+        return None
+    order = [i for idx in by_slot.values() for i in idx]  # grouped by slot, each group in row order
+    groups, start = [], 0
+    for s, idx in by_slot.items():
+        groups.append((s, slice(start, start + len(idx))))
+        start += len(idx)
+    run = order == list(range(order[0], order[0] + len(order)))
+    gather = None if run else torch.tensor(order, dtype=torch.int64, device=device)
+    return StepRows(slice(order[0], order[0] + len(order)), gather, tuple(groups), len(order))

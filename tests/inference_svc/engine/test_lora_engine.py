@@ -167,3 +167,14 @@ def test_config_refusals():
         EngineConfig(lora_modules=("a=/x", "a=/y"), max_loras=2)
     with pytest.raises(EngineConfigError, match="lora_modules: 2 adapters are more than --max-loras 1"):
         EngineConfig(lora_modules=("a=/x", "b=/y"))
+
+
+def test_rows_are_grouped_by_adapter_once_per_step():
+    from inference_svc.lora.slots import group_rows
+
+    cpu = torch.device("cpu")
+    assert group_rows([-1, -1], cpu) is None
+    run = group_rows([-1, 2, 2, 0, -1], cpu)  # one run, groups in slot order: sliced in place
+    assert run.gather is None and run.span == slice(1, 4) and run.groups == ((2, slice(0, 2)), (0, slice(2, 3)))
+    mixed = group_rows([0, -1, 1, 0], cpu)  # gathered once: slot 0's rows, then slot 1's
+    assert mixed.gather.tolist() == [0, 3, 2] and mixed.groups == ((0, slice(0, 2)), (1, slice(2, 3)))
