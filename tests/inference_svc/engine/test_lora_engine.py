@@ -178,3 +178,23 @@ def test_rows_are_grouped_by_adapter_once_per_step():
     assert run.gather is None and run.span == slice(1, 4) and run.groups == ((2, slice(0, 2)), (0, slice(2, 3)))
     mixed = group_rows([0, -1, 1, 0], cpu)  # gathered once: slot 0's rows, then slot 1's
     assert mixed.gather.tolist() == [0, 3, 2] and mixed.groups == ((0, slice(0, 2)), (1, slice(2, 3)))
+
+
+def test_speculative_verify_rows_carry_the_adapter(qwen3_dir, adapters, make_engine):
+    """n-gram drafts are verified by the adapter's model: greedy output unchanged (a verify item's K + 1 rows all
+    take the request's adapter)."""
+    engine = _lora_engine(make_engine, qwen3_dir, adapters, speculative="ngram", num_speculative_tokens=4)
+    got = [engine.generate([p], _params(name))[0] for name in ("a", "b") for p in PROMPTS[:2]]
+    assert [r.token_ids for r in got] == [adapters[n][i] for n in ("a", "b") for i in range(2)]
+    assert engine.stats().spec_verify_steps_total > 0
+
+
+def test_quantized_base_takes_adapters_too(qwen3_dir, adapters, make_engine):
+    """int8 base weights plus the adapters' deltas (compute dtype): the plan says so, greedy output follows PEFT's
+    (the int8 base itself is not batch-invariant in its last bits, so no mixed-batch equality is asked here)."""
+    engine = _lora_engine(make_engine, qwen3_dir, adapters, quantization="int8", enable_prefix_caching=False)
+    assert "LoRA delta" in next(c.reason for c in engine.load_plan if c.lever == "linear.qkv_proj")
+    got = [engine.generate([p], _params("a"))[0].token_ids for p in PROMPTS]
+    base = [engine.generate([p], _params(None))[0].token_ids for p in PROMPTS]
+    assert [g[0] for g in got] == [w[0] for w in adapters["a"]]
+    assert got != base
