@@ -11,6 +11,7 @@ Contract:
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,8 +153,9 @@ class EngineConfig:
     """Serve LoRA adapters (vLLM's flag): allocate `max_loras` adapter slots, so adapters can be loaded at run time
     (POST /v1/load_lora_adapter); on by itself when `lora_modules` names any. Steps then run eagerly."""
     lora_modules: tuple[str, ...] = ()
-    """LoRA adapters served from the start, each NAME=DIR (repeatable, vLLM's spelling): DIR is a PEFT adapter
-    folder (adapter_config.json + adapter_model.safetensors) for this base model; a request picks one by `model`."""
+    """LoRA adapters served from the start, each NAME=DIR or vLLM's JSON '{"name": NAME, "path": DIR}' (repeatable,
+    vLLM's spelling): DIR is a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) for this base
+    model; a request picks one by `model`."""
     max_loras: int = 1
     """Most LoRA adapters loaded at once (the adapter slots): requests for all of them share every step."""
     max_lora_rank: int = 16
@@ -235,8 +237,17 @@ class EngineConfig:
         out = []
         for item in self.lora_modules:
             name, sep, folder = item.partition("=") if isinstance(item, str) else ("", "", "")
+            if isinstance(item, str) and item.lstrip().startswith("{"):  # vLLM's JSON form
+                try:
+                    spec = json.loads(item)
+                except json.JSONDecodeError:
+                    spec = None
+                ok = isinstance(spec, dict) and isinstance(spec.get("name"), str) and isinstance(spec.get("path"), str)
+                name, sep, folder = (spec["name"], "=", spec["path"]) if ok else ("", "", "")  # type: ignore[index]
             if not sep or not name.strip() or not folder.strip() or name != name.strip():
-                raise EngineConfigError("lora_modules", f"each must be NAME=DIR, got {item!r}")
+                raise EngineConfigError(
+                    "lora_modules", f'each must be NAME=DIR or {{"name": NAME, "path": DIR}}, got {item!r}'
+                )
             out.append((name, folder))
         return out
 

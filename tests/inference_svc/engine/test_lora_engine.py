@@ -163,6 +163,10 @@ def test_config_refusals():
         EngineConfig(lora_modules=("a=/x",), compile="on")
     with pytest.raises(EngineConfigError, match="lora_modules: each must be NAME=DIR"):
         EngineConfig(lora_modules=("just-a-dir",))
+    with pytest.raises(EngineConfigError, match="lora_modules: each must be NAME=DIR"):
+        EngineConfig(lora_modules=('{"name": "a"}',))
+    json_form = EngineConfig(lora_modules=('{"name": "a", "path": "/x", "base_model_name": "m"}', "b=/y"), max_loras=2)
+    assert json_form.lora_module_dirs == [("a", "/x"), ("b", "/y")]
     with pytest.raises(EngineConfigError, match="lora_modules: the adapter name 'a' is given twice"):
         EngineConfig(lora_modules=("a=/x", "a=/y"), max_loras=2)
     with pytest.raises(EngineConfigError, match="lora_modules: 2 adapters are more than --max-loras 1"):
