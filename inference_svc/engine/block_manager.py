@@ -22,7 +22,7 @@ Contract:
 - `reset_prefix_cache()` forgets every cached prefix when no block is in use (False, and nothing changes,
   otherwise).
 - `events` (None by default) is told of every change to the set of registered hashes, as it happens:
-  `stored(hash, parent_hash or None, tokens)` when a block is registered, `removed(hash)` when a registered block
+  `stored(hash, parent_hash or None, tokens, salt)` when a block is registered, `removed(hash)` when a registered block
   loses its hash (evicted or discarded), `cleared()` on a reset (`inference_svc.kv_events.KVEventRecorder`).
 """
 
@@ -49,7 +49,7 @@ def chain_hash(parent: int, tokens: Sequence[int]) -> int:
 class PrefixEvents(Protocol):
     """What `BlockManager.events` is told (see the module docstring)."""
 
-    def stored(self, h: int, parent: int | None, tokens: tuple[int, ...]) -> None: ...
+    def stored(self, h: int, parent: int | None, tokens: tuple[int, ...], salt: int) -> None: ...
     def removed(self, h: int) -> None: ...
     def cleared(self) -> None: ...
 
@@ -203,7 +203,7 @@ class BlockManager:
         block.hash, block.tokens, block.salt = h, chunk, salt
         self._by_hash[h] = block_id
         if self.events is not None:
-            self.events.stored(h, parent_hash, chunk)
+            self.events.stored(h, parent_hash, chunk, salt)
         return h
 
     def reset_prefix_cache(self) -> bool:

@@ -210,6 +210,10 @@ class LoraSlots:
         del self.loaded[name]
         return loaded
 
+    def name_of_salt(self, salt: int) -> str | None:
+        """The name of the loaded adapter whose loading has prefix-cache salt `salt` (for KV-cache events)."""
+        return next((a.name for a in self.loaded.values() if a.cache_salt == salt), None)
+
     def lookup(self, name: str) -> LoadedAdapter:
         """The loaded adapter called `name`; ModelNotFoundError naming it otherwise."""
         loaded = self.loaded.get(name)

@@ -202,3 +202,49 @@ def test_quantized_base_takes_adapters_too(qwen3_dir, adapters, make_engine):
     base = [engine.generate([p], _params(None))[0].token_ids for p in PROMPTS]
     assert [g[0] for g in got] == [w[0] for w in adapters["a"]]
     assert got != base
+
+
+def test_kv_events_name_the_adapter_of_each_stored_block(qwen3_dir, adapters, make_engine):
+    """vLLM's BlockStored carries lora_id / lora_name: nil for the base's blocks, the adapter's for its own (whose
+    hashes differ from the base's for the same tokens). Read back through the publisher's replay socket."""
+    zmq = pytest.importorskip("zmq")
+    import msgpack
+
+    from inference_svc.kv_events import KVEventPublisher, KVEventRecorder, KVEventsConfig
+    from tests.conftest import free_port
+
+    engine = _lora_engine(make_engine, qwen3_dir, adapters, block_size=16)
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*",
+                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}", topic="kv")  # fmt: skip
+    publisher = KVEventPublisher(config)
+    publisher.start()
+    engine.block_manager.events = KVEventRecorder(publisher, 16, engine.lora.name_of_salt)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, 30_000)
+    try:
+        prompt = list(range(7, 7 + 40))
+        engine.generate([prompt], _params(None))
+        engine.generate([prompt], _params("b"))
+        assert publisher.flush(30)
+        dealer.connect(config.replay_endpoint)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        stored = []
+        while True:
+            _, seq, payload = dealer.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                break
+            stored += [e for e in msgpack.unpackb(payload)[1] if e["type"] == "BlockStored"]
+    finally:
+        engine.block_manager.events = None
+        dealer.close()
+        ctx.term()
+        publisher.close()
+    base = [e for e in stored if e["lora_id"] is None]
+    lora = [e for e in stored if e["lora_id"] is not None]
+    salt = engine.lora.lookup("b").cache_salt
+    assert base and lora and all(e["lora_name"] is None for e in base)
+    assert all(e["lora_id"] == salt and e["lora_name"] == "b" for e in lora)
+    assert base[0]["token_ids"][:32] == lora[0]["token_ids"][:32] == prompt[:32]
+    assert not {h for e in base for h in e["block_hashes"]} & {h for e in lora for h in e["block_hashes"]}
