@@ -79,8 +79,7 @@ class LoraProjection(nn.Module):
     def __init__(self, base: nn.Module, parts_out: Sequence[int], owner: LoraSlots, dtype: torch.dtype) -> None:
         super().__init__()
         self.base = base
-        weight = base.weight if isinstance(getattr(base, "weight", None), torch.Tensor) else None
-        device = weight.device if weight is not None else torch.device("cpu")
+        device = next(itertools.chain(base.parameters(), base.buffers())).device  # a quantized base has buffers
         self.in_features, self.out_features = base.in_features, base.out_features
         self.parts_out = tuple(parts_out)
         width = len(parts_out) * owner.max_rank
@@ -94,10 +93,6 @@ class LoraProjection(nn.Module):
         self.widths = [0] * owner.max_loras
         """Rows of `lora_a` / `lora_bt` each slot uses (0: its adapter does not adapt this projection)."""
         self._owner = owner
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.base.weight
 
     def method(self) -> tuple[str, str]:
         """The base projection's method (the load plan's record), plus the adapters' delta."""

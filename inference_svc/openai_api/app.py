@@ -85,7 +85,7 @@ from inference_svc.errors import (
 from inference_svc.lifecycle import Lifecycle, State
 from inference_svc.metrics import ServiceMetrics
 from inference_svc.openai_api import json_body, tool_calls
-from inference_svc.openai_api.lora_routes import adapter_cards, lora_routes, resolve_model
+from inference_svc.openai_api.lora_routes import adapter_card, adapter_cards, lora_routes, resolve_model
 from inference_svc.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -350,14 +350,13 @@ class _Api:
         try:
             self._authorize(request)
             adapter = self._check_model(request.path_params["model_id"])
+            base = self.options.model_name
+            card = self._card() if adapter is None else adapter_card(self.owner.engine, base, self.created, adapter)
         except Exception as exc:
             return self._error(exc, record)
         finally:
             self.owner.access_log.finish(record)
-        if adapter is not None:
-            cards = adapter_cards(self.owner.engine, self.options.model_name, self.created)
-            return JSONResponse(next(c for c in cards if c["id"] == adapter))
-        return JSONResponse(self._card())
+        return JSONResponse(card)
 
     def _card(self) -> dict[str, Any]:
         card = {"id": self.options.model_name, "object": "model", "created": self.created, "owned_by": "tandem"}

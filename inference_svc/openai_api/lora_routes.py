@@ -6,7 +6,7 @@ Contract:
   (404 in OpenAI's error shape, `param` "model"). The engine checks again when it queues the request, so an
   adapter unloaded in between gives the same 404.
 - `adapter_cards(engine, base, created)`: one `/v1/models` card per loaded adapter, vLLM's shape: `id` its name,
-  `root` its folder, `parent` the base model's name.
+  `root` its folder, `parent` the base model's name; `adapter_card(..., name)` one of them (404 once unloaded).
 - `POST /v1/load_lora_adapter` {lora_name, lora_path} and `POST /v1/unload_lora_adapter` {lora_name}: behind the
   API key and the lifecycle like every generation route (`_Api._handle`: 401, 503, 413, 400), answered as vLLM
   does with 200 and a one-line text. A load reads and checks the folder off the engine thread
@@ -79,6 +79,14 @@ def adapter_cards(engine: AsyncEngine | None, base: str, created: int) -> list[d
         {"id": a.name, "object": "model", "created": created, "owned_by": "tandem", "root": a.path, "parent": base}
         for a in sorted(_loaded(engine).values(), key=lambda a: a.name)
     ]
+
+
+def adapter_card(engine: AsyncEngine | None, base: str, created: int, name: str) -> dict[str, Any]:
+    """The card of adapter `name`; ModelNotFoundError when it is not loaded (any more)."""
+    for card in adapter_cards(engine, base, created):
+        if card["id"] == name:
+            return card
+    raise ModelNotFoundError(f"the model '{name}' does not exist here; this server serves '{base}'")
 
 
 def lora_routes(api: _Api) -> list[Route]:
