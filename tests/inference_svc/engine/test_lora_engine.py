@@ -248,3 +248,31 @@ def test_kv_events_name_the_adapter_of_each_stored_block(qwen3_dir, adapters, ma
     assert all(e["lora_id"] == salt and e["lora_name"] == "b" for e in lora)
     assert base[0]["token_ids"][:32] == lora[0]["token_ids"][:32] == prompt[:32]
     assert not {h for e in base for h in e["block_hashes"]} & {h for e in lora for h in e["block_hashes"]}
+
+
+def test_an_adapter_exported_by_tandem_train_loads(tmp_path):
+    """The training half's PEFT export (`lt_plugins.export.adapter`: CausalLM module names, `target_modules` the
+    exact names wrapped) is what serving reads: every tensor lands under its (layer, projection), scaled by
+    alpha / r."""
+    from lt_plugins.export.adapter import adapter_state, peft_config, write_adapter
+    from lt_plugins.lora import LoraConfig
+    from tests.conftest import tiny_config
+
+    config = tiny_config()
+    shapes = {"self_attn.q_proj": (config.q_size, config.hidden_size), "mlp.down_proj": (config.hidden_size,
+              config.intermediate_size)}  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for layer in range(config.num_layers):
+        for mod, (out, inp) in shapes.items():
+            state[f"model.layers.{layer}.{mod}.lora_A.weight"] = torch.randn(4, inp, generator=g)
+            state[f"model.layers.{layer}.{mod}.lora_B.weight"] = torch.randn(out, 4, generator=g)
+    meta = {"config": LoraConfig(enabled=True, rank=4, alpha=12.0).to_dict(), "base": "tiny"}
+    names = [k.removesuffix(".lora_A.weight") for k in state if k.endswith(".lora_A.weight")]
+    folder = write_adapter(tmp_path / "exported", peft_config(meta, names, []), adapter_state(state, []), False)
+    adapter = load_adapter("mine", folder, config, max_rank=4)
+    assert adapter.rank == 4 and adapter.scaling == 3.0 and adapter.base_model == "tiny"
+    assert set(adapter.weights) == {(n, p) for n in range(config.num_layers) for p in ("q_proj", "down_proj")}
+    a, b = adapter.weights[(1, "down_proj")]
+    assert torch.equal(a, state["model.layers.1.mlp.down_proj.lora_A.weight"])
+    assert torch.equal(b, state["model.layers.1.mlp.down_proj.lora_B.weight"])
