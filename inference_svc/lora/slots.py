@@ -19,8 +19,9 @@ Contract:
   row, and adds scale·(x·Aᵀ)·Bᵀ to the rows of each adapter: one base matmul for the whole step, plus two small
   matmuls per adapter present in it. The adapter rows are grouped by slot once per step (`StepRows`): when they
   already form one run in slot order (one stream, or one adapter's rows side by side) each group's product is
-  added in place into its slice of the output; otherwise they are gathered once per projection, each group's
-  product written into its slice of one delta, and the delta added back in one `index_add_`.
+  added in place into its slice of the output; one adapter's rows apart are gathered, multiplied and added back
+  (`index_add_`); several adapters' rows apart are gathered in groups padded to one size (`Batched`: a padding
+  row repeats its group's first row and its product is zeroed), so two `torch.bmm` serve every adapter at once.
   Outside `rows` (embeddings, warm-up) no delta is added.
 """
 
@@ -59,6 +60,22 @@ class StepRows:
     """(slot, its positions among the n grouped rows)."""
     count: int
     """n, the rows with an adapter."""
+    batched: Batched | None = None
+    """Set when several adapters' rows are apart: the padded groups for one pair of `bmm`s."""
+
+
+@dataclass(frozen=True)
+class Batched:
+    """G adapters' rows in groups padded to g rows each (see the module docstring)."""
+
+    rows: torch.Tensor
+    """int64 [G * g]: group i's rows, then its first row again for padding."""
+    slots: tuple[int, ...]
+    """The G slots, ascending."""
+    slot_index: torch.Tensor | None
+    """int64 [G]: `slots` to select the stacked weights by (None: they are 0..G-1, a view suffices)."""
+    padding: torch.Tensor | None
+    """bool [G, g, 1]: True at padding rows (None: every group has g rows)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +145,8 @@ class LoraProjection(nn.Module):
         if not y.is_contiguous():
             y = y.contiguous()
         y2 = y.view(-1, self.out_features)  # [T, out], the same storage as y
+        if step.batched is not None:
+            return self._batched(step.batched, x2, y, y2)
         if step.gather is None:  # one run in slot order: add each group's product into its rows in place
             xs, ys = x2[step.span], y2[step.span]  # [n, in], [n, out] views
             for slot, pos in step.groups:
@@ -144,6 +163,24 @@ class LoraProjection(nn.Module):
             else:
                 delta[pos].zero_()
         y2.index_add_(0, step.gather, delta)
+        return y
+
+    def _batched(self, b: Batched, x2: torch.Tensor, y: torch.Tensor, y2: torch.Tensor) -> torch.Tensor:
+        w = max(self.widths[s] for s in b.slots)
+        if w == 0:
+            return y
+        groups = len(b.slots)
+        a, bt = self.lora_a[:, :w], self.lora_bt[:, :w]  # [S, w, in], [S, w, out] views
+        if b.slot_index is None:
+            a, bt = a[:groups], bt[:groups]
+        else:
+            a, bt = a.index_select(0, b.slot_index), bt.index_select(0, b.slot_index)
+        xs = x2.index_select(0, b.rows).view(groups, -1, self.in_features)  # [G, g, in]
+        h = torch.bmm(xs, a.transpose(1, 2))  # [G, g, w]; a narrower adapter's extra rows of A are zero
+        if b.padding is not None:
+            h.masked_fill_(b.padding, 0.0)  # padding rows add exactly zero
+        delta = torch.bmm(h, bt)  # [G, g, out]
+        y2.index_add_(0, b.rows, delta.view(-1, self.out_features))
         return y
 
 
@@ -243,4 +280,18 @@ def group_rows(row_slots: Sequence[int], device: torch.device) -> StepRows | Non
         start += len(idx)
     run = order == list(range(order[0], order[0] + len(order)))
     gather = None if run else torch.tensor(order, dtype=torch.int64, device=device)
-    return StepRows(slice(order[0], order[0] + len(order)), gather, tuple(groups), len(order))
+    batched = None if run or len(by_slot) < 2 else _batched(by_slot, device)
+    return StepRows(slice(order[0], order[0] + len(order)), gather, tuple(groups), len(order), batched)
+
+
+def _batched(by_slot: dict[int, list[int]], device: torch.device) -> Batched:
+    slots = tuple(sorted(by_slot))
+    size = max(len(idx) for idx in by_slot.values())
+    rows = [i for s in slots for i in by_slot[s] + [by_slot[s][0]] * (size - len(by_slot[s]))]
+    padding = None
+    if any(len(idx) < size for idx in by_slot.values()):
+        pad = [[[j >= len(by_slot[s])] for j in range(size)] for s in slots]
+        padding = torch.tensor(pad, dtype=torch.bool, device=device)  # [G, g, 1]
+    in_place = slots == tuple(range(len(slots)))
+    slot_index = None if in_place else torch.tensor(slots, dtype=torch.int64, device=device)
+    return Batched(torch.tensor(rows, dtype=torch.int64, device=device), slots, slot_index, padding)

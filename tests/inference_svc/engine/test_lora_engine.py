@@ -65,10 +65,16 @@ def test_each_adapter_matches_peft_greedy(qwen3_dir, adapters, make_engine):
 
 def test_mixed_batch_gives_each_request_what_it_gets_alone(qwen3_dir, adapters, make_engine):
     engine = _lora_engine(make_engine, qwen3_dir, adapters, enable_prefix_caching=False)
-    names = [None, "a", "b", "a"]
+    names = [None, "a", "b", "a"]  # slots 0 and 1: two groups padded to 2 rows, one pair of bmm's
     together = engine.generate(PROMPTS, [_params(n) for n in names])
     for i, (res, name) in enumerate(zip(together, names, strict=True)):
         assert res.token_ids == (adapters["base"] if name is None else adapters[name])[i]
+    # slots 1 and 2 (not 0..G-1: the stacked weights are selected by index): 'c' is 'a' loaded again, in slot 2
+    engine.lora.load(load_adapter("c", adapters["dirs"]["a"], engine.model_config, 8))
+    names = ["b", "c", None, "c"]
+    together = engine.generate(PROMPTS, [_params(n) for n in names])
+    want = {"b": adapters["b"], "c": adapters["a"], None: adapters["base"]}
+    assert [r.token_ids for r in together] == [want[n][i] for i, n in enumerate(names)]
 
 
 def test_base_rows_are_bit_identical_to_an_engine_without_lora(qwen3_dir, adapters, make_engine):
@@ -180,8 +186,14 @@ def test_rows_are_grouped_by_adapter_once_per_step():
     assert group_rows([-1, -1], cpu) is None
     run = group_rows([-1, 2, 2, 0, -1], cpu)  # one run, groups in slot order: sliced in place
     assert run.gather is None and run.span == slice(1, 4) and run.groups == ((2, slice(0, 2)), (0, slice(2, 3)))
-    mixed = group_rows([0, -1, 1, 0], cpu)  # gathered once: slot 0's rows, then slot 1's
-    assert mixed.gather.tolist() == [0, 3, 2] and mixed.groups == ((0, slice(0, 2)), (1, slice(2, 3)))
+    one = group_rows([0, -1, 0], cpu)  # one adapter's rows apart: gathered
+    assert one.gather.tolist() == [0, 2] and one.batched is None
+    mixed = group_rows([2, -1, 1, 2], cpu)  # two adapters apart: groups by slot, padded to 2 rows each
+    b = mixed.batched
+    assert b.slots == (1, 2) and b.slot_index.tolist() == [1, 2] and b.rows.tolist() == [2, 2, 0, 3]
+    assert b.padding.flatten().tolist() == [False, True, False, False]
+    even = group_rows([0, 1, 0, 1], cpu).batched  # slots 0..G-1 and equal groups: no selection, no padding
+    assert even.slot_index is None and even.padding is None and even.rows.tolist() == [0, 2, 1, 3]
 
 
 def test_speculative_verify_rows_carry_the_adapter(qwen3_dir, adapters, make_engine):
