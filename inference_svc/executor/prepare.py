@@ -101,7 +101,7 @@ def apply_lora(model: ServingDecoder, config: EngineConfig, dtype: torch.dtype) 
     loaded = ", ".join(f"{n} (rank {a.rank})" for n, a in slots.loaded.items()) or "none yet"
     reason = (
         f"{config.max_loras} slot(s) of rank <= {config.max_lora_rank}, loaded: {loaded}; each row adds its "
-        "adapter's delta (two small matmuls per adapter in a step)"
+        "adapter's delta (one small batched matmul pair per projection)"
     )
     return slots, Choice("lora", f"{len(slots.loaded)}/{config.max_loras}", reason)
 

@@ -16,8 +16,8 @@ Contract:
   never reused under another adapter, the base, or a reload of the same name.
 - `with slots.rows(row_slots)` sets a step's rows' slots (-1: the base model) for the forward inside it; a
   `LoraProjection` then returns the base projection's output unchanged, the same tensor and bits, for every base
-  row, and adds scale·(x·Aᵀ)·Bᵀ to the rows of each adapter: one base matmul for the whole step, plus two small
-  matmuls per adapter present in it. The adapter rows are grouped by slot once per step (`StepRows`): when they
+  row, and adds scale·(x·Aᵀ)·Bᵀ to the rows of each adapter: one base matmul for the whole step, plus small
+  ones for the adapters present in it. The adapter rows are grouped by slot once per step (`StepRows`): when they
   already form one run in slot order (one stream, or one adapter's rows side by side) each group's product is
   added in place into its slice of the output; one adapter's rows apart are gathered, multiplied and added back
   (`index_add_`); several adapters' rows apart are gathered in groups padded to one size (`Batched`: a padding
@@ -114,7 +114,9 @@ class LoraProjection(nn.Module):
     def method(self) -> tuple[str, str]:
         """The base projection's method (the load plan's record), plus the adapters' delta."""
         base = self.base.method() if hasattr(self.base, "method") else ("F.linear", "F.linear")
-        return base[0], f"{base[1]}; plus each adapter row's LoRA delta (two small matmuls per adapter)"
+        return base[
+            0
+        ], f"{base[1]}; plus each adapter row's LoRA delta (one small matmul pair, batched over the adapters present)"
 
     def write(self, slot: int, pieces: Sequence[tuple[torch.Tensor, torch.Tensor] | None], scaling: float) -> None:
         """Fill `slot` from one (A [r, in], B [out_p, r]) per part (None: the part is not adapted)."""
