@@ -5,6 +5,7 @@ use is not unloaded (409), `vllm:lora_requests_info` names the running adapter, 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -199,3 +200,25 @@ def test_started_with_a_bad_adapter_refuses_to_start(models):
     while not isinstance(err, ModelLoadError) and err.__cause__ is not None:
         err = err.__cause__
     assert "lora_modules: big=" in str(err) and "above --max-lora-rank 8" in str(err)
+
+
+@pytest.mark.slow
+def test_tandem_serve_with_lora_modules_serves_them(models, tmp_path, small_tokenizer):
+    """The whole command line: `tandem serve DIR --lora-modules a=... --lora-modules '{"name", "path"}'` in its own
+    process; both adapters answer as PEFT does, and /v1/models lists them under the base."""
+    from inference_svc.serve_process import ServeProcess, free_port
+
+    http = free_port()
+    c = json.dumps({"name": "c", "path": str(models["dirs"]["c"])})
+    flags = ["--http-port", str(http), "--metrics-port", "0", "--lora-modules", f"a={models['dirs']['a']}",
+             "--lora-modules", c, "--max-loras", "2", "--max-lora-rank", "8", "--dtype", "float32"]  # fmt: skip
+    with ServeProcess(models["base"], flags, log=tmp_path / "serve.log") as srv:
+        srv.wait_serving(180)
+        url = f"http://127.0.0.1:{http}"
+        for name in ("a", "c"):
+            body = {"model": name, "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == small_tokenizer.decode(models["want"][name])
+        cards = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=60).json()["data"]}
+        assert cards["a"]["parent"] == cards["c"]["parent"] == models["base"].name
