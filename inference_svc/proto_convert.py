@@ -176,6 +176,14 @@ def response_from(request_id: str, completions: Sequence[Completion]) -> pb.Gene
     return response
 
 
+def lora_adapters_to_proto(slots: Any) -> tuple[list[pb.LoraAdapter], int]:
+    """(The loaded adapters by name, the slot count) of a `LoraSlots` (None: LoRA off) for `ModelInfo`."""
+    if slots is None:
+        return [], 0
+    loaded = sorted(dict(slots.loaded).values(), key=lambda a: a.name)  # a copy: the engine thread may change it
+    return [pb.LoraAdapter(name=a.name, path=a.path, rank=a.rank) for a in loaded], slots.max_loras
+
+
 def model_info_to_proto(
     info: EngineInfo, max_request_bytes: int, model_name: str, http_port: int | None, metrics_port: int | None
 ) -> pb.ModelInfo:

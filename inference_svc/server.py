@@ -93,6 +93,7 @@ from inference_svc.errors import (
 from inference_svc.lifecycle import Lifecycle, State
 from inference_svc.metrics import MetricsHTTPServer, ServiceMetrics
 from inference_svc.proto_convert import (
+    lora_adapters_to_proto,
     model_info_to_proto,
     n_from_proto,
     prompt_from_proto,
@@ -286,10 +287,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             engine = self._engine()
             owner = self._owner
-            return model_info_to_proto(
+            info = model_info_to_proto(
                 engine.info, owner.settings.max_request_bytes, owner.settings.model_name, owner.http_port,
                 owner.metrics_port,
             )  # fmt: skip
+            adapters, info.max_loras = lora_adapters_to_proto(engine.engine.lora)
+            info.lora_adapters.extend(adapters)
+            return info
         except Exception as exc:
             await self._fail(context, exc)
             raise

@@ -116,6 +116,9 @@ def test_models_list_adapters_with_their_parent(srv, models):
     assert base in cards
     one = httpx.get(f"http://127.0.0.1:{srv.server.http_port}/v1/models/a", headers={"authorization": f"Bearer {KEY}"})
     assert one.json()["parent"] == base
+    with srv.client(timeout=60, api_key=KEY) as c:  # gRPC: GetModelInfo lists them too
+        info = c.model_info()
+    assert [(a.name, a.rank) for a in info.lora_adapters] == [("a", 4)] and info.max_loras == 2
 
 
 def test_load_and_unload_routes(srv, models):

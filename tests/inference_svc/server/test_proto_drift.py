@@ -70,6 +70,8 @@ def test_field_numbers_are_stable() -> None:
     assert numbers(pb.ModelInfo)["kv_cache_dtype"] == 14
     assert numbers(pb.MemoryLedger)["kv_bytes_per_block"] == 8
     assert numbers(pb.ModelInfo)["draft_model"] == 15
+    assert numbers(pb.ModelInfo)["lora_adapters"] == 19 and numbers(pb.ModelInfo)["max_loras"] == 20
+    assert numbers(pb.LoraAdapter) == {"name": 1, "path": 2, "rank": 3}
     draft = {k: v for k, v in numbers(pb.MemoryLedger).items() if k.startswith("draft_")}
     assert draft == {"draft_kv_bytes_per_block": 9, "draft_kv_cache_bytes": 10, "draft_weight_bytes": 11}
     assert dict(pb.FinishReason.items()) == {
