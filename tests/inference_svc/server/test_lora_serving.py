@@ -95,6 +95,11 @@ def test_requests_pick_adapters_by_name(srv, models, small_tokenizer):
     assert r.json()["choices"][0]["text"] == small_tokenizer.decode(want["a"])
     base = _complete(srv, srv.server.settings.model_name).json()
     assert base["choices"][0]["text"] == small_tokenizer.decode(want[None])
+    body = {"model": "a", "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True, "stream": True}
+    events = _post(srv, "/v1/completions", body).text.split("\n\n")
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events if e.startswith("data: {")]
+    assert chunks and all(c["model"] == "a" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == small_tokenizer.decode(want["a"])
 
 
 def test_unknown_adapter_is_404_in_openai_shape(srv):
