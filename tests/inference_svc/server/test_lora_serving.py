@@ -196,6 +196,8 @@ def test_flags_parse(models):
     assert plain.lora_modules == () and not plain.lora_enabled
     with pytest.raises(SystemExit):
         build_serve_config([str(models["base"]), "--lora-modules", "no-equals-sign"])
+    with pytest.raises(SystemExit):  # an adapter may not take the served model's own name
+        build_serve_config([str(models["base"]), "--served-model-name", "m", "--lora-modules", f"m={a}"])
 
 
 def test_started_with_a_bad_adapter_refuses_to_start(models):
