@@ -72,6 +72,7 @@ from inference_svc.errors import (
     EngineStoppedError,
     InferenceError,
     InvalidRequestError,
+    ModelNotFoundError,
     RequestFailedError,
 )
 from inference_svc.lifecycle import Lifecycle, State
@@ -530,7 +531,7 @@ class AsyncEngine:
             self.engine.add_request(
                 cmd.request_id, cmd.prompt_ids, cmd.sampling, arrival_time=cmd.arrival, checked=True
             )  # checked by `generate_many` (Engine.check_request) before it was queued
-        except InvalidRequestError as exc:
+        except (InvalidRequestError, ModelNotFoundError) as exc:  # ModelNotFound: its LoRA adapter was unloaded
             errors.append((cmd.request_id, exc))
             return
         except Exception as exc:

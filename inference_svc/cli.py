@@ -211,6 +211,9 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
             openai_api=from_args(OpenAIApiSettings, args),
         )
         engine_config = from_args(EngineConfig, args, dtype=_resolve_dtype(args.dtype, args.device))
+        clash = [name for name, _ in engine_config.lora_module_dirs if name == settings.model_name]
+        if clash:
+            parser.error(f"lora_modules: the adapter name {clash[0]!r} is the served model's name; choose another")
     except (InferenceError, ValueError) as exc:
         parser.error(str(exc))
     return settings, engine_config, args

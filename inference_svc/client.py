@@ -66,8 +66,11 @@ NO_RETRY = RetryPolicy(max_attempts=1)
 _SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 
 
-def build_request(prompt: str | Sequence[int], request_id: str = "", **sampling: Any) -> pb.GenerateRequest:
-    """A GenerateRequest from a text or token-id prompt and sampling keywords (None values are left unset)."""
+def build_request(
+    prompt: str | Sequence[int], request_id: str = "", lora_name: str = "", **sampling: Any
+) -> pb.GenerateRequest:
+    """A GenerateRequest from a text or token-id prompt and sampling keywords (None values are left unset);
+    `lora_name` picks a LoRA adapter ("" : the base model)."""
     unknown = set(sampling) - _SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling fields {sorted(unknown)}; valid: {sorted(_SAMPLING_FIELDS)}")
@@ -75,8 +78,9 @@ def build_request(prompt: str | Sequence[int], request_id: str = "", **sampling:
     if sampling.get("logit_bias"):
         params.logit_bias.update({int(k): float(v) for k, v in sampling["logit_bias"].items()})
     if isinstance(prompt, str):
-        return pb.GenerateRequest(request_id=request_id, prompt=prompt, sampling=params)
-    return pb.GenerateRequest(request_id=request_id, prompt_token_ids=pb.TokenIds(ids=list(prompt)), sampling=params)
+        return pb.GenerateRequest(request_id=request_id, prompt=prompt, sampling=params, lora_name=lora_name)
+    ids = pb.TokenIds(ids=list(prompt))
+    return pb.GenerateRequest(request_id=request_id, prompt_token_ids=ids, sampling=params, lora_name=lora_name)
 
 
 def embed_request(inputs: Sequence[str | Sequence[int]], dimensions: int = 0) -> pb.EmbedRequest:

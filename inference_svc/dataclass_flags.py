@@ -5,7 +5,8 @@ Contract:
 - `add_flags(group, cls, spec)` adds one flag per field of the frozen dataclass `cls`: the name is `--field-name`
   (plus the spellings in `spec.names[field]`, the first of which is the primary one, so existing flags keep their
   names and the dataclass's spelling is an alias), the default is the dataclass's default, the help is the field's
-  docstring (its first sentence), `choices` come from `spec.choices`; `bool` fields become `--x / --no-x` pairs.
+  docstring (its first sentence), `choices` come from `spec.choices`; `bool` fields become `--x / --no-x` pairs;
+  a `tuple[str, ...]` field is a repeatable flag (each use adds one item).
   Fields in `spec.skip` get no flag.
 - `from_args(cls, args, **resolved)` builds the dataclass from the parsed namespace (every flag's `dest` is its
   field name); `resolved` replaces values the caller resolves itself (e.g. `dtype` 'auto' on CPU). Validation
@@ -93,6 +94,9 @@ def add_flags(group: Any, cls: type, spec: FlagSpec = FlagSpec()) -> None:
             names.append(canonical)
         kind = _scalar_type(hints[f.name])
         text = _first_sentence(docs.get(f.name, ""))
+        if typing.get_origin(kind) is tuple:
+            group.add_argument(*names, dest=f.name, default=list(default), action="append", help=text)
+            continue
         if kind is bool:
             group.add_argument(*names, dest=f.name, default=default, action=argparse.BooleanOptionalAction, help=text)
             continue
@@ -104,5 +108,6 @@ def add_flags(group: Any, cls: type, spec: FlagSpec = FlagSpec()) -> None:
 
 def from_args(cls: type, args: argparse.Namespace, **resolved: Any) -> Any:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}  # repeatable flags
     values.update(resolved)
     return cls(**values)

@@ -56,6 +56,14 @@ class ModelNotFoundError(InferenceError):
         self.field = "model"
 
 
+class AdapterInUseError(InferenceError):
+    """A LoRA adapter cannot be unloaded while requests use it (maps to FAILED_PRECONDITION / HTTP 409)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.field = "lora_name"
+
+
 class RequestTooLargeError(InvalidRequestError):
     """The request body is larger than the server accepts (INVALID_ARGUMENT / HTTP 413)."""
 

@@ -13,9 +13,12 @@ Contract:
   `EventBatch` array `[ts (float, Unix seconds), events, data_parallel_rank (0)]`. Events:
   `BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name)`,
   `BlockRemoved(block_hashes, medium)`, `AllBlocksCleared()`; `medium` is "GPU" (vLLM's name for the engine's own
-  KV pool, whatever the device), `lora_id`/`lora_name` nil. Block hashes are Tandem's chain hashes as unsigned 64-bit
-  integers; `parent_block_hash` is nil for a prompt's first block; `token_ids` are the stored blocks' tokens, in
-  order (`block_size` of them per hash). Consecutive blocks of one chain stored in one step share one `BlockStored`.
+  KV pool, whatever the device); `lora_id`/`lora_name` nil for the base model's blocks, and for a block computed
+  under a LoRA adapter its loading's prefix-cache salt and its name (`lora_name` is the recorder's resolver,
+  `LoraSlots.name_of_salt`; such blocks' hashes differ from the base's, since the cache keys by adapter). Block
+  hashes are Tandem's chain hashes as unsigned 64-bit integers; `parent_block_hash` is nil for a prompt's first
+  block; `token_ids` are the stored blocks' tokens, in order (`block_size` of them per hash). Consecutive blocks
+  of one chain stored in one step share one `BlockStored`.
 - What is published: every block registered in the prefix cache (reusable by a later prompt's prefix hit) as
   stored, every registered block that loses its hash (evicted for a fresh allocation, or discarded after a failure)
   as removed, `BlockManager.reset_prefix_cache()` as all-cleared. Applying the events in sequence order yields
@@ -51,7 +54,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -128,19 +131,22 @@ class KVEventsConfig:
 
 
 # ---------------------------------------------------------------------------------------- encoding
-def stored_event(hashes: Sequence[int], parent: int | None, tokens: Sequence[int], block_size: int, encoding: str):
-    """A `BlockStored` as msgpack-ready data (hashes already external)."""
+def stored_event(
+    hashes: Sequence[int], parent: int | None, tokens: Sequence[int], block_size: int, encoding: str,
+    lora: tuple[int | None, str | None] = (None, None),
+):  # fmt: skip
+    """A `BlockStored` as msgpack-ready data (hashes already external); `lora`: (lora_id, lora_name)."""
     if encoding == "array":
-        return ["BlockStored", list(hashes), parent, list(tokens), block_size, None, MEDIUM, None]
+        return ["BlockStored", list(hashes), parent, list(tokens), block_size, lora[0], MEDIUM, lora[1]]
     return {
         "type": "BlockStored",
         "block_hashes": list(hashes),
         "parent_block_hash": parent,
         "token_ids": list(tokens),
         "block_size": block_size,
-        "lora_id": None,
+        "lora_id": lora[0],
         "medium": MEDIUM,
-        "lora_name": None,
+        "lora_name": lora[1],
     }
 
 
@@ -164,25 +170,28 @@ class _Pending:
     """One step's events, merged as they come: a chain stored block by block becomes one `BlockStored`."""
 
     def __init__(self) -> None:
-        self.items: list[list] = []  # [kind, hashes, parent, tokens]
+        self.items: list[list] = []  # [kind, hashes, parent, tokens, (lora_id, lora_name)]
 
-    def stored(self, h: int, parent: int | None, tokens: tuple[int, ...]) -> None:
+    def stored(self, h: int, parent: int | None, tokens: tuple[int, ...], lora: tuple = (None, None)) -> None:
         last = self.items[-1] if self.items else None
-        if last is not None and last[0] == "stored" and parent is not None and last[1][-1] == parent:
+        if (
+            last is not None and last[0] == "stored" and parent is not None and last[1][-1] == parent
+            and last[4] == lora
+        ):  # fmt: skip
             last[1].append(h)
             last[3].extend(tokens)
         else:
-            self.items.append(["stored", [h], parent, list(tokens)])
+            self.items.append(["stored", [h], parent, list(tokens), lora])
 
     def removed(self, h: int) -> None:
         last = self.items[-1] if self.items else None
         if last is not None and last[0] == "removed":
             last[1].append(h)
         else:
-            self.items.append(["removed", [h], None, None])
+            self.items.append(["removed", [h], None, None, None])
 
     def cleared(self) -> None:
-        self.items.append(["cleared", None, None, None])
+        self.items.append(["cleared", None, None, None, None])
 
 
 class KVEventRecorder:
@@ -190,22 +199,27 @@ class KVEventRecorder:
     thread, never blocking). Keeps a mirror of the cached blocks (external hash → parent, tokens) for resyncs; the
     publisher thread takes a resync from it (`take_resync`) under the same lock, so it never sees half a step."""
 
-    def __init__(self, publisher: KVEventPublisher, block_size: int) -> None:
+    def __init__(
+        self, publisher: KVEventPublisher, block_size: int, lora_name: Callable[[int], str | None] | None = None
+    ) -> None:
         self.publisher = publisher
+        self.lora_name = lora_name
+        """A LoRA loading's prefix-cache salt → its adapter's name (None: the server serves no adapters)."""
         self.block_size = block_size
         self.encoding = publisher.config.event_encoding
         self._lock = threading.Lock()
         self._pending = _Pending()
-        self._mirror: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+        self._mirror: dict[int, tuple[int | None, tuple[int, ...], tuple]] = {}
         self._owe_resync = False
         publisher.recorder = self
 
     # -- BlockManager calls these (engine thread)
-    def stored(self, h: int, parent: int | None, tokens: tuple[int, ...]) -> None:
+    def stored(self, h: int, parent: int | None, tokens: tuple[int, ...], salt: int = 0) -> None:
         eh, ep = external_hash(h), None if parent is None else external_hash(parent)
+        lora = (None, None) if salt == 0 else (salt, self.lora_name(salt) if self.lora_name else None)
         with self._lock:
-            self._mirror[eh] = (ep, tokens)
-            self._pending.stored(eh, ep, tokens)
+            self._mirror[eh] = (ep, tokens, lora)
+            self._pending.stored(eh, ep, tokens, lora)
 
     def removed(self, h: int) -> None:
         eh = external_hash(h)
@@ -241,8 +255,8 @@ class KVEventRecorder:
             self._owe_resync = False
             self._pending = _Pending()  # recorded before now: in the mirror, so in the snapshot
             rebuilt = _Pending()
-            for h, (parent, tokens) in self._mirror.items():
-                rebuilt.stored(h, parent, tokens)
+            for h, (parent, tokens, lora) in self._mirror.items():
+                rebuilt.stored(h, parent, tokens, lora)
             return [cleared_event(self.encoding), *(self._event(item) for item in rebuilt.items)]
 
     @property
@@ -252,9 +266,9 @@ class KVEventRecorder:
             return set(self._mirror)
 
     def _event(self, item: list) -> Any:
-        kind, hashes, parent, tokens = item
+        kind, hashes, parent, tokens, lora = item
         if kind == "stored":
-            return stored_event(hashes, parent, tokens, self.block_size, self.encoding)
+            return stored_event(hashes, parent, tokens, self.block_size, self.encoding, lora)
         if kind == "removed":
             return removed_event(hashes, self.encoding)
         return cleared_event(self.encoding)

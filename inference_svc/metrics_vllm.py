@@ -17,8 +17,9 @@ Contract:
   info gauges `vllm:cache_config_info` (value 1; labels `engine`, `block_size`, `num_gpu_blocks`, `cache_dtype`,
   `enable_prefix_caching`, no `model_name`, as vLLM's) and `vllm:lora_requests_info` (labels `max_lora`,
   `running_lora_adapters`, `waiting_lora_adapters`; no `model_name`/`engine`, as vLLM's; its value is the Unix time
-  of the last update, which is how the endpoint picker finds the newest; Tandem serves no adapters, so the lists are
-  empty and `max_lora` is "0").
+  of the last update, which is how the endpoint picker finds the newest; the lists are the comma-joined names of
+  the adapters the running and the waiting requests use, `max_lora` the adapter slots, "0" with LoRA off; one series
+  at a time: when the labels change, the old series is removed).
 - The figures are fed by `ServiceMetrics` from the same sources as the `tandem_*` ones (`Engine.stats()` snapshots,
   the engine's `Timing`, the async engine's per-increment clock): counters advance by the difference from the
   previous snapshot, so they never go backwards.
@@ -117,8 +118,8 @@ class VllmMetrics:
                                   registry=r)  # fmt: skip
         self.lora = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
                           ("max_lora", "running_lora_adapters", "waiting_lora_adapters"), registry=r)  # fmt: skip
-        self._lora = self.lora.labels(max_lora="0", running_lora_adapters="", waiting_lora_adapters="")
-        self._lora.set(time.time())
+        self._lora_labels = ("0", "", "")
+        self.lora.labels(*self._lora_labels).set(time.time())
         self._last: dict[str, float] = {}
 
     def observe_stats(self, stats: Any) -> None:
@@ -135,7 +136,15 @@ class VllmMetrics:
             if delta > 0:
                 getattr(self, attr).inc(delta)
             self._last[field] = value
-        self._lora.set(time.time())
+        labels = (
+            str(getattr(stats, "max_lora", 0)),
+            ",".join(getattr(stats, "running_lora_adapters", ())),
+            ",".join(getattr(stats, "waiting_lora_adapters", ())),
+        )
+        if labels != self._lora_labels:
+            self.lora.remove(*self._lora_labels)
+            self._lora_labels = labels
+        self.lora.labels(*labels).set(time.time())
 
     def observe_finished(self, finish_reason: str, timing: Timing | None) -> None:
         reason = FINISH_REASONS.get(finish_reason)

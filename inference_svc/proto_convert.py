@@ -46,8 +46,9 @@ FINISH_REASONS = {
 }
 
 
-def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
-    """proto SamplingParams → engine SamplingParams (unset optional fields take the engine defaults)."""
+def sampling_from_proto(s: pb.SamplingParams, lora_name: str = "") -> SamplingParams:
+    """proto SamplingParams (and GenerateRequest.lora_name, "" for the base model) → engine SamplingParams (unset
+    optional fields take the engine defaults)."""
     kwargs: dict[str, Any] = {name: getattr(s, name) for name in _SAMPLING_OPTIONAL if s.HasField(name)}
     return SamplingParams(
         **kwargs,
@@ -57,6 +58,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         logprobs=s.logprobs,
         logit_bias=dict(s.logit_bias),
         structured=structured_from_proto(s.structured_output) if s.HasField("structured_output") else None,
+        lora_name=lora_name or None,
     )
 
 
@@ -172,6 +174,14 @@ def response_from(request_id: str, completions: Sequence[Completion]) -> pb.Gene
             _set_stop(choice, c.stop_reason)
             response.choices.append(choice)
     return response
+
+
+def lora_adapters_to_proto(slots: Any) -> tuple[list[pb.LoraAdapter], int]:
+    """(The loaded adapters by name, the slot count) of a `LoraSlots` (None: LoRA off) for `ModelInfo`."""
+    if slots is None:
+        return [], 0
+    loaded = sorted(dict(slots.loaded).values(), key=lambda a: a.name)  # a copy: the engine thread may change it
+    return [pb.LoraAdapter(name=a.name, path=a.path, rank=a.rank) for a in loaded], slots.max_loras
 
 
 def model_info_to_proto(

@@ -228,7 +228,8 @@ class TandemServer:
         except ValueError as exc:
             raise ServerStartError(str(exc)) from None
         self.kv_events = publisher
-        engine.block_manager.events = KVEventRecorder(publisher, engine.block_manager.block_size)
+        names = None if engine.lora is None else engine.lora.name_of_salt
+        engine.block_manager.events = KVEventRecorder(publisher, engine.block_manager.block_size, names)
         log.info("KV-cache events on %s (replay %s)", publisher.endpoint, publisher.replay_endpoint or "off")
 
     async def _close_kv_events(self) -> None:

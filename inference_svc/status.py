@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from inference_svc.errors import (
+    AdapterInUseError,
     AuthenticationError,
     CapacityError,
     ClientGoneError,
@@ -44,6 +45,7 @@ STATUS: dict[type[BaseException], Status] = {
     RequestTimeoutError: Status(grpc.StatusCode.INVALID_ARGUMENT, 408, "invalid_request_error"),
     AuthenticationError: Status(grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error"),
     ModelNotFoundError: Status(grpc.StatusCode.NOT_FOUND, 404, "not_found_error"),
+    AdapterInUseError: Status(grpc.StatusCode.FAILED_PRECONDITION, 409, "conflict_error"),
     CapacityError: Status(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
     EngineStoppedError: Status(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable"),
     DeadlineExceededError: Status(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout"),

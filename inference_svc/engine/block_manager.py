@@ -9,6 +9,9 @@ Contract:
   used + free = total.
 - Prefix caching: a full block is keyed by `chain_hash(previous block's hash, its tokens)`, so equal hashes mean
   equal prefixes up to that block (the tokens are kept and compared too, so a hash collision cannot alias).
+  A chain starts from a root keyed by the caller's `salt` (0: the base model; a LoRA adapter's loading has its own,
+  `inference_svc.lora.slots`), and the salt is kept and compared with the tokens: K/V computed under one adapter
+  is never reused under another, or under the base model.
   A block is registered only after its K/V has been computed (`register`), never at allocation time, so a
   matching request never reads K/V that a chunked prefill has not written yet.
 - `allocate(tokens)` reuses the longest registered prefix of whole blocks (never the whole prompt: at least one
@@ -19,7 +22,7 @@ Contract:
 - `reset_prefix_cache()` forgets every cached prefix when no block is in use (False, and nothing changes,
   otherwise).
 - `events` (None by default) is told of every change to the set of registered hashes, as it happens:
-  `stored(hash, parent_hash or None, tokens)` when a block is registered, `removed(hash)` when a registered block
+  `stored(hash, parent_hash or None, tokens, salt)` when a block is registered, `removed(hash)` when a registered block
   loses its hash (evicted or discarded), `cleared()` on a reset (`inference_svc.kv_events.KVEventRecorder`).
 """
 
@@ -33,6 +36,11 @@ from typing import Protocol
 _ROOT_HASH = 0x7A3D5E1F
 
 
+def root_hash(salt: int) -> int:
+    """The chain's starting hash for prefixes computed under `salt` (0: the base model's, as it always was)."""
+    return _ROOT_HASH if salt == 0 else hash((_ROOT_HASH, salt))
+
+
 def chain_hash(parent: int, tokens: Sequence[int]) -> int:
     """Hash of a full block given the hash of the block before it (deterministic across runs)."""
     return hash((parent, *tokens))
@@ -41,7 +49,7 @@ def chain_hash(parent: int, tokens: Sequence[int]) -> int:
 class PrefixEvents(Protocol):
     """What `BlockManager.events` is told (see the module docstring)."""
 
-    def stored(self, h: int, parent: int | None, tokens: tuple[int, ...]) -> None: ...
+    def stored(self, h: int, parent: int | None, tokens: tuple[int, ...], salt: int) -> None: ...
     def removed(self, h: int) -> None: ...
     def cleared(self) -> None: ...
 
@@ -52,6 +60,8 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     tokens: tuple[int, ...] = ()
+    salt: int = 0
+    """The prefix-cache namespace its registered prefix was computed under (see the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -98,38 +108,38 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ------------------------------------------------------------------ allocation
-    def _match(self, tokens: Sequence[int], use_cache: bool = True) -> tuple[list[int], list[int]]:
+    def _match(self, tokens: Sequence[int], use_cache: bool = True, salt: int = 0) -> tuple[list[int], list[int]]:
         """Registered blocks of the longest cached prefix (leaving at least one token uncovered), and their hashes."""
         if not self.enable_prefix_caching or not use_cache:
             return [], []
         bs = self.block_size
         blocks: list[int] = []
         hashes: list[int] = []
-        parent = _ROOT_HASH
+        parent = root_hash(salt)
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = chain_hash(parent, chunk)
             bid = self._by_hash.get(h)
-            if bid is None or self.blocks[bid].tokens != chunk:
+            if bid is None or self.blocks[bid].tokens != chunk or self.blocks[bid].salt != salt:
                 break
             blocks.append(bid)
             hashes.append(h)
             parent = h
         return blocks, hashes
 
-    def can_allocate(self, tokens: Sequence[int], use_cache: bool = True) -> bool:
-        """Whether `allocate(tokens, use_cache)` would succeed now."""
-        hit, _ = self._match(tokens, use_cache)
+    def can_allocate(self, tokens: Sequence[int], use_cache: bool = True, salt: int = 0) -> bool:
+        """Whether `allocate(tokens, use_cache, salt)` would succeed now."""
+        hit, _ = self._match(tokens, use_cache, salt)
         need = self.blocks_for(len(tokens)) - len(hit)
         need += sum(1 for b in hit if self.blocks[b].ref_count == 0)  # reusing an evictable block takes it
         return need <= self.num_free
 
-    def allocate(self, tokens: Sequence[int], use_cache: bool = True) -> Allocation:
-        """Blocks covering `tokens`, reusing the cached prefix unless `use_cache` is False (no lookup, not counted
-        as a query). Raises if there is not room (check first)."""
-        if not self.can_allocate(tokens, use_cache):
+    def allocate(self, tokens: Sequence[int], use_cache: bool = True, salt: int = 0) -> Allocation:
+        """Blocks covering `tokens`, reusing the cached prefix computed under `salt` unless `use_cache` is False
+        (no lookup, not counted as a query). Raises if there is not room (check first)."""
+        if not self.can_allocate(tokens, use_cache, salt):
             raise RuntimeError("not enough free KV blocks (call can_allocate first)")
-        hit, hashes = self._match(tokens, use_cache)
+        hit, hashes = self._match(tokens, use_cache, salt)
         for bid in hit:
             self._ref(bid)
         fresh = [self._take() for _ in range(self.blocks_for(len(tokens)) - len(hit))]
@@ -176,8 +186,9 @@ class BlockManager:
             self._empty.append(bid)
         return released
 
-    def register(self, block_id: int, parent_hash: int | None, tokens: Sequence[int]) -> int:
-        """Record that a full, computed block holds `tokens` after the prefix hashed `parent_hash`; return its hash.
+    def register(self, block_id: int, parent_hash: int | None, tokens: Sequence[int], salt: int = 0) -> int:
+        """Record that a full, computed block holds `tokens` after the prefix hashed `parent_hash` (None: the first
+        block of a prefix computed under `salt`); return its hash.
 
         If that prefix is already cached in another block, this block stays unregistered (it is freed as a private
         block later); the returned hash is the chain hash either way.
@@ -185,14 +196,14 @@ class BlockManager:
         chunk = tuple(tokens)
         if len(chunk) != self.block_size:
             raise ValueError(f"only full blocks are registered ({len(chunk)} != {self.block_size} tokens)")
-        h = chain_hash(_ROOT_HASH if parent_hash is None else parent_hash, chunk)
+        h = chain_hash(root_hash(salt) if parent_hash is None else parent_hash, chunk)
         block = self.blocks[block_id]
         if not self.enable_prefix_caching or block.hash is not None or h in self._by_hash:
             return h
-        block.hash, block.tokens = h, chunk
+        block.hash, block.tokens, block.salt = h, chunk, salt
         self._by_hash[h] = block_id
         if self.events is not None:
-            self.events.stored(h, parent_hash, chunk)
+            self.events.stored(h, parent_hash, chunk, salt)
         return h
 
     def reset_prefix_cache(self) -> bool:

@@ -11,6 +11,7 @@ Contract:
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,6 +149,17 @@ class EngineConfig:
     """No drafts while the engine holds more requests than this, running or waiting (at most `max_num_seqs` count:
     a wide batch is compute-bound, and drafted rows would take budget from the prefill of those being admitted);
     0: no cap."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (vLLM's flag): allocate `max_loras` adapter slots, so adapters can be loaded at run time
+    (POST /v1/load_lora_adapter); on by itself when `lora_modules` names any. Steps then run eagerly."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters served from the start, each NAME=DIR or vLLM's JSON '{"name": NAME, "path": DIR}' (repeatable,
+    vLLM's spelling): DIR is a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) for this base
+    model; a request picks one by `model`."""
+    max_loras: int = 1
+    """Most LoRA adapters loaded at once (the adapter slots): requests for all of them share every step."""
+    max_lora_rank: int = 16
+    """Largest LoRA rank an adapter may have; a higher one is refused. Slots are sized by it."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
@@ -189,6 +201,55 @@ class EngineConfig:
             raise EngineConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             raise EngineConfigError("device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise EngineConfigError("enable_lora", f"must be a bool, got {self.enable_lora!r}")
+        _positive_int("max_loras", self.max_loras)
+        _positive_int("max_lora_rank", self.max_lora_rank)
+        modules = self.lora_modules
+        if isinstance(modules, list):
+            object.__setattr__(self, "lora_modules", modules := tuple(modules))
+        if not isinstance(modules, tuple):
+            raise EngineConfigError("lora_modules", f"must be a list of NAME=DIR, got {modules!r}")
+        names = [name for name, _ in self.lora_module_dirs]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise EngineConfigError("lora_modules", f"the adapter name {dup[0]!r} is given twice")
+        if len(names) > self.max_loras:
+            raise EngineConfigError(
+                "lora_modules", f"{len(names)} adapters are more than --max-loras {self.max_loras} slots hold"
+            )
+        if self.lora_enabled and self.compile == "on":
+            raise EngineConfigError(
+                "compile", "'on' cannot serve LoRA adapters (the compiled step takes no per-row adapter); use auto/off"
+            )
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine holds adapter slots (`enable_lora`, or any `lora_modules`)."""
+        return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def lora_module_dirs(self) -> list[tuple[str, str]]:
+        """`lora_modules` as (name, folder) pairs; EngineConfigError naming `lora_modules` for a malformed one."""
+        out = []
+        for item in self.lora_modules:
+            name, sep, folder = item.partition("=") if isinstance(item, str) else ("", "", "")
+            if isinstance(item, str) and item.lstrip().startswith("{"):  # vLLM's JSON form
+                try:
+                    spec = json.loads(item)
+                except json.JSONDecodeError:
+                    spec = None
+                ok = isinstance(spec, dict) and isinstance(spec.get("name"), str) and isinstance(spec.get("path"), str)
+                name, sep, folder = (spec["name"], "=", spec["path"]) if ok else ("", "", "")  # type: ignore[index]
+            if not sep or not name.strip() or not folder.strip() or name != name.strip():
+                raise EngineConfigError(
+                    "lora_modules", f'each must be NAME=DIR or {{"name": NAME, "path": DIR}}, got {item!r}'
+                )
+            out.append((name, folder))
+        return out
 
     def _check_speculative(self) -> None:
         if not isinstance(self.speculative, str) or (

@@ -33,6 +33,9 @@ Contract:
   kernels, merged projections, the quantization (a model that cannot take it is refused, `ModelLoadError` naming
   the weight), each projection's linear method, the attention backend, the sampler, the compiled step.
   `config.threads`, when set, sizes torch's process-wide intra-op thread pool.
+- LoRA (`config.lora_enabled`): `lora` holds the adapter slots (`inference_svc.lora`); a request's
+  `SamplingParams.lora_name` picks its slot when it is queued (NOT_FOUND for one not loaded), its prefix-cache
+  blocks are keyed by that adapter's loading, and `unload_lora_adapter` refuses (409) while a request uses it.
 - Compiled step (`config.compile`, decided by a rule in `executor.choose_compile`): the runners trace the decoder
   with `shared_model.compiled`, and the constructor warms them up before it returns (a prefill chunk, a lone decode
   and a batched decode of throwaway sequences over free blocks, which are zeroed afterwards), so the first request
@@ -68,6 +71,7 @@ from inference_svc.engine.validation import RequestValidator
 from inference_svc.errors import InvalidRequestError, ModelLoadError, RequestFailedError
 from inference_svc.executor import prepare as executor  # a module: it imports the engine's config in turn
 from inference_svc.executor.plan import LoadPlan
+from inference_svc.lora import requests as lora_requests
 from shared_model.bundle import Bundle
 from shared_model.config import ModelConfig
 from shared_model.quantize import serving_weight_bytes
@@ -116,9 +120,12 @@ class Engine:
         self.max_model_len = pool.max_model_len
         num_blocks = pool.num_blocks
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.lora = prepared.lora
+        """The LoRA adapter slots (None: LoRA off); loaded and unloaded on this engine's thread only."""
         self.runner = ModelRunner(
             model, self.model_config, num_blocks, bs, self.dtype, device, backend, kv_dtype=self.kv_dtype,
             compiled=compile_step, native=native, row_table=row_table,
+            lora=self.lora,
         )  # fmt: skip
         self.draft_runner = None
         if draft is not None and draft_model is not None:
@@ -216,6 +223,7 @@ class Engine:
         else:
             token_ids = self.validator.prompt_ids(prompt)
             self.validator.check_sampling(sampling)
+        lora_slot, cache_salt = lora_requests.resolve(self.lora, sampling.lora_name)  # may have been unloaded since
         seq = Sequence(
             request_id=request_id,
             seq_index=self._next_index,
@@ -226,6 +234,8 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop),
             eos_ids=self._eos_ids,
             generator=None if sampling.seed is None else torch.Generator().manual_seed(sampling.seed),
+            lora_slot=lora_slot,
+            cache_salt=cache_salt,
         )
         if sampling.structured is not None:  # compiled here unless the caller did (refused before it is queued)
             self._constrained_decoding().add(request_id, sampling.structured)
@@ -239,6 +249,7 @@ class Engine:
         sampling parameters (everything but the request id). Reads only what is fixed at load: any thread may
         call it."""
         self.validator.check_request(prompt_ids, sampling)
+        lora_requests.resolve(self.lora, sampling.lora_name)  # NOT_FOUND for an adapter not loaded
 
     def check_prompt_length(self, num_tokens: int) -> None:
         """InvalidRequestError when a prompt of `num_tokens` tokens cannot fit the context (prompt + at least one
@@ -376,7 +387,14 @@ class Engine:
             spec_draft_tokens_total=c.spec_draft_tokens_total,
             spec_accepted_tokens_total=c.spec_accepted_tokens_total,
             spec_emitted_tokens_total=c.spec_emitted_tokens_total,
+            running_lora_adapters=lora_requests.adapter_names(self.lora, self.scheduler.running),
+            waiting_lora_adapters=lora_requests.adapter_names(self.lora, self.scheduler.waiting),
+            max_lora=0 if self.lora is None else self.lora.max_loras,
         )
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Free adapter `name`'s slot (engine thread); refused while a request uses it (`lora.requests.unload`)."""
+        lora_requests.unload(self.lora, name, self._requests.values())
 
     def info(self) -> EngineInfo:
         """What this engine serves and how it chose to (a snapshot: `peak_workspace_bytes` grows with use)."""

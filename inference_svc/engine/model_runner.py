@@ -19,6 +19,9 @@ Contract:
 - A compiled runner over the default (torch) ops gives its graph the C++ attention operator where it can
   (`inference_svc.attention.native_cpu.GraphAttention`): a decode-only step's layers then store K/V and attend
   in C++ from inside the graph, with the same kernel and results as the Python backend, which serves the rest.
+- LoRA (`lora`, the engine's `inference_svc.lora.slots.LoraSlots`): a step holding a request with an adapter
+  (`Sequence.lora_slot`) runs its forward inside `lora.rows(...)` with every row's slot in the flat layout, so each
+  row gets its own adapter's delta and base rows their plain output; a step of base requests only runs as without.
 - Runs under `torch.inference_mode()`; no autograd state and no global state but that operator's binding of the
   cache (released with the runner).
 """
@@ -40,6 +43,7 @@ from inference_svc.engine.logprobs import ROWS_PER_PIECE, token_logprobs
 from inference_svc.engine.pooling import Pooling
 from inference_svc.engine.sequence import ScheduledSeq
 from inference_svc.engine.types import MAX_SPECULATIVE_TOKENS, TokenLogprob
+from inference_svc.lora.slots import LoraSlots
 from shared_model.compiled import CompiledDecoder
 from shared_model.config import ModelConfig
 from shared_model.serving_model import RowTable, ServingDecoder
@@ -89,11 +93,14 @@ class ModelRunner:
         compiled: bool = False,
         native: bool = True,
         row_table: RowTable | None = None,
+        lora: LoraSlots | None = None,
     ) -> None:
         """`native`: the load plan's `cpu_kernels` choice (Tandem's C++ kernels: the compiled step's in-graph decode
         attention); False keeps torch's. `row_table`: the compiled step's projections' kernels by row count (the
         load plan's `linear` choice, `inference_svc.executor.choose_row_table`); None keeps torch's."""
         self.model = model
+        self.lora = lora
+        """The adapter slots of `model`'s projections (None: no LoRA)."""
         self.computes_prompt_logprobs = prompt_logprobs
         """False for a draft model's runner: the target's logits are the ones reported."""
         self.config = model_config
@@ -138,8 +145,14 @@ class ModelRunner:
         backend = self.backend_factory(self.cache, meta)
         graph = self.graph_attention
         in_graph = graph is not None and graph.begin(meta)  # a decode-only step: its layers attend in C++
+        adapters = self.lora is not None and any(b.seq.lora_slot >= 0 for b in batch)
         try:
-            hidden = self._hidden_states(input_ids[None], positions[None], backend)[0]  # [T, H]
+            if adapters:
+                assert self.lora is not None
+                with self.lora.rows(_row_slots(batch), self.device):
+                    hidden = self._hidden_states(input_ids[None], positions[None], backend)[0]  # [T, H]
+            else:
+                hidden = self._hidden_states(input_ids[None], positions[None], backend)[0]  # [T, H]
         finally:
             if in_graph:
                 graph.end()
@@ -299,6 +312,14 @@ def _prompt_rows(item: int, b: ScheduledSeq, first_row: int) -> _PromptRows:
     positions = range(lo, hi)
     k = seq.sampling.prompt_logprobs or 0
     return _PromptRows(item, [first_row + p - b.start for p in positions], [seq.token_ids[p + 1] for p in positions], k)
+
+
+def _row_slots(batch: Seq[ScheduledSeq]) -> list[int]:
+    """Each row's adapter slot (-1: base) in the flat [T] layout of `_prepare` / `_prepare_decode`: the short
+    chunks (decodes, verify items) first, then the prefill chunks, each in batch order."""
+    short = [b for b in batch if b.num_tokens <= QUERY_CHUNK_MAX]
+    long = [b for b in batch if b.num_tokens > QUERY_CHUNK_MAX]
+    return [b.seq.lora_slot for b in (*short, *long) for _ in range(b.num_tokens)]
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

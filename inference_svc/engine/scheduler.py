@@ -147,7 +147,7 @@ class Scheduler:
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = self._chunk(seq, budget, alone=not batch, uncomputed=seq.num_tokens)
-            if n == 0 or not self.bm.can_allocate(seq.token_ids, seq.uses_prefix_cache):
+            if n == 0 or not self.bm.can_allocate(seq.token_ids, seq.uses_prefix_cache, seq.cache_salt):
                 break
             self.waiting.pop(0)
             self._admit(seq, now)
@@ -164,7 +164,7 @@ class Scheduler:
         return left if left <= budget or alone else 0
 
     def _admit(self, seq: Sequence, now: float) -> None:
-        alloc = self.bm.allocate(seq.token_ids, seq.uses_prefix_cache)
+        alloc = self.bm.allocate(seq.token_ids, seq.uses_prefix_cache, seq.cache_salt)
         seq.block_table = alloc.blocks
         seq.block_hashes = list(alloc.hashes)
         seq.num_computed_tokens = alloc.num_cached_tokens
@@ -316,7 +316,7 @@ class Scheduler:
         bs = self.bm.block_size
         for idx in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = self.bm.register(seq.block_table[idx], parent, seq.token_ids[idx * bs : (idx + 1) * bs])
+            h = self.bm.register(seq.block_table[idx], parent, seq.token_ids[idx * bs : (idx + 1) * bs], seq.cache_salt)
             seq.block_hashes.append(h)
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> tuple[str, FinishReason | None]:

@@ -43,6 +43,10 @@ class Sequence:
     eos_ids: frozenset[int]
     generator: torch.Generator | None = None
     """This request's own random generator when sampling.seed is set (batch-invariant sampling)."""
+    lora_slot: int = -1
+    """The adapter slot that serves this request (`inference_svc.lora.slots`); -1: the base model."""
+    cache_salt: int = 0
+    """Its prefix-cache namespace (`BlockManager`): 0 for the base model, the adapter loading's salt otherwise."""
 
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

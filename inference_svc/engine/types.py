@@ -144,6 +144,9 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     """Constrain the output to a grammar (JSON schema, regex, choice, EBNF): every token is one the grammar allows,
     and EOS only where the grammar accepts (`engine.grammar`)."""
+    lora_name: str | None = None
+    """The LoRA adapter that serves this request (a `--lora-modules` name or one loaded at run time; HTTP: the
+    `model` field, gRPC: `lora_name`); None: the base model. An adapter not loaded is NOT_FOUND (404)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -181,6 +184,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _normalized_bias(self.logit_bias))
         if self.num_speculative_tokens is not None:
             _check_count("num_speculative_tokens", self.num_speculative_tokens, MAX_SPECULATIVE_TOKENS)
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            raise InvalidRequestError("lora_name", f"must be a non-empty adapter name, got {self.lora_name!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise InvalidRequestError(
                 "min_tokens", f"must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}"
@@ -437,6 +442,12 @@ class EngineStats:
     spec_accepted_tokens_total: int = 0
     spec_emitted_tokens_total: int = 0
     """Tokens the verify steps produced: kept drafts plus the token each added."""
+    running_lora_adapters: tuple[str, ...] = ()
+    """LoRA adapters the running requests use."""
+    waiting_lora_adapters: tuple[str, ...] = ()
+    """LoRA adapters the waiting requests use."""
+    max_lora: int = 0
+    """Adapter slots (`max_loras`; 0: LoRA off)."""
 
     @property
     def spec_acceptance_rate(self) -> float:

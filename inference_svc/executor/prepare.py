@@ -8,6 +8,9 @@ Contract:
      nothing reads an environment variable.
   2. `merge_projections`: q/k/v and gate/up merged into one matrix each (`shared_model.serving_model`).
   3. `quantization` (`EngineConfig.quantization`, `int4_kernel`): the weight format (`shared_model.quantize`).
+  3b. `lora`: with `--enable-lora` or `--lora-modules`, each layer's projections get `max_loras` adapter slots
+     (`inference_svc.lora.slots.LoraSlots`) and the `--lora-modules` adapters are checked and loaded into them (one
+     that cannot be served is a `ModelLoadError` naming `lora_modules` and the adapter's field).
   4. `linear.<projection>`: the method each projection runs, with its row-count table (the module's own
      `method()`): recorded from the modules themselves, so the record cannot drift from what runs. A compiled
      step's dense projections take the table `choose_row_table` picks by a rule (`serving_model.compiled_row_table`:
@@ -15,7 +18,8 @@ Contract:
   5. `attention`: the attention backend (`EngineConfig.attention_backend`) and its CPU decode kernels.
   6. `sampler`: the CPU sampler's C++ thresholds and one-call sampling, or torch's sort.
   7. `compile`: whether the step runs compiled (`EngineConfig.compile`). 'auto' is a rule, never a timing: compiled
-     on a CPU for a model of at least `COMPILE_AUTO_MIN_PARAMS` parameters when inductor can build kernels here.
+     on a CPU for a model of at least `COMPILE_AUTO_MIN_PARAMS` parameters when inductor can build kernels here,
+     and never with LoRA slots (the traced step takes no per-row adapter indices; 'on' with LoRA is refused).
      A compile that then fails under 'auto' leaves the step eager, and the engine records that (`compile_failed`).
 - `prepare(bundle, config, device)` runs 1-4 and returns the model and its choices; `choose_attention`,
   `choose_compile` and `sampler_choice` make 5-7. The engine assembles them into its `LoadPlan`
@@ -34,6 +38,8 @@ from inference_svc.engine.config import EngineConfig
 from inference_svc.engine.model_runner import BackendFactory
 from inference_svc.errors import ModelLoadError
 from inference_svc.executor.plan import Choice
+from inference_svc.lora.adapter import AdapterError, load_adapter
+from inference_svc.lora.slots import LoraProjection, LoraSlots
 from shared_model.bundle import Bundle
 from shared_model.compiled import compiler_available
 from shared_model.quantize import QuantizationError, QuantizedLinear, quantize_weights
@@ -42,7 +48,7 @@ from shared_model.serving_model import RowTable, ServingDecoder, ServingLinear, 
 COMPILE_AUTO_MIN_PARAMS = 2_000_000
 """`compile='auto'` compiles on CPU from this many parameters up: below it a step costs well under a millisecond
 and the warm-up compile (tens of seconds) is not paid back by a short-lived server (a test's, a demo's)."""
-TRANSFORMS = ("cpu_kernels", "merge_projections", "quantization", "linear", "attention", "sampler", "compile")
+TRANSFORMS = ("cpu_kernels", "merge_projections", "quantization", "lora", "linear", "attention", "sampler", "compile")
 """The order of the load-time transforms (`linear` stands for one `linear.<projection>` choice per projection)."""
 
 
@@ -52,6 +58,8 @@ class Prepared:
 
     model: ServingDecoder
     choices: tuple[Choice, ...]
+    lora: LoraSlots | None = None
+    """The adapter slots (None: LoRA is off)."""
 
 
 def choose_cpu_kernels(config: EngineConfig, device: torch.device) -> tuple[bool, Choice]:
@@ -77,7 +85,27 @@ def prepare(bundle: Bundle, config: EngineConfig, native: bool) -> Prepared:
     except QuantizationError as exc:
         raise ModelLoadError(f"{bundle.path}: quantization {kind}: {exc}") from exc
     choices.append(_quantization_choice(config))
-    return Prepared(model, tuple(choices))
+    lora, lora_choice = apply_lora(model, config, bundle.dtype)
+    choices.append(lora_choice)
+    return Prepared(model, tuple(choices), lora)
+
+
+def apply_lora(model: ServingDecoder, config: EngineConfig, dtype: torch.dtype) -> tuple[LoraSlots | None, Choice]:
+    """Transform 3b: the adapter slots with the `--lora-modules` adapters loaded, and the choice."""
+    if not config.lora_enabled:
+        return None, Choice("lora", "off", "no --enable-lora and no --lora-modules")
+    slots = LoraSlots(model, config.max_loras, config.max_lora_rank, dtype)
+    for name, folder in config.lora_module_dirs:
+        try:
+            slots.load(load_adapter(name, folder, model.config, config.max_lora_rank))
+        except AdapterError as exc:
+            raise ModelLoadError(f"lora_modules: {name}={folder}: {exc}") from exc
+    loaded = ", ".join(f"{n} (rank {a.rank})" for n, a in slots.loaded.items()) or "none yet"
+    reason = (
+        f"{config.max_loras} slot(s) of rank <= {config.max_lora_rank}, loaded: {loaded}; each row adds its "
+        "adapter's delta (one small batched matmul pair per projection)"
+    )
+    return slots, Choice("lora", f"{len(slots.loaded)}/{config.max_loras}", reason)
 
 
 def _quantization_choice(config: EngineConfig) -> Choice:
@@ -110,7 +138,7 @@ def choose_row_table(config: EngineConfig, native: bool, dtype: torch.dtype) -> 
 
 
 def _method(module: torch.nn.Module) -> tuple[str, str]:
-    if isinstance(module, (QuantizedLinear, ServingLinear)):
+    if isinstance(module, (QuantizedLinear, ServingLinear, LoraProjection)):
         return module.method()
     return "F.linear", f"a plain {type(module).__name__}"
 
@@ -156,6 +184,8 @@ def choose_compile(config: EngineConfig, device: torch.device, model: ServingDec
     mode = config.compile
     if mode == "off":
         return False, Choice("compile", "off", "--compile off")
+    if config.lora_enabled:  # EngineConfig refuses 'on' with LoRA
+        return False, Choice("compile", "off", "LoRA slots are on: the compiled step takes no per-row adapter")
     ok, why = compiler_available(device)
     if mode == "on":
         if not ok:

@@ -71,6 +71,7 @@ from inference_svc.grpc_service.wire_guard import (
 from inference_svc.lifecycle import Lifecycle
 from inference_svc.metrics import ServiceMetrics
 from inference_svc.proto_convert import (
+    lora_adapters_to_proto,
     model_info_to_proto,
     n_from_proto,
     prompt_from_proto,
@@ -193,7 +194,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[RequestOutput]:
         engine = self._engine()
         prompt = prompt_from_proto(request)
-        sampling = sampling_from_proto(request.sampling)
+        sampling = sampling_from_proto(request.sampling, request.lora_name)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         n = n_from_proto(request.sampling)
@@ -274,10 +275,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             engine = self._engine()
             owner = self._owner
-            return model_info_to_proto(
+            info = model_info_to_proto(
                 engine.info, owner.settings.max_request_bytes, owner.settings.model_name, owner.http_port,
                 owner.metrics_port,
             )  # fmt: skip
+            adapters, info.max_loras = lora_adapters_to_proto(engine.engine.lora)
+            info.lora_adapters.extend(adapters)
+            return info
         except Exception as exc:
             await self._fail(context, exc)
             raise

@@ -8,6 +8,9 @@ Contract:
   server's `Lifecycle` is SERVING, else 503 with its state: loading, draining, stopped or broken) and
   `GET /metrics` (the service's registry, served here only when this API listens on
   the same interface as the metrics server: `--metrics-host` decides who may read metrics, whichever port).
+- LoRA (`openai_api.lora_routes`): a request's `model` may name a loaded adapter (its output's `model` echoes it);
+  `/v1/models` lists the adapters with `parent` the base; `POST /v1/load_lora_adapter` and
+  `/v1/unload_lora_adapter` load and unload them at run time. Embeddings come from the base model only.
 - Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with the HTTP status of
   `inference_svc.status` (the table the gRPC codes come from); `code` is the gRPC status name, so an error reads
   the same over both protocols.
@@ -67,6 +70,7 @@ from inference_svc.lifecycle import State
 from inference_svc.openai_api.chat import CHAT_NAMES, chat_ids, chat_response
 from inference_svc.openai_api.completions import COMPLETION_NAMES, completion_response
 from inference_svc.openai_api.handling import ApiOptions, Handler, Owner, error_json, log
+from inference_svc.openai_api.lora_routes import adapter_card, adapter_cards, lora_routes
 from inference_svc.openai_api.protocol import DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 
 
@@ -83,6 +87,7 @@ def build_app(owner: Owner, options: ApiOptions) -> Any:
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
+        *lora_routes(api),
     ]
 
     async def internal(request: Request, exc: Exception) -> Response:  # a failure no route turned into an error
@@ -144,19 +149,22 @@ class _Api(Handler):
             return self._error(exc, record)
         finally:
             self.owner.access_log.finish(record)
-        return JSONResponse({"object": "list", "data": [self._card()]})
+        cards = [self._card(), *adapter_cards(self.owner.engine, self.options.model_name, self.created)]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
         """OpenAI's `GET /v1/models/{model}`: the served model's card, or 404 (`param` "model") for another id."""
         record = self._record(request)
         try:
             self._authorize(request)
-            self.check_model(request.path_params["model_id"])
+            adapter = self.check_model(request.path_params["model_id"])
+            base = self.options.model_name
+            card = self._card() if adapter is None else adapter_card(self.owner.engine, base, self.created, adapter)
         except Exception as exc:
             return self._error(exc, record)
         finally:
             self.owner.access_log.finish(record)
-        return JSONResponse(self._card())
+        return JSONResponse(card)
 
     def _card(self) -> dict[str, Any]:
         card = {"id": self.options.model_name, "object": "model", "created": self.created, "owned_by": "tandem"}
@@ -185,7 +193,8 @@ class _Api(Handler):
 
     async def _embeddings(self, engine: AsyncEngine, body: Any, record: RequestRecord) -> Response:
         req: EmbeddingRequest = self.parse_body(EmbeddingRequest, body)
-        self.check_model(req.model)
+        if self.check_model(req.model) is not None:
+            raise InvalidRequestError("model", f"'{req.model}' is a LoRA adapter; embeddings come from the base model")
         vectors, record.tokens_in = await embed(engine, req.inputs(), self.options.pooling, req.dimensions, "input")
         data = []
         for i, row in enumerate(vectors):

@@ -55,8 +55,9 @@ async def chat_response(
 ) -> Response:
     """`POST /v1/chat/completions`: the messages rendered, the request admitted whole, answered whole or streamed."""
     req: ChatCompletionRequest = api.parse_body(ChatCompletionRequest, body)
-    api.check_model(req.model)
+    adapter = api.check_model(req.model)
     sampling = req.to_sampling(engine.engine.config.max_new_tokens_limit)
+    sampling = dataclasses.replace(sampling, lora_name=adapter)
     tools, tool_mode, forced = req.tool_setup()
     parser = api.options.tool_call_parser
     if tool_mode != "none":
@@ -76,7 +77,7 @@ async def chat_response(
     tok = engine.engine.tokenizer
     deadline = None if req.timeout is None else time.monotonic() + req.timeout
     outputs = engine.generate_many([ids], sampling, request_id=rid, deadline=deadline, n=req.n)
-    view = ChatView(rid, api.options.model_name, record.created, req, len(ids), tok,
+    view = ChatView(rid, adapter or api.options.model_name, record.created, req, len(ids), tok,
                      parser if tool_mode != "none" else None)  # fmt: skip
     view.reasoning = api.options.reasoning_parser
     if req.stream:

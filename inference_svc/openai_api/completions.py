@@ -12,6 +12,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -43,8 +44,8 @@ async def completion_response(
 ) -> Response:
     """`POST /v1/completions`: the request's prompts admitted whole, answered whole or streamed."""
     req: CompletionRequest = api.parse_body(CompletionRequest, body)
-    api.check_model(req.model)
-    sampling = req.to_sampling(16)
+    adapter = api.check_model(req.model)
+    sampling = dataclasses.replace(req.to_sampling(16), lora_name=adapter)
     rid = record.request_id = new_request_id(request, "cmpl")
     texts = req.prompts()
     if len(texts) > 1 and "x-request-id" in request.headers:
@@ -62,7 +63,7 @@ async def completion_response(
     deadline = None if req.timeout is None else time.monotonic() + req.timeout
     outputs = engine.generate_many(prompts, sampling, request_id=rid, deadline=deadline, n=req.n)  # whole or none
     echo_text = [tok.decode(ids, skip_special_tokens=False) if req.echo else "" for ids in prompts]
-    view = CompletionView(rid, api.options.model_name, record.created, req, prompts, echo_text, tok)
+    view = CompletionView(rid, adapter or api.options.model_name, record.created, req, prompts, echo_text, tok)
     if req.stream:
         return await api.stream(
             request, outputs, view.chunk, view.usage_chunk, req.include_usage, record, COMPLETION_NAMES

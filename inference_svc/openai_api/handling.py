@@ -41,13 +41,13 @@ from inference_svc.errors import (
     ClientGoneError,
     EngineStoppedError,
     InvalidRequestError,
-    ModelNotFoundError,
     RequestTimeoutError,
     RequestTooLargeError,
 )
 from inference_svc.lifecycle import Lifecycle
 from inference_svc.metrics import ServiceMetrics
 from inference_svc.openai_api import json_body
+from inference_svc.openai_api.lora_routes import resolve_model
 from inference_svc.openai_api.protocol import parse
 from inference_svc.openai_api.request_policy import RequestPolicy
 from inference_svc.status import status_of
@@ -182,11 +182,9 @@ class Handler:
             ) from None
         return json_body.load(raw)
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.options.model_name:
-            raise ModelNotFoundError(
-                f"the model '{name}' does not exist here; this server serves '{self.options.model_name}'"
-            )
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter `name` picks (None: the base model); 404 naming `model` for a name not served."""
+        return resolve_model(name, self.options.model_name, self.owner.engine)
 
     async def handle(
         self,

@@ -120,7 +120,7 @@ class _Events:
         self.cached: dict[int, tuple[int, ...]] = {}
         self.log: list[str] = []
 
-    def stored(self, h: int, parent: int | None, tokens: tuple[int, ...]) -> None:
+    def stored(self, h: int, parent: int | None, tokens: tuple[int, ...], salt: int = 0) -> None:
         assert h not in self.cached
         self.cached[h] = tokens
         self.log.append("stored")

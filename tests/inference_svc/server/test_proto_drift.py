@@ -38,7 +38,9 @@ def test_field_numbers_are_stable() -> None:
     def numbers(msg) -> dict[str, int]:
         return {f.name: f.number for f in msg.DESCRIPTOR.fields}
 
-    assert numbers(pb.GenerateRequest) == {"request_id": 1, "prompt": 2, "prompt_token_ids": 3, "sampling": 4}
+    assert numbers(pb.GenerateRequest) == {
+        "request_id": 1, "prompt": 2, "prompt_token_ids": 3, "sampling": 4, "lora_name": 5,
+    }  # fmt: skip
     assert numbers(pb.SamplingParams) == {
         "max_new_tokens": 1, "temperature": 2, "top_k": 3, "top_p": 4, "min_p": 5, "seed": 6,
         "repetition_penalty": 7, "stop": 8, "stop_token_ids": 9, "ignore_eos": 10, "logprobs": 11,
@@ -68,6 +70,8 @@ def test_field_numbers_are_stable() -> None:
     assert numbers(pb.ModelInfo)["kv_cache_dtype"] == 14
     assert numbers(pb.MemoryLedger)["kv_bytes_per_block"] == 8
     assert numbers(pb.ModelInfo)["draft_model"] == 15
+    assert numbers(pb.ModelInfo)["lora_adapters"] == 19 and numbers(pb.ModelInfo)["max_loras"] == 20
+    assert numbers(pb.LoraAdapter) == {"name": 1, "path": 2, "rank": 3}
     draft = {k: v for k, v in numbers(pb.MemoryLedger).items() if k.startswith("draft_")}
     assert draft == {"draft_kv_bytes_per_block": 9, "draft_kv_cache_bytes": 10, "draft_weight_bytes": 11}
     assert dict(pb.FinishReason.items()) == {
