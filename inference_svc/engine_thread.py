@@ -17,7 +17,7 @@ Contract:
   regions ("throttled" spinning: about 100 spins, then a futex sleep), so each of the hundreds of parallel regions
   of a decode step waits for its workers to wake. A model loaded on one live thread (the event loop's default
   executor) and stepped on another thus decoded several times slower (`benchmarks/engine_thread.py`; the figures
-  are in docs/benchmarks.md §7).
+  are in docs/benchmarks.md §14).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Contract:
   `Sampler.draw` (argmax for a greedy row) in one call, the same tokens as that torch path (the sampler's tests hold
   it to them). Lists, not tensors: building five small tensors cost more than the call.
 - Why: torch's CPU sort of a row of logits was most of a sampled decode step's sampling time (figures:
-  docs/benchmarks.md §7, "Sampling without a sort").
+  docs/benchmarks-archive.md §7, "Sampling without a sort").
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ Contract:
   A matcher that has accepted a stop token allows only stop tokens afterwards (`ignore_eos`).
 - `apply_bitmask(logits, bitmask)` sets logits of disallowed tokens to -inf in a copy: one pass over [S, V]
   (xgrammar's CPU kernel; torch's unpack-and-fill elsewhere, the same values).
-- Which engine, and why: docs/benchmarks.md ("Grammar engine").
+- Which engine, and why: docs/benchmarks.md §20 ("Which engine").
 """
 
 from __future__ import annotations

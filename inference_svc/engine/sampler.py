@@ -20,7 +20,7 @@ Contract:
 - On the CPU (fp32 logits, where the kernels are built), a batch whose rows are not all greedy and that has no
   penalties, biases, min_tokens or grammar is sampled by one C++ call (`cpu_sampling.sample_rows`): the same ATen
   operations for the probabilities, the same threshold and the same draw, so the same tokens as the torch path (tested),
-  without a Python call per operation (its cost: docs/benchmarks.md §7, "Sampling without a sort"). Every other
+  without a Python call per operation (its cost: docs/benchmarks-archive.md §7, "Sampling without a sort"). Every other
   batch takes the torch path.
 - No valid parameter overflows: penalized logits are clamped to the finite float range, and temperature divides
   `logits - rowmax` (all <= 0) and is floored at fp32's smallest normal number, so a temperature of 1e-38 (or
