@@ -5,7 +5,7 @@ Contract:
   (`$TORCH_EXTENSIONS_DIR`, else torch's default, with its per-Python/device folder) that is older than `max_age_s`
   (default `STALE_LOCK_S`), logs each removal, and returns the removed paths. A missing root is no error.
 - Why: torch's builder waits without a bound on that file. A process killed while DeepSpeed built an op left it
-  behind, and every later `tandem train` on the machine hung in DeepSpeed's init: on 2026-12-03 a test run killed
+  behind, and every later `tandem train` on the machine hung in DeepSpeed's init: a test run killed
   during the `deepspeed_shm_comm` build made the next one's training time out after 300 s. A build takes a minute or
   two on 2 cores, so a lock older than `STALE_LOCK_S` has no live owner. `ZeroStrategy.setup_environment` calls it
   before DeepSpeed builds anything.

@@ -8,14 +8,17 @@ Contract:
   another order); the tests hold the kernel to it.
 - It is the C++ operator `torch.ops.tandem.int8_gemv(x, q, scales, group)` (x and scales in fp32 or
   bf16, the result in x's dtype), with a fake kernel for tracing: a compiled decode step calls it through the
-  dispatcher, with no Python wrapper (that wrapper cost about 20 µs a call, 49 calls a step).
+  dispatcher, with no Python wrapper (a wrapper's cost a call, paid once per quantized layer and step, was most of
+  the difference between the kernel alone and in a step; measured: docs/benchmarks-archive.md §7, "Where a served
+  int8 token goes").
 - `available()`: True when this machine can run it: Tandem's native library (`tandem_native`) is built (x86-64
   Linux with AVX-512 VNNI, a C++ compiler and ninja). Whether a layer uses it is its builder's choice
   (`shared_model.quantize`'s `row_kernels`); otherwise it runs torch's `_weight_int8pack_mm`.
 - Only rows whose length K is a multiple of 64 qualify (`activation_group(K)` is None otherwise).
-- Why: torch's `_weight_int8pack_mm` converts every weight to fp32 and multiplies there. On the 2-core VM
-  (`benchmarks/gemv_probe.py`) this kernel, which multiplies bytes, was 1.47–1.52x faster: 23.7 against 16.2
-  GB/s, and 15.6 against 10.2 GB/s on a set larger than the caches (docs/benchmarks.md §7).
+- Why: torch's `_weight_int8pack_mm` converts every weight to fp32 and multiplies there; this kernel multiplies
+  bytes and reads more weight bytes a second, on sets that fit the caches and on sets larger than them
+  (`benchmarks/gemv_probe.py`; measured: docs/benchmarks.md §15 and docs/benchmarks-archive.md §7, "An int8 × int8
+  GEMV with AVX-512 VNNI").
 - A row holding NaN or Inf gives NaN outputs (its groups' scales are NaN), as a float product would.
 """
 
