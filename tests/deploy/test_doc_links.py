@@ -63,3 +63,25 @@ def test_relative_links_resolve(doc: Path):
             if anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
                 broken.append(f"{target}: no heading with that anchor in {dest.relative_to(REPO)}")
     assert not broken, f"{doc.relative_to(REPO)}: " + "; ".join(broken)
+
+
+SECTION_REF = re.compile(r"(docs/)?(benchmarks(?:-archive)?\.md),? §(\d+)")
+SOURCES = ("README.md", "docs", "benchmarks", "inference_svc", "shared_model", "lt_plugins", "tandem_native", "scripts")
+
+
+def _numbered_sections(doc: Path) -> set[str]:
+    return set(re.findall(r"^## (\d+)\. ", doc.read_text(), flags=re.MULTILINE))
+
+
+def test_section_references_to_the_benchmarks_docs_name_existing_sections():
+    """'docs/benchmarks.md §N' (and the archive's) in docs and docstrings names a numbered section of that file."""
+    sections = {name: _numbered_sections(REPO / "docs" / name) for name in ("benchmarks.md", "benchmarks-archive.md")}
+    broken = []
+    for root in SOURCES:
+        base = REPO / root
+        files = [base] if base.is_file() else [*base.rglob("*.py"), *base.rglob("*.md")]
+        for f in files:
+            for _, name, number in SECTION_REF.findall(f.read_text(errors="replace")):
+                if number not in sections[name]:
+                    broken.append(f"{f.relative_to(REPO)}: {name} §{number}")
+    assert not broken, "no such section: " + "; ".join(broken)
