@@ -529,7 +529,6 @@ def main(argv: Sequence[str]) -> int:
                 "max_tokens": args.eval_tokens,
                 "windows": len(windows),
             },
-            "not_yet_serve_options": ["K/V-cache dtype", "speculative decoding"],
             "wall_s": round(time.perf_counter() - t0, 3),
         },
         "configs": entries,
