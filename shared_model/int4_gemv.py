@@ -24,11 +24,10 @@ Contract:
   that group size (a multiple of 32, and the kernels built).
 - Whether int4 layers use it is their builder's choice (`shared_model.quantize`'s `row_kernels`, which serving takes
   from `EngineConfig.int4_kernel`).
-- Why: torch's `_weight_int4pack_mm_for_cpu` converts the weights to floats and multiplies there, and read its
-  int4 bytes at 11.7-14.3 GB/s on the 2-core VM, where llama.cpp's Q4_0 decode multiplies bytes
-  (docs/benchmarks.md §7). This kernel's first layout (one row's groups of 64 inputs per vector, a shuffle and
-  a conversion per group) was no faster than torch's in a compiled step; the lane-per-group layout reads the
-  82M model's 48 int4 matrices in 1.8-2.2 ms against torch's 3.7-4.2 (2 threads, docs/benchmarks.md §7).
+- Why: torch's `_weight_int4pack_mm_for_cpu` converts the weights to floats and multiplies there, where
+  llama.cpp's Q4_0 decode multiplies bytes. This kernel's first layout (one row's groups of 64 inputs per vector,
+  a shuffle and a conversion per group) was no faster than torch's in a compiled step; the lane-per-group layout
+  reads the int4 bytes about twice as fast (figures: docs/benchmarks-archive.md §7).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ Contract:
   rounding, so it is exactly the matrix the kernel multiplies by, up to the kernel's accumulation order.
 - `QuantizedLinear(x)` = x @ Wᵀ (+ bias) for x [..., in], computed in bf16 (or fp16 when the model is fp16) and
   returned in x's dtype: torch's CPU kernels are vectorized for 16-bit activations only (fp32 activations take a
-  scalar path 10x slower), and the weight's rounding dominates the activation's anyway.
+  scalar path, several times slower), and the weight's rounding dominates the activation's anyway.
   - One row of int8 on a CPU with AVX-512 VNNI (a batch-1 decode step; `int8_row_kernel`):
     `shared_model.int8_gemv`, which also rounds the activation row to int8, in groups of up to 256 inputs with
     one scale each, and multiplies bytes by bytes, as llama.cpp's Q8_0 does. So on such CPUs an int8 layer's
@@ -67,9 +67,9 @@ from shared_model.model import CausalLM
 from shared_model.serving_model import TILE_MAX_ROWS, ServingDecoder, fuse_projections
 
 PACKED_MAX_ROWS = 4
-"""Rows up to which the packed kernels beat dequantize-then-GEMM. Their time grows with every row: on one 4096 x 768
-int8 matrix, 2 threads, 268 / 503 / 1,988 us at 1 / 4 / 16 rows, against 585 / 633 / 619 us for the dense bf16
-GEMM (2026-12-01, a loaded machine: the ratios, not the times)."""
+"""Rows up to which torch's packed kernels beat dequantize-then-GEMM: their time grows with every row, the GEMM's
+hardly (docs/benchmarks-archive.md, "Figures moved out of docstrings"). Where the AMX tiles run, int8 takes them
+from 2 rows instead."""
 _INT4_ROWS_MULTIPLE = 16  # the CPU packing tiles output rows by 16
 
 
@@ -226,10 +226,10 @@ class QuantizedLinear(nn.Module):
         rows = x2.shape[0]
         if self._row_kernel and self.kind == "int8" and rows == 1:
             y = torch.ops.tandem.int8_gemv(x2[0], self.qweight, self.scales, self._group)[None]  # [1, N]
-        elif self._tile_kernel and rows <= TILE_MAX_ROWS:
-            y = torch.ops.tandem.tile_gemm_int8(x2, self.qweight, self.scales)  # [M, N]
         elif self._row_kernel and self.kind == "int4" and rows <= int4_gemv.MAX_ROWS:
             y = torch.ops.tandem.int4_gemv(x2, self.qweight, self.scales_and_zeros, self.group_size)  # [M, N]
+        elif self._tile_kernel and rows <= TILE_MAX_ROWS:
+            y = torch.ops.tandem.tile_gemm_int8(x2, self.qweight, self.scales)  # [M, N]
         elif rows <= PACKED_MAX_ROWS and not (self._row_kernel and self.kind == "int4"):  # no torch layout then
             y = self._packed(x2)
         elif self.kind == "int8" or self._int4_block_rows or self._row_kernel or self.qweight.device.type == "cuda":

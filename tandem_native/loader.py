@@ -10,16 +10,17 @@ Contract:
 - Once loaded, the operators exist (`torch.ops.tandem.*`), each with a fake kernel for tracing registered here, so
   a compiled step calls them through the dispatcher with no Python wrapper: `int8_gemv` (`shared_model.int8_gemv`),
   `int4_gemv` and `int4_dequantize` (`shared_model.int4_gemv`), `row_gemm` and `tile_gemm`
-  (`shared_model.serving_model`), `tile_gemm_int8` (`shared_model.quantize`) and `paged_attention`
-  (`inference_svc.attention.native_cpu`). The module's own functions (`decode_attention`, `store_kv`, `decode_step`,
-  the graph binding calls, `truncation_thresholds`, `sample_rows`, `int8_gemv`, `tile_gemm_ready`) are called from
-  Python directly.
+  (`shared_model.serving_model`), `tile_gemm_int8` (`shared_model.quantize`) and
+  `paged_attention` (`inference_svc.attention.native_cpu`). The module's own functions (`decode_attention`,
+  `store_kv`, `decode_step`, the graph binding calls, `truncation_thresholds`, `sample_rows`, `int8_gemv`,
+  `tile_gemm_ready`) are called from Python directly.
 - The build: torch's extension builder compiles `SOURCES` with `FLAGS` in `~/.cache/tandem/native/<hash>/`, the
-  hash covering the sources' names and text, the flags, torch's and Python's versions and the compiler. The sources
-  are copied there first and built from the copies, so every clone of the same commit shares one build (a fresh
-  clone's bootstrap loads it in about a second). A build lock left by a process killed mid-build is removed after
-  `STALE_LOCK_S` (torch's builder would wait on it forever). `python -m tandem_native` (and `tandem build-kernels`)
-  builds it ahead of the first start; `scripts/bootstrap.sh` and the inference image run it.
+  hash covering the sources' and `HEADERS`' names and text, the flags, torch's and Python's versions and the
+  compiler. The sources are copied there first and built from the copies, so every clone of the same commit
+  shares one build (a fresh clone's bootstrap loads it in about a second). A build lock left by a process killed
+  mid-build is removed after `STALE_LOCK_S` (torch's builder would wait on it forever). `python -m tandem_native`
+  (and `tandem build-kernels`) builds it ahead of the first start; `scripts/bootstrap.sh` and the inference image
+  run it.
 - This package imports neither `shared_model` nor `inference_svc`: both import it.
 """
 
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 NAME = "tandem_native"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
+"""Included by the sources: copied beside them and part of the build's hash."""
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-fopenmp"]
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 STALE_LOCK_S = 600.0
@@ -109,7 +112,7 @@ def tiles() -> bool:
 def build_dir() -> Path:
     """The cache folder of this build: a hash of everything the build depends on, not of where the sources are."""
     compiler = shutil.which(os.environ.get("CXX", "c++")) or "none"
-    key = [NAME, *(f"{s.name}\0{s.read_text()}" for s in SOURCES), *FLAGS, torch.__version__, sys.version]
+    key = [NAME, *(f"{s.name}\0{s.read_text()}" for s in (*SOURCES, *HEADERS)), *FLAGS, torch.__version__, sys.version]
     key.append(os.path.realpath(compiler))
     return CACHE / hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
 
@@ -143,7 +146,7 @@ def _compile(build: Path) -> Any | None:
         return None
     src = build / "src"
     src.mkdir(parents=True, exist_ok=True)
-    for s in SOURCES:  # the build file then names the cache's paths only: any clone of the commit shares the build
+    for s in (*SOURCES, *HEADERS):  # the build file names the cache's paths only: any clone of the commit shares it
         if not (src / s.name).is_file() or (src / s.name).read_text() != s.read_text():
             shutil.copyfile(s, src / s.name)
     _drop_stale_lock(build / "lock")

@@ -290,37 +290,39 @@ inline void store16(at::BFloat16* p, __m512 v) {
 // then a sum: no fused multiply-add, so that it is bitwise int4_gemv.py's `dequantize` rounded to that dtype), for
 // calls of more rows than kMaxRows (prefill chunks), which multiply it by the dense GEMM. Blocks are split over
 // torch's intra-op threads.
+// Block b's rows (block_rows of them) of that weight, into out (row b * block_rows + p at out + p * K).
 template <typename S>
-void dequantize_blocks(const uint8_t* codes, const S* sz, S* out, int64_t n, const Shape& sh) {
+void dequantize_block(const uint8_t* codes, const S* sz, S* out, int64_t n, const Shape& sh, int64_t b) {
   const int64_t block_bytes = sh.block_rows * sh.k / 2, half = sh.group / 2;
   const S* zeros = sz + n * sh.groups;
-  at::parallel_for(0, n / sh.block_rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* block = codes + b * block_bytes;
-      for (int64_t f = 0; f < sh.tiles * kLanes; ++f) {  // lane f % 16 of tile f / 16: (row p, group g)
-        const int64_t p = f / sh.groups, g = f % sh.groups, row = b * sh.block_rows + p;
-        const __m512 s = _mm512_set1_ps(static_cast<float>(sz[row * sh.groups + g]));
-        const __m512 z = _mm512_set1_ps(static_cast<float>(zeros[row * sh.groups + g]));
-        const __m512 eight = _mm512_set1_ps(8.f);
-        alignas(64) uint8_t bytes[256];  // the group's codes in input order
-        const uint8_t* lane = block + (f / kLanes) * sh.steps * 64 + (f % kLanes) * 4;
-        for (int64_t j = 0; j < sh.steps; ++j) {
-          for (int e = 0; e < 4; ++e) {
-            const uint8_t c = lane[j * 64 + e];
-            bytes[4 * j + e] = c & 15;
-            bytes[half + 4 * j + e] = c >> 4;
-          }
-        }
-        S* dst = out + row * sh.k + g * sh.group;
-        for (int64_t i = 0; i < sh.group; i += 16) {
-          const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + i));
-          const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q8));
-          __m512 product = _mm512_mul_ps(_mm512_sub_ps(q, eight), s);
-          asm("" : "+v"(product));  // keeps the compiler from fusing the product and the sum into one FMA
-          store16(dst + i, _mm512_add_ps(product, z));
-        }
+  const uint8_t* block = codes + b * block_bytes;
+  for (int64_t f = 0; f < sh.tiles * kLanes; ++f) {  // lane f % 16 of tile f / 16: (row p, group g)
+    const int64_t p = f / sh.groups, g = f % sh.groups, row = b * sh.block_rows + p;
+    const __m512 s = _mm512_set1_ps(static_cast<float>(sz[row * sh.groups + g]));
+    const __m512 z = _mm512_set1_ps(static_cast<float>(zeros[row * sh.groups + g]));
+    const __m512 eight = _mm512_set1_ps(8.f);
+    const uint8_t* lane = block + (f / kLanes) * sh.steps * 64 + (f % kLanes) * 4;
+    S* dst = out + p * sh.k + g * sh.group;
+    // Four steps at a time: their 4 bytes of this lane (one gather, 64 bytes apart) hold the group's inputs
+    // 4j..4j+15 in their low nibbles and half + 4j..+15 in their high nibbles, in input order.
+    const __m128i stride = _mm_setr_epi32(0, 64, 128, 192), nibble = _mm_set1_epi8(15);
+    for (int64_t j = 0; j < sh.steps; j += 4) {
+      const __m128i bytes = _mm_i32gather_epi32(reinterpret_cast<const int*>(lane + j * 64), stride, 1);
+      const __m128i codes[2] = {_mm_and_si128(bytes, nibble), _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)};
+      for (int h = 0; h < 2; ++h) {
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes[h]));
+        __m512 product = _mm512_mul_ps(_mm512_sub_ps(q, eight), s);
+        asm("" : "+v"(product));  // keeps the compiler from fusing the product and the sum into one FMA
+        store16(dst + h * half + 4 * j, _mm512_add_ps(product, z));
       }
     }
+  }
+}
+
+template <typename S>
+void dequantize_blocks(const uint8_t* codes, const S* sz, S* out, int64_t n, const Shape& sh) {
+  at::parallel_for(0, n / sh.block_rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) dequantize_block(codes, sz, out + b * sh.block_rows * sh.k, n, sh, b);
   });
 }
 

@@ -4,8 +4,8 @@
 // xq = nearbyint(x * (1 / s_g)), as shared_model/int8_gemv.py's reference does); each group's int8 dot products
 // run on vpdpbusd (unsigned x signed bytes: |xq| times w with xq's sign moved onto w), are summed in int32 over
 // the group (at most 256 products of |127| x |127|: no overflow), then scaled in fp32. Eight weight rows share
-// each load of the activation's bytes, while the next eight are prefetched (28 -> 38 GB/s, one row of 3072 x 768
-// weights on 2 threads, benchmarks/gemv_probe.py). Rows are split over torch's intra-op threads.
+// each load of the activation's bytes, while the next eight are prefetched (measured with benchmarks/gemv_probe.py:
+// docs/benchmarks-archive.md §7). Rows are split over torch's intra-op threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -128,7 +128,7 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& w, const to
 
 }  // namespace
 
-// A C++ operator, so that a step calls it through the dispatcher without a Python wrapper (about 20 us a call);
+// A C++ operator, so that a step calls it through the dispatcher without a Python wrapper's cost per call;
 // its fake kernel for tracing is registered from Python (tandem_native/loader.py).
 TORCH_LIBRARY_FRAGMENT(tandem, m) { m.def("int8_gemv(Tensor x, Tensor w, Tensor scales, int group) -> Tensor"); }
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("int8_gemv", &int8_gemv); }

@@ -11,7 +11,7 @@
 //   same rule with a sort; the tests hold this kernel to it.
 // Selection instead of a sort: top-k and top-p are each a radix select over the values' bits (histograms of
 // counts for top-k and of masses for top-p, in double; two passes over the row). torch's CPU sort of one row of
-// 8,192 logits took about 0.5 ms (2026-12-02), most of a sampled decode step's sampling time.
+// 8,192 logits took most of a sampled decode step's sampling time (docs/benchmarks-archive.md §7).
 // `truncation_thresholds` splits rows over torch's intra-op threads; `sample_rows` (a decode step's few rows) runs
 // on the calling thread, apart from the ATen operations it calls.
 #include <torch/extension.h>

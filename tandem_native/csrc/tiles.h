@@ -1,0 +1,201 @@
+// AMX-BF16 tile products for the kernels that multiply activation rows by a weight on tiles (row_gemm.cpp's tile_gemm
+// and tile_gemm_int8): y[m, n] = sum_k x[m, k] * w[n, k], x bf16.
+//
+// 16 weight rows x 32 columns are one tile (bf16; int8 codes are widened exactly on their way in; a `source` may also
+// make a tile's rows in a scratch buffer), up to 64 activation rows four more, and the products accumulate in
+// fp32 tiles, 32 columns per instruction in the hardware's fixed order. Each output comes from its own weight row
+// and activation row alone, in the same order at any row count, so a row's bits never depend on how many rows share
+// the call. The weight is read once for all the rows. `amx_bf16_ready()` says whether this process may use the tiles
+// (asked of the CPU, the OS and Linux once).
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cpuid.h>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace tandem_tiles {
+
+constexpr int64_t kTile = 16;      // weight rows of a tile, activation rows of a tile
+constexpr int64_t kChunk = 32;     // bf16 columns of one tile row (64 bytes)
+constexpr int64_t kMaxBlocks = 4;  // activation tiles per pass over the weight (accumulators 0..3)
+
+// Whether this process may use AMX-BF16: the CPU has it (CPUID 7.0 EDX bits 22 and 24; and AVX512_BF16), the OS saves its state
+// (XCR0 bits 17 and 18) and Linux granted the tile data permission (arch_prctl ARCH_REQ_XCOMP_PERM).
+inline bool amx_bf16_ready() {
+  static const bool ready = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;  // AVX512_BF16 (the stores)
+    if (!__get_cpuid_count(1, 0, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+    unsigned lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return false;
+    constexpr long kReqPerm = 0x1023, kTileData = 18;
+    return syscall(SYS_arch_prctl, kReqPerm, kTileData) == 0;
+  }();
+  return ready;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: fp32 accumulators [16 weight rows, 16 activation rows]; 4: weight rows [16, 32 bf16];
+// 5: activation columns in pairs [16 column pairs, 16 rows x 2 bf16].
+__attribute__((target("amx-tile,amx-bf16"))) inline void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 6; ++t) cfg.rows[t] = kTile, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// 16 int8 weight rows x 32 columns (row stride k bytes) -> bf16 [16, 32] in `out` (exact: every int8 is a bf16).
+__attribute__((target("avx512f,avx512bw"))) inline void widen_int8(const int8_t* w, int64_t k, uint16_t* out) {
+  for (int64_t i = 0; i < kTile; ++i) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * k));
+    for (int h = 0; h < 2; ++h) {
+      const __m128i half = h == 0 ? _mm256_castsi256_si128(bytes) : _mm256_extracti128_si256(bytes, 1);
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(half));  // exact
+      const __m256i b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16));  // bf16 = high half
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out + i * kChunk + h * 16), b);
+    }
+  }
+}
+
+// One pass: weight rows w[0..16) (bf16, or int8 widened on the fly) times BLOCKS tiles of packed activations;
+// acc[b] gets [16, 16] fp32 (row-major).
+template <int BLOCKS, typename W>
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) inline void tile_pass(const W* w, const W* next,
+                                                                                      const uint16_t* xv, int64_t k,
+                                                                                      int64_t block_stride,
+                                                                                      float* acc) {
+  alignas(64) uint16_t widened[kTile * kChunk];
+  _tile_zero(0);
+  if (BLOCKS > 1) {
+    _tile_zero(1);
+  }
+  if (BLOCKS > 2) {
+    _tile_zero(2);
+  }
+  if (BLOCKS > 3) {
+    _tile_zero(3);
+  }
+  for (int64_t c = 0; c < k; c += kChunk) {
+    if (next != nullptr)  // the next tile's rows, one cache line each per chunk (a prefetch never faults)
+      for (int64_t i = 0; i < kTile; ++i) _mm_prefetch(reinterpret_cast<const char*>(next + i * k + c), _MM_HINT_T0);
+    if constexpr (sizeof(W) == 1) {
+      widen_int8(reinterpret_cast<const int8_t*>(w) + c, k, widened);
+      _tile_loadd(4, widened, 64);
+    } else {
+      _tile_loadd(4, w + c, k * 2);
+    }
+    const uint16_t* xb = xv + c * kTile;  // the chunk's 16 column pairs x 16 rows x 2
+    _tile_loadd(5, xb, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if (BLOCKS > 1) {
+      _tile_loadd(5, xb + block_stride, 64);
+      _tile_dpbf16ps(1, 4, 5);
+    }
+    if (BLOCKS > 2) {
+      _tile_loadd(5, xb + 2 * block_stride, 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if (BLOCKS > 3) {
+      _tile_loadd(5, xb + 3 * block_stride, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, acc, 64);
+  if (BLOCKS > 1) {
+    _tile_stored(1, acc + 256, 64);
+  }
+  if (BLOCKS > 2) {
+    _tile_stored(2, acc + 512, 64);
+  }
+  if (BLOCKS > 3) {
+    _tile_stored(3, acc + 768, 64);
+  }
+}
+
+// y[0..16) = column j of a [16, 16] fp32 accumulator (acc points at its element [0, j]), times the weight rows'
+// scales where given, rounded to bf16 (nearest even).
+__attribute__((target("avx512f,avx512bf16"))) inline void store_column(const float* acc, const float* scale,
+                                                                        uint16_t* y) {
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(kTile));
+  __m512 v = _mm512_i32gather_ps(rows, acc, 4);
+  if (scale != nullptr) v = _mm512_mul_ps(v, _mm512_loadu_ps(scale));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// A weight stored as [N, K] rows of W (bf16 bits or int8): tile t is rows 16t..16t+15, read in place.
+template <typename W>
+struct StoredRows {
+  const W* w;
+  int64_t k;
+  const W* rows(int64_t t, W* /*scratch*/) const { return w + t * kTile * k; }
+  const W* next(int64_t t, int64_t end) const { return t + 1 < end ? w + (t + 1) * kTile * k : nullptr; }
+};
+
+// Weight tiles [begin, end) of run_amx, on this thread's tiles. `source.rows(t, scratch)` gives tile t's 16 rows
+// (scratch: room for 16 x K of W, for sources that make them); `source.next(t, end)` the next tile's rows to
+// prefetch, or nullptr.
+template <typename W, typename Source>
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void amx_tiles(
+    const uint16_t* xv, const Source& source, const float* scales, uint16_t* yp, int64_t m, int64_t n, int64_t k,
+    int64_t blocks, int64_t block_stride, int64_t begin, int64_t end) {
+  configure_tiles();
+  alignas(64) float acc[kMaxBlocks * 256];
+  std::vector<W> scratch(kTile * k);
+  for (int64_t t = begin; t < end; ++t) {
+    const W* w = source.rows(t, scratch.data());
+    for (int64_t b0 = 0; b0 < blocks; b0 += kMaxBlocks) {
+      const int64_t nb = std::min(kMaxBlocks, blocks - b0);
+      const uint16_t* x = xv + b0 * block_stride;
+      const W* next = b0 == 0 ? source.next(t, end) : nullptr;  // first use streams from memory
+      switch (nb) {
+        case 1: tile_pass<1>(w, next, x, k, block_stride, acc); break;
+        case 2: tile_pass<2>(w, next, x, k, block_stride, acc); break;
+        case 3: tile_pass<3>(w, next, x, k, block_stride, acc); break;
+        default: tile_pass<4>(w, next, x, k, block_stride, acc); break;
+      }
+      const float* scale = scales == nullptr ? nullptr : scales + t * kTile;
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t j = 0; j < kTile && (b0 + b) * kTile + j < m; ++j)
+          store_column(acc + b * 256 + j, scale, yp + ((b0 + b) * kTile + j) * n + t * kTile);
+    }
+  }
+  _tile_release();
+}
+
+// y[:, :n_tiles * 16] = x [M, K] W[:n_tiles * 16]^T (times `scales`, where given), bf16 bits; K a multiple of 32. W's
+// tiles come from `source` (see amx_tiles); rows past n_tiles * 16 are not touched. Tiles are split over torch's
+// intra-op threads.
+template <typename Source>
+void run_amx(const uint16_t* xp, const Source& source, const float* scales, uint16_t* yp, int64_t m, int64_t n,
+             int64_t k, int64_t n_tiles) {
+  using W = std::remove_cv_t<std::remove_pointer_t<decltype(source.rows(0, nullptr))>>;
+  // Activations in column pairs per tile of 16 rows: xv[block][k / 2][16][2], zero rows past m.
+  const int64_t blocks = (m + kTile - 1) / kTile, block_stride = k * kTile;
+  std::vector<uint16_t> xv(blocks * block_stride, 0);
+  for (int64_t r = 0; r < m; ++r) {
+    uint16_t* dst = xv.data() + (r / kTile) * block_stride + (r % kTile) * 2;
+    const uint16_t* src = xp + r * k;
+    for (int64_t p = 0; p < k / 2; ++p) dst[p * 2 * kTile] = src[2 * p], dst[p * 2 * kTile + 1] = src[2 * p + 1];
+  }
+  at::parallel_for(0, n_tiles, 4, [&](int64_t begin, int64_t end) {
+    amx_tiles<W>(xv.data(), source, scales, yp, m, n, k, blocks, block_stride, begin, end);
+  });
+}
+
+}  // namespace tandem_tiles
