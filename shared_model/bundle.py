@@ -63,6 +63,9 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 MANIFEST_FILE = "tandem_bundle.json"
 """Tandem's bundle manifest and marker: {"format": 1, "files": {name: {"bytes": n, "sha256": hex}}}, plus an
 optional "source" object (provenance: which checkpoint the folder was exported from; readers may ignore it)."""
+COMPILE_CACHE_FOLDER = "compile_cache"
+"""A bundle's compiled decode steps (`tandem warm`, `inference_svc.executor.compile_cache`): not a file of the
+manifest, and replaced with the bundle (its entries are keyed by the weights they were compiled for)."""
 MANIFEST_FORMAT = 1
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -554,7 +557,8 @@ def save_bundle(
 
 def check_bundle_target(out_dir: str | Path, overwrite: bool = False) -> None:
     """Raise BundleError unless `out_dir` may receive a bundle: it does not exist, or (with `overwrite`) it is an
-    empty folder or a Tandem bundle (regular files named in its tandem_bundle.json, and that manifest; or, for a
+    empty folder or a Tandem bundle (regular files named in its tandem_bundle.json, that manifest and a
+    `compile_cache/` folder; or, for a
     bundle written before manifests existed, config.json and only the other files of a bundle's layout)."""
     out_dir = Path(out_dir)
     if not out_dir.exists() and not out_dir.is_symlink():
@@ -577,7 +581,8 @@ def check_bundle_target(out_dir: str | Path, overwrite: bool = False) -> None:
     except BundleError as exc:
         raise BundleError(f"{refuse} its {MANIFEST_FILE} is unreadable ({exc})") from None
     for entry in entries:
-        if entry.name == MANIFEST_FILE:
+        if entry.name == MANIFEST_FILE or (entry.name == COMPILE_CACHE_FOLDER and entry.is_dir()
+                                           and not entry.is_symlink()):  # fmt: skip
             continue
         if entry.name not in listed:
             raise BundleError(f"{refuse} {entry.name} is not a file of the bundle (not in its {MANIFEST_FILE})")
