@@ -237,9 +237,9 @@ class Engine:
         if compile_step:
             key = compile_cache.cache_key(bundle.path, config, native, self.dtype)
             cache = compile_cache.open_cache(config.compile_cache, bundle.path, key)
-            cache.load()
             try:
-                self.compile_seconds = sum(self._warm_up(r) for r in (self.runner, self.draft_runner) if r is not None)
+                with cache.compiling():
+                    self.compile_seconds = sum(self._warm_up(r) for r in (self.runner, self.draft_runner) if r)
                 log.info("compiled the decode step in %.1f s", self.compile_seconds)
             except _CompileFailed as failed:
                 compile_choice = executor.compile_failed(failed.__cause__ or failed)

@@ -8,22 +8,26 @@ Contract:
   off), torch's intra-op thread count (inductor generates its CPU kernels for it), Tandem's graph code (a hash of
   the decoder's and the compiled wrapper's source), torch's and Python's versions, and the CPU (model name and
   instruction-set flags from /proc/cpuinfo). `digest(key)` names its entry.
-- An entry is a folder `<cache dir>/<digest>/` holding `manifest.json` (the key, the artifacts' SHA-256 and size)
-  and `artifacts.bin` (`torch.compiler.save_cache_artifacts()`). It is written into a temporary sibling and renamed
-  into place: a reader sees a whole entry or none.
-- `CompileCache(dirs, key)`: `load()` before the compile looks in each folder in order (a bundle's own
-  `compile_cache/`, then `--compile-cache`) and loads the first entry whose manifest holds exactly this key and
-  whose artifacts match their checksum (`torch.compiler.load_cache_artifacts` fills torch's own caches, so the
-  compile that follows finds its graphs there). Another key is a miss, never a load; a torn, corrupt or unreadable
-  entry is logged, reported in the choice and skipped, never an error. `finish()` after the compile saves this
-  process's artifacts into the writable folder (`save_dir`) when nothing was loaded, and returns the
-  `compile_cache` choice: hit (where from, and how many graphs torch then found in its caches), or miss (saved
-  where, or why not).
-- Nothing here reads an environment variable: the folder is `EngineConfig.compile_cache` ('off': no cache).
+- An entry is a folder `<cache dir>/<digest>/` holding `torch/`, a torch inductor cache folder (the FX graphs,
+  AOTAutograd entries, generated sources and their compiled libraries for this key's graphs), and `manifest.json`
+  (the key, and every file of `torch/` with its size and SHA-256). It is written into a temporary sibling and
+  renamed into place: a reader sees a whole entry or none.
+- `CompileCache(dirs, save_dir, key)`: `with cache.compiling():` around the warm-up compile. It looks in each
+  folder in order (a bundle's own `compile_cache/`, then `--compile-cache`) for an entry whose manifest holds
+  exactly this key and whose files all match it, copies its `torch/` into a private working folder, and points
+  torch's inductor caches there for the compile (so every graph is found compiled, its libraries included: no C++
+  compiler runs); without one the working folder starts empty and the compile fills it. Another key is a miss,
+  never a load; a torn, corrupt or unreadable entry is logged, reported in the choice and skipped, never an error.
+  `finish(compiled)` saves the working folder as this key's entry into `save_dir` after a miss, removes the working
+  folder (every library is loaded by then), and returns the `compile_cache` choice: hit (where from, and how many
+  graphs torch found in its caches), or miss (saved where, or why not).
+- No environment switch: the folder is `EngineConfig.compile_cache` ('off': torch's own caches only, untouched).
+  Torch's inductor cache folder is pointed at the working folder only for the compile, and put back after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -31,7 +35,7 @@ import os
 import platform
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,11 +44,11 @@ import torch
 from inference_svc.executor.plan import Choice
 from shared_model.bundle import COMPILE_CACHE_FOLDER
 
-ARTIFACTS = "artifacts.bin"
+TORCH_FOLDER = "torch"
 MANIFEST = "manifest.json"
 BUNDLE_FOLDER = COMPILE_CACHE_FOLDER
 """The folder inside a bundle where `tandem warm` writes entries (read before `--compile-cache`)."""
-FORMAT = 1
+FORMAT = 2
 _GRAPH_SOURCES = (
     "shared_model/serving_model.py",
     "shared_model/compiled.py",
@@ -129,6 +133,17 @@ def _counts() -> tuple[int, int]:
     return c["fxgraph_cache_hit"], c["fxgraph_cache_miss"] + c["fxgraph_cache_bypass"]
 
 
+def _files(folder: Path) -> dict[str, dict[str, object]]:
+    """{relative path: {bytes, sha256}} of the regular files under `folder` (torch's lock files left out)."""
+    out: dict[str, dict[str, object]] = {}
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if path.is_file() and not path.is_symlink() and not rel.startswith("locks/") and not rel.endswith(".lock"):
+            data = path.read_bytes()
+            out[rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return out
+
+
 @dataclass
 class CompileCache:
     """One engine's use of the compile cache (see the module docstring)."""
@@ -140,79 +155,105 @@ class CompileCache:
     key: dict[str, str]
     loaded_from: Path | None = None
     problems: list[str] = field(default_factory=list)
+    work: Path | None = None
+    """The private torch cache folder of this compile."""
     _before: tuple[int, int] = (0, 0)
 
     @property
     def name(self) -> str:
         return digest(self.key)
 
-    def load(self) -> bool:
-        """Load the first matching entry's artifacts into torch's caches; whether one was loaded."""
+    @contextlib.contextmanager
+    def compiling(self) -> Iterator[None]:
+        """Load a matching entry (or start empty) and point torch's inductor caches at the working folder."""
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+        if not self.dirs and self.save_dir is None:  # 'off': torch's own caches, as without Tandem's
+            yield
+            return
+        self.work = Path(tempfile.mkdtemp(prefix=f"tandem-compile-{self.name}-"))
+        self.load()
         self._before = _counts()
+        with temporary_cache_dir(str(self.work)):
+            yield
+
+    def load(self) -> bool:
+        """Copy the first matching entry's torch folder into the working folder; whether one was."""
+        assert self.work is not None
         for folder in self.dirs:
             entry = folder / self.name
-            if not (entry / MANIFEST).exists() and not (entry / ARTIFACTS).exists():
+            if not entry.exists():
                 continue
             try:
-                data = self._read(entry)
-                if data is None:
-                    continue
-                if torch.compiler.load_cache_artifacts(data) is None:  # torch logs why, and loads nothing
-                    raise ValueError("torch could not read the artifacts")
+                self._check(entry)
+                shutil.copytree(entry / TORCH_FOLDER, self.work, dirs_exist_ok=True)
             except Exception as exc:  # a corrupt entry: reported and skipped, never fatal
                 self.problems.append(f"{entry}: {type(exc).__name__}: {exc}")
                 log.warning("compile cache: ignoring the entry %s (%s: %s)", entry, type(exc).__name__, exc)
+                shutil.rmtree(self.work, ignore_errors=True)
+                self.work.mkdir()
                 continue
             self.loaded_from = entry
-            self._before = _counts()
             return True
         return False
 
-    def _read(self, entry: Path) -> bytes | None:
+    def _check(self, entry: Path) -> None:
         manifest = json.loads((entry / MANIFEST).read_text())
         if not isinstance(manifest, dict) or manifest.get("key") != self.key:
-            differ = sorted(k for k in self.key if not isinstance(manifest, dict)
-                            or manifest.get("key", {}).get(k) != self.key[k])  # fmt: skip
-            self.problems.append(f"{entry}: another key ({', '.join(differ) or 'format'} differ)")
-            return None
-        data = (entry / ARTIFACTS).read_bytes()
-        if len(data) != manifest.get("bytes") or hashlib.sha256(data).hexdigest() != manifest.get("sha256"):
-            raise ValueError(f"{ARTIFACTS} does not match its manifest (size or SHA-256): torn or corrupt")
-        return data
+            found = manifest.get("key", {}) if isinstance(manifest, dict) else {}
+            differ = sorted(k for k in self.key if not isinstance(found, dict) or found.get(k) != self.key[k])
+            raise ValueError(f"another key ({', '.join(differ) or 'format'} differ)")
+        listed = manifest.get("files")
+        if not isinstance(listed, dict) or not listed:
+            raise ValueError(f"{MANIFEST} lists no files")
+        found_files = _files(entry / TORCH_FOLDER)
+        if found_files != listed:
+            bad = sorted(set(listed) ^ set(found_files) | {n for n in listed if found_files.get(n) != listed[n]})
+            raise ValueError(f"{len(bad)} file(s) differ from the manifest (size or SHA-256), e.g. {bad[0]}: torn or "
+                             "corrupt")  # fmt: skip
 
     def finish(self, compiled: bool) -> Choice:
-        """After the warm-up compile: save on a miss, and the `compile_cache` choice."""
+        """After the warm-up compile: save on a miss, drop the working folder, and the `compile_cache` choice."""
         hits, misses = (a - b for a, b in zip(_counts(), self._before, strict=True))
         notes = f" ({'; '.join(self.problems)})" if self.problems else ""
-        if not compiled:
-            return Choice("compile_cache", "unused", f"the step was not compiled{notes}")
-        if self.loaded_from is not None:
-            anew = f", {misses} compiled anew" if misses else ""
-            return Choice("compile_cache", "hit", f"{self.name} from {self.loaded_from.parent}: {hits} graphs from "
-                          f"torch's caches{anew}{notes}")  # fmt: skip
-        if self.save_dir is None:
-            return Choice("compile_cache", "miss", f"{self.name}: no entry; not saved{notes}")
         try:
-            where = save_entry(self.save_dir, self.key)
-        except OSError as exc:
-            log.warning("compile cache: cannot save into %s (%s)", self.save_dir, exc)
-            return Choice("compile_cache", "miss", f"{self.name}: no entry; cannot save into {self.save_dir}: {exc}")
-        return Choice("compile_cache", "miss", f"{self.name}: no entry{notes}; compiled and saved to {where}")
+            if not compiled:
+                return Choice("compile_cache", "unused", f"the step was not compiled{notes}")
+            if self.loaded_from is not None:
+                anew = f", {misses} compiled anew" if misses else ""
+                return Choice("compile_cache", "hit", f"{self.name} from {self.loaded_from.parent}: {hits} graphs "
+                              f"from torch's caches{anew}{notes}")  # fmt: skip
+            if self.save_dir is None:
+                return Choice("compile_cache", "miss", f"{self.name}: no entry; not saved{notes}")
+            try:
+                assert self.work is not None
+                where = save_entry(self.save_dir, self.key, self.work)
+            except OSError as exc:
+                log.warning("compile cache: cannot save into %s (%s)", self.save_dir, exc)
+                why = f"{self.name}: no entry{notes}; cannot save into {self.save_dir}: {exc}"
+                return Choice("compile_cache", "miss", why)
+            return Choice("compile_cache", "miss", f"{self.name}: no entry{notes}; compiled and saved to {where}")
+        finally:
+            if self.work is not None:
+                shutil.rmtree(self.work, ignore_errors=True)
 
 
-def save_entry(folder: Path, key: dict[str, str]) -> Path:
-    """Write this process's compile artifacts as the entry of `key` under `folder` (atomically); its path.
-    OSError when there is nothing to save or it cannot be written."""
-    saved = torch.compiler.save_cache_artifacts()
-    if saved is None or not saved[0]:
-        raise OSError("torch recorded no compile artifacts in this process")
-    data = saved[0]
+def save_entry(folder: Path, key: dict[str, str], torch_dir: Path) -> Path:
+    """Write `torch_dir` (a torch inductor cache folder) as the entry of `key` under `folder`, atomically; its path.
+    OSError when it holds nothing or cannot be written."""
+    files = _files(torch_dir)
+    if not files:
+        raise OSError(f"the compile left nothing in {torch_dir}")
     folder.mkdir(parents=True, exist_ok=True)
     entry = folder / digest(key)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=folder))
     try:
-        (tmp / ARTIFACTS).write_bytes(data)
-        manifest = {"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        for rel in files:
+            (tmp / TORCH_FOLDER / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(torch_dir / rel, tmp / TORCH_FOLDER / rel)
+        if _files(tmp / TORCH_FOLDER) != files:
+            raise OSError(f"{torch_dir} changed while it was being saved")
+        manifest = {"key": key, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         if entry.exists():
             shutil.rmtree(entry)

@@ -19,7 +19,7 @@ import torch
 import tandem_native
 from inference_svc.engine import EngineConfig
 from inference_svc.executor import compile_cache
-from inference_svc.executor.compile_cache import ARTIFACTS, MANIFEST, CompileCache, cache_key, digest
+from inference_svc.executor.compile_cache import MANIFEST, TORCH_FOLDER, CompileCache, cache_key, digest
 from shared_model.bundle import save_bundle
 from shared_model.compiled import compiler_available
 
@@ -32,13 +32,21 @@ def _key(bundle: Path, **overrides: str) -> dict[str, str]:
     return {**key, **overrides}
 
 
-def _plant(folder: Path, key: dict[str, str], data: bytes, *, name: str | None = None, sha: str | None = None) -> Path:
+def _plant(folder: Path, key: dict[str, str], files: dict[str, bytes], *, name: str | None = None) -> Path:
+    """An entry of `key` whose torch folder holds `files`, listed truly in its manifest."""
     entry = folder / (name or digest(key))
-    entry.mkdir(parents=True)
-    (entry / ARTIFACTS).write_bytes(data)
-    manifest = {"key": key, "bytes": len(data), "sha256": sha or hashlib.sha256(data).hexdigest()}
-    (entry / MANIFEST).write_text(json.dumps(manifest))
+    for rel, data in files.items():
+        (entry / TORCH_FOLDER / rel).parent.mkdir(parents=True, exist_ok=True)
+        (entry / TORCH_FOLDER / rel).write_bytes(data)
+    listed = {rel: {"bytes": len(d), "sha256": hashlib.sha256(d).hexdigest()} for rel, d in files.items()}
+    (entry / MANIFEST).write_text(json.dumps({"key": key, "files": listed}))
     return entry
+
+
+def _open(cache: CompileCache) -> CompileCache:
+    with cache.compiling():
+        pass
+    return cache
 
 
 def test_the_key_names_what_the_graphs_depend_on(qwen3_dir: Path) -> None:
@@ -53,32 +61,47 @@ def test_the_key_names_what_the_graphs_depend_on(qwen3_dir: Path) -> None:
 def test_an_entry_of_another_key_is_a_miss_not_a_load(qwen3_dir: Path, tmp_path: Path) -> None:
     key = _key(qwen3_dir)
     other = _key(qwen3_dir, torch="0.0.0+other", cpu="Other CPU | 0")
-    _plant(tmp_path, other, b"never loaded")  # under its own name: this key never looks there
+    _plant(tmp_path, other, {"fxgraph/a": b"never loaded"})  # under its own name: this key never looks there
     # and one placed under this key's name (copied by hand, or a digest collision): its manifest tells them apart
-    _plant(tmp_path, other, b"never loaded either", name=digest(key))
-    cache = CompileCache([tmp_path], None, key)
-    assert cache.load() is False and cache.loaded_from is None
+    _plant(tmp_path, other, {"fxgraph/a": b"never loaded either"}, name=digest(key))
+    cache = _open(CompileCache([tmp_path], None, key))
+    assert cache.loaded_from is None
     assert any("another key (cpu, torch differ)" in p for p in cache.problems), cache.problems
+    assert cache.finish(compiled=True).value == "miss"
 
 
-@pytest.mark.parametrize("damage", ["checksum", "content", "manifest", "missing"])
+def test_a_matching_entry_is_copied_for_the_compile_and_the_copy_removed(qwen3_dir: Path, tmp_path: Path) -> None:
+    key = _key(qwen3_dir)
+    _plant(tmp_path, key, {"fxgraph/a/b": b"graph", "ab/c.so": b"library"})
+    cache = CompileCache([tmp_path], None, key)
+    with cache.compiling():
+        assert cache.work is not None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache.work)
+        assert (cache.work / "ab/c.so").read_bytes() == b"library"
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(cache.work)  # put back
+    choice = cache.finish(compiled=True)
+    assert choice.value == "hit" and cache.loaded_from == tmp_path / digest(key) and not cache.work.exists()
+
+
+@pytest.mark.parametrize("damage", ["checksum", "missing", "extra", "manifest", "no files"])
 def test_a_corrupt_entry_is_reported_and_skipped(qwen3_dir: Path, tmp_path: Path, damage: str) -> None:
     key = _key(qwen3_dir)
-    if damage == "checksum":  # torn or bit-flipped artifacts
-        _plant(tmp_path / "a", key, b"\x00" * 64, sha="0" * 64)
-    elif damage == "content":  # consistent checksum, but not torch's format
-        _plant(tmp_path / "a", key, b"not torch's artifacts")
+    entry = _plant(tmp_path / "a", key, {"fxgraph/x": b"graph", "ab/c.so": b"library"})
+    if damage == "checksum":  # torn or bit-flipped
+        (entry / TORCH_FOLDER / "ab/c.so").write_bytes(b"librarz")
+    elif damage == "missing":
+        (entry / TORCH_FOLDER / "fxgraph/x").unlink()
+    elif damage == "extra":
+        (entry / TORCH_FOLDER / "ab/d.so").write_bytes(b"not listed")
     elif damage == "manifest":
-        entry = _plant(tmp_path / "a", key, b"x")
         (entry / MANIFEST).write_text("{not json")
     else:
-        entry = _plant(tmp_path / "a", key, b"x")
-        (entry / ARTIFACTS).unlink()
-    cache = CompileCache([tmp_path / "a"], None, key)
-    assert cache.load() is False
-    assert len(cache.problems) == 1 and str(tmp_path / "a" / digest(key)) in cache.problems[0]
+        (entry / MANIFEST).write_text(json.dumps({"key": key, "files": {}}))
+    good = _plant(tmp_path / "b", key, {"fxgraph/x": b"graph"})  # the next folder's entry is sound
+    cache = _open(CompileCache([tmp_path / "a", tmp_path / "b"], None, key))
+    assert cache.loaded_from == good  # the corrupt one skipped, nothing of it copied
+    assert len(cache.problems) == 1 and str(entry) in cache.problems[0]
     choice = cache.finish(compiled=True)
-    assert choice.value == "miss" and cache.problems[0] in choice.reason
+    assert choice.value == "hit" and cache.problems[0] in choice.reason
 
 
 def test_the_bundle_folder_is_read_first_and_off_reads_nothing(qwen3_dir: Path, tmp_path: Path) -> None:
@@ -125,12 +148,13 @@ def test_a_warm_start_serves_the_bits_of_the_cold_start(qwen3_dir: Path, tmp_pat
         key = cache_key(bundle, EngineConfig(), native=native, dtype=torch.float32)
     finally:
         torch.set_num_threads(threads)
-    _plant(tmp_path / "cache", key, b"\x00" * 64, sha="0" * 64)
+    torn = _plant(tmp_path / "cache", key, {"fxgraph/x": b"graph"})
+    (torn / TORCH_FOLDER / "fxgraph/x").write_bytes(b"grap")
 
     cold = _child(bundle, tmp_path / "cache", tmp_path / "torch-cold")
     choice = _choice(cold, "compile_cache")
     assert _choice(cold, "compile")["value"] == "on"
-    assert choice["value"] == "miss" and "does not match its manifest" in choice["reason"]
+    assert choice["value"] == "miss" and "differ from the manifest" in choice["reason"]
     assert f"saved to {tmp_path / 'cache' / digest(key)}" in choice["reason"]
     assert json.loads((tmp_path / "cache" / digest(key) / MANIFEST).read_text())["key"] == key
 
