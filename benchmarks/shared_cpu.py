@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 POLICIES = {
     "2 threads, runtime wait (old default)": {"threads": 2, "omp_wait": "active", "env": {}},
     "2 threads, passive wait": {"threads": 2, "omp_wait": "passive", "env": {"OMP_WAIT_POLICY": "PASSIVE"}},
+    "2 threads, spin 10k then sleep": {"threads": 2, "omp_wait": "active", "env": {"GOMP_SPINCOUNT": "10000"}},
     "1 thread": {"threads": 1, "omp_wait": "auto", "env": {}},
     "auto (the new default)": {"threads": "auto", "omp_wait": "auto", "env": None},
 }
@@ -90,7 +91,11 @@ def main() -> None:
                        "--threads", str(pol["threads"]), "--omp-wait", pol["omp_wait"]]  # fmt: skip
                 if pol["env"] is not None:
                     cmd += ["--env", json.dumps(pol["env"])]
-                env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "KMP_BLOCKTIME")}
+                env = {
+                    k: v
+                    for k, v in os.environ.items()
+                    if k not in ("OMP_WAIT_POLICY", "KMP_BLOCKTIME", "GOMP_SPINCOUNT")
+                }
                 env["PYTHONPATH"] = str(REPO)
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
                 r = json.loads(out.strip().splitlines()[-1])

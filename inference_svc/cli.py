@@ -232,7 +232,8 @@ def set_omp_wait(threads_flag: int | str, omp_wait: str) -> None:
         return  # too late, or the user's own setting (the engine reports it)
     from inference_svc.executor import threads
 
-    policy = threads.choose_threads(config.threads, config.omp_wait, threads.read_cpu_facts())
+    sample = threads.LOAD_SAMPLE_SECONDS if omp_wait == "auto" else 0.0
+    policy = threads.choose_threads(config.threads, config.omp_wait, threads.read_cpu_facts(load_sample=sample))
     os.environ.update(threads.omp_environment(policy))
 
 

@@ -134,12 +134,11 @@ class EngineConfig:
     to int8 per group as llama.cpp's Q4_0) or 'torch' (torch's packed int4 kernel and layout)."""
     threads: int | str = "auto"
     """CPU threads for the model's ops (torch intra-op threads): 'auto' (the CPUs this process may use, capped by
-    its cgroup CPU quota, less those other processes keep busy at start; `inference_svc.executor.threads`) or a
-    number."""
+    its cgroup CPU quota: `inference_svc.executor.threads`) or a number."""
     omp_wait: str = "auto"
     """How OpenMP's idle worker threads wait: 'passive' (sleep at once: leaves the CPU to others), 'active' (spin)
-    or 'auto' (passive where a CPU quota or the thread count can oversubscribe the CPUs, else the runtime's
-    default). Takes effect when set before torch starts, as `tandem serve` does."""
+    or 'auto' (passive where a CPU quota or the thread count oversubscribes the CPUs, or other processes keep them
+    busy at start; else the runtime's default). Takes effect when set before torch starts, as `tandem serve` does."""
     compile_cache: str = DEFAULT_COMPILE_CACHE
     """Folder of compiled decode steps (torch's compile artifacts) keyed by model, graph flags, torch and CPU: a
     second start of the same model loads them instead of compiling; a bundle's own `compile_cache/` folder (written

@@ -10,19 +10,22 @@ Contract:
   Every path is under `root`, so a test hands a folder of written files: parsing is the same code either way.
   Unreadable or malformed files count as "no limit" and say so in the facts' `notes`, never an exception.
 - `choose_threads(threads, omp_wait, facts)` is pure (the same facts and flags give the same `ThreadPolicy`):
-  - threads 'auto': min(allowed CPUs, ceil(quota)) less the CPUs found busy with other processes (at least 1); an
-    integer is taken as given. Affinity is inherited, never narrowed: the OS scheduler places the threads, so a
-    thread is not pinned to a CPU that another process may later take.
+  - threads 'auto': min(allowed CPUs, ceil(quota)); an integer is taken as given. Never the load: the count is
+    fixed into the compiled step's kernels (and so into the compile cache's key), which must not change with what
+    else ran at start. Affinity is inherited, never narrowed: the OS scheduler places the threads, so a thread is
+    not pinned to a CPU that another process may later take.
   - omp_wait 'auto': 'passive' (OpenMP's idle workers sleep at once instead of spinning) where the threads can
-    outnumber the CPU time the process gets: a cgroup quota below the allowed CPUs, or more threads than
-    min(CPUs, quota). Otherwise the OpenMP runtime's default (spin a while, then sleep), which keeps a quiet
-    machine's step fastest. One thread: no worker ever waits, nothing to choose. 'passive' / 'active' as given.
+    outnumber the CPU time the process gets: a cgroup quota below the allowed CPUs, more threads than
+    min(CPUs, quota), or other processes keeping at least half a CPU busy at start (spinning workers then take
+    time slices from them and from each other, and every parallel op waits for a descheduled worker). Otherwise
+    the OpenMP runtime's default (spin a while, then sleep), which keeps a quiet machine's step fastest. One
+    thread: no worker ever waits, nothing to choose. 'passive' / 'active' as given.
 - The wait policy only takes effect when it is in the environment before the OpenMP runtime starts (torch's import
   loads it): `omp_environment(policy)` is the variables to set, and `tandem serve` sets them after parsing its flags
   and before it imports torch (`inference_svc.cli`). `wait_choice(policy, environ)` records what is in effect: the
   chosen policy where the environment carries it, otherwise what the environment (or the runtime's default) gave.
-- `settle(config)` is the engine's one call at load: it reads the facts (sampling the load only for threads
-  'auto'), sets torch's intra-op threads, and returns the `threads` and `omp_wait` choices.
+- `settle(config)` is the engine's one call at load: it reads the facts (no load sample: the wait policy was fixed
+  when the runtime started), sets torch's intra-op threads, and returns the `threads` and `omp_wait` choices.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from pathlib import Path
 from inference_svc.executor.plan import Choice
 
 LOAD_SAMPLE_SECONDS = 0.1
-"""How long `tandem serve` and the engine watch `/proc/stat` for other processes' load before choosing threads."""
+"""How long `tandem serve` watches `/proc/stat` for other processes' load before choosing the wait policy."""
 BUSY_FRACTION = 0.5
 """A CPU counts as taken when other processes kept it at least this busy over the sample (rounded sum)."""
 WAIT_POLICIES = ("auto", "passive", "active")
@@ -233,20 +236,16 @@ def choose_threads(threads: int | str, omp_wait: str, facts: CpuFacts) -> Thread
     else:
         where += ", no cgroup CPU quota"
     if threads == "auto":
-        taken = 0 if facts.busy is None else min(cap - 1, math.floor(facts.busy + 1 - BUSY_FRACTION))
-        count = cap - taken
-        if facts.busy is not None:
-            where += f", other processes busy on {facts.busy:.1f} of them at start"
+        count = cap
         threads_reason = f"--threads auto: {where} -> {count}"
     else:
         count = int(threads)
         threads_reason = f"--threads {count}; {where}"
-    # by the count before the load is taken out: the same answer before torch starts (`tandem serve`, no sample)
-    wait, wait_reason = _choose_wait(omp_wait, cap if threads == "auto" else count, n_cpus, facts.quota)
+    wait, wait_reason = _choose_wait(omp_wait, count, n_cpus, facts.quota, facts.busy)
     return ThreadPolicy(count, wait, threads_reason, wait_reason)
 
 
-def _choose_wait(asked: str, threads: int, n_cpus: int, quota: float | None) -> tuple[str, str]:
+def _choose_wait(asked: str, threads: int, n_cpus: int, quota: float | None, busy: float | None) -> tuple[str, str]:
     if asked != "auto":
         return asked, f"--omp-wait {asked}"
     if threads == 1:
@@ -256,7 +255,10 @@ def _choose_wait(asked: str, threads: int, n_cpus: int, quota: float | None) -> 
         return "passive", f"--omp-wait auto: the quota ({quota:g} CPUs) is below the {n_cpus} CPUs allowed"
     if threads > budget:
         return "passive", f"--omp-wait auto: {threads} threads for {budget:g} CPUs"
-    return "default", f"--omp-wait auto: {threads} threads on {n_cpus} CPUs, each its own"
+    if busy is not None and busy >= BUSY_FRACTION:
+        return "passive", f"--omp-wait auto: other processes kept {busy:.1f} of the {n_cpus} CPUs busy at start"
+    seen = "" if busy is None else f", other processes idle on them at start ({busy:.1f} CPUs busy)"
+    return "default", f"--omp-wait auto: {threads} threads on {n_cpus} CPUs, each its own{seen}"
 
 
 def _cpu_span(cpus: tuple[int, ...]) -> str:
@@ -300,7 +302,7 @@ def settle(threads: int | str, omp_wait: str, root: str | Path = "/") -> tuple[C
     """The engine's call at load: read the facts, set torch's intra-op threads, return the two choices."""
     import torch
 
-    facts = read_cpu_facts(root, LOAD_SAMPLE_SECONDS if threads == "auto" else 0.0)
+    facts = read_cpu_facts(root)
     policy = choose_threads(threads, omp_wait, facts)
     torch.set_num_threads(policy.threads)
     reason = policy.threads_reason + (f" (unread: {'; '.join(facts.notes)})" if facts.notes else "")

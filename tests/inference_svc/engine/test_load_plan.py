@@ -34,9 +34,8 @@ def test_the_plan_lists_every_transform_in_order(qwen3_dir, make_engine) -> None
 
 def test_the_same_flags_give_the_same_plan_and_the_same_bits(qwen3_dir, make_engine) -> None:
     """Deterministic start-up: nothing is chosen from a timing, so two engines agree on every choice, and their
-    greedy tokens and logprobs are bitwise the same. (The thread count is given: 'auto' also reads the other
-    processes' load at start, which may change between the two.)"""
-    engines = [make_engine(qwen3_dir, quantization="int4", compile="auto", threads=1) for _ in range(2)]
+    greedy tokens and logprobs are bitwise the same."""
+    engines = [make_engine(qwen3_dir, quantization="int4", compile="auto") for _ in range(2)]
     assert engines[0].info().load_plan == engines[1].info().load_plan
     params = SamplingParams(max_new_tokens=6, logprobs=True)
     runs = [e.generate([list(range(30, 50))], params)[0] for e in engines]

@@ -85,20 +85,27 @@ def _stat(ticks: dict[int, tuple[int, int]]) -> str:
     return "\n".join([*lines, "intr 1", "procs_running 3"]) + "\n"
 
 
-def test_a_cpu_kept_busy_by_another_process_is_left_to_it() -> None:
+def test_cpus_kept_busy_by_other_processes_make_the_workers_wait_passively(tmp_path: Path) -> None:
     before = _stat({0: (1000, 5000), 1: (2000, 4000)})
     after = _stat({0: (1002, 5098), 1: (2100, 4000)})  # over 100 ticks: cpu0 2% busy, cpu1 100% busy
     busy = threads.others_busy(before, after, (0, 1), own_seconds=0.0)
     assert busy == pytest.approx(1.02)
     policy = choose_threads("auto", "auto", CpuFacts((0, 1), busy=busy))
-    assert policy.threads == 1 and "busy on 1.0 of them at start -> 1" in policy.threads_reason
-    # this process's own time is not another's load: the same ticks, all of them ours, leave both CPUs
+    assert (policy.threads, policy.wait) == (2, "passive")  # the count never follows the load (compiled for it)
+    assert "other processes kept 1.0 of the 2 CPUs busy at start" in policy.wait_reason
+    # this process's own time is not another's load: the same ticks, all of them ours, leave the default
     hz = os.sysconf("SC_CLK_TCK")
     ours = threads.others_busy(before, after, (0, 1), own_seconds=102 / hz)
-    assert ours == pytest.approx(0.0) and choose_threads("auto", "auto", CpuFacts((0, 1), busy=ours)).threads == 2
-    # never below one thread, and a CPU outside the affinity is not counted
-    assert choose_threads("auto", "auto", CpuFacts((0, 1), busy=2.0)).threads == 1
+    assert ours == pytest.approx(0.0)
+    assert choose_threads("auto", "auto", CpuFacts((0, 1), busy=ours)).wait == "default"
+    # a CPU outside the affinity is not counted; one thread has no worker to wait
     assert threads.others_busy(before, after, (0,), own_seconds=0.0) == pytest.approx(0.02)
+    assert choose_threads(1, "auto", CpuFacts((0, 1), busy=2.0)).wait == "default"
+    # the reader: two real reads of a written /proc/stat (unchanging here: nothing busy)
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/status").write_text("Cpus_allowed_list:\t0-1\n")
+    (tmp_path / "proc/stat").write_text(before)
+    assert read_cpu_facts(tmp_path, load_sample=0.01).busy == pytest.approx(0.0, abs=0.5)
 
 
 def test_an_explicit_count_is_kept_and_oversubscription_waits_passively() -> None:
