@@ -34,12 +34,9 @@ def child(args: argparse.Namespace) -> None:
     if args.env is not None:
         os.environ.update(json.loads(args.env))
     else:  # what `tandem serve` does before torch starts
-        from inference_svc.engine.config import EngineConfig
-        from inference_svc.executor import threads
+        from inference_svc.cli import set_omp_wait
 
-        cfg = EngineConfig(threads=args.threads, omp_wait=args.omp_wait)
-        policy = threads.choose_threads(cfg.threads, cfg.omp_wait, threads.read_cpu_facts())
-        os.environ.update(threads.omp_environment(policy))
+        set_omp_wait(args.threads, args.omp_wait)
     import torch
 
     from inference_svc.engine import Engine, EngineConfig, SamplingParams
