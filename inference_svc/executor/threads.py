@@ -143,9 +143,10 @@ def _walk(mount: Path, path: str, read, kind: str, notes: list[str]) -> tuple[fl
         folder = mount.joinpath(*parts[:depth])
         try:
             found = read(folder)
+        except FileNotFoundError:  # no limit set here (a root cgroup has no cpu.max)
+            continue
         except (OSError, ValueError) as exc:
-            if folder.exists():
-                notes.append(f"{kind} {folder}: {exc}")
+            notes.append(f"{kind} {folder}: {exc}")
             continue
         if found is not None and (best[0] is None or found[0] < best[0]):
             best = (found[0], f"{kind} {found[1]}")

@@ -47,6 +47,7 @@ def test_the_smallest_quota_of_the_cgroup_and_its_ancestors_wins(tmp_path: Path)
     root = _machine(tmp_path, "0-7", "0::/a/b\n", {"a/cpu.max": "100000 100000", "a/b/cpu.max": "300000 100000"})
     facts = read_cpu_facts(root)
     assert facts.quota == 1.0 and "a/cpu.max" in facts.quota_source
+    assert facts.notes == ()  # the root cgroup has no cpu.max: no limit there, nothing to report
     policy = choose_threads("auto", "auto", facts)
     assert (policy.threads, policy.wait) == (1, "default")  # one thread: no worker waits
     assert omp_environment(policy) == {}
