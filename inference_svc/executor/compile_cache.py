@@ -185,8 +185,9 @@ class CompileCache:
             if not entry.exists():
                 continue
             try:
-                self._check(entry)
+                listed = self._listed(entry)
                 shutil.copytree(entry / TORCH_FOLDER, self.work, dirs_exist_ok=True)
+                _verify(_files(self.work), listed)  # the copy itself: what the compile will read
             except Exception as exc:  # a corrupt entry: reported and skipped, never fatal
                 self.problems.append(f"{entry}: {type(exc).__name__}: {exc}")
                 log.warning("compile cache: ignoring the entry %s (%s: %s)", entry, type(exc).__name__, exc)
@@ -197,7 +198,8 @@ class CompileCache:
             return True
         return False
 
-    def _check(self, entry: Path) -> None:
+    def _listed(self, entry: Path) -> dict:
+        """The entry's file list, once its manifest is known to hold exactly this key."""
         manifest = json.loads((entry / MANIFEST).read_text())
         if not isinstance(manifest, dict) or manifest.get("key") != self.key:
             found = manifest.get("key", {}) if isinstance(manifest, dict) else {}
@@ -206,11 +208,7 @@ class CompileCache:
         listed = manifest.get("files")
         if not isinstance(listed, dict) or not listed:
             raise ValueError(f"{MANIFEST} lists no files")
-        found_files = _files(entry / TORCH_FOLDER)
-        if found_files != listed:
-            bad = sorted(set(listed) ^ set(found_files) | {n for n in listed if found_files.get(n) != listed[n]})
-            raise ValueError(f"{len(bad)} file(s) differ from the manifest (size or SHA-256), e.g. {bad[0]}: torn or "
-                             "corrupt")  # fmt: skip
+        return listed
 
     def finish(self, compiled: bool) -> Choice:
         """After the warm-up compile: save on a miss, drop the working folder, and the `compile_cache` choice."""
@@ -236,6 +234,14 @@ class CompileCache:
         finally:
             if self.work is not None:
                 shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _verify(found: dict, listed: dict) -> None:
+    if found != listed:
+        bad = sorted(set(listed) ^ set(found) | {n for n in listed if found.get(n) != listed[n]})
+        raise ValueError(
+            f"{len(bad)} file(s) differ from the manifest (size or SHA-256), e.g. {bad[0]}: torn or corrupt"
+        )
 
 
 def save_entry(folder: Path, key: dict[str, str], torch_dir: Path) -> Path:
