@@ -18,9 +18,10 @@ Contract:
   torch's inductor caches there for the compile (so every graph is found compiled, its libraries included: no C++
   compiler runs); without one the working folder starts empty and the compile fills it. Another key is a miss,
   never a load; a torn, corrupt or unreadable entry is logged, reported in the choice and skipped, never an error.
-  `finish(compiled)` saves the working folder as this key's entry into `save_dir` after a miss, removes the working
-  folder (every library is loaded by then), and returns the `compile_cache` choice: hit (where from, and how many
-  graphs torch found in its caches), or miss (saved where, or why not).
+  `finish(compiled)` saves the working folder as this key's entry into `save_dir` after a miss (or after a hit for
+  which torch still compiled a graph anew: the entry then gains it), removes the working folder (every library is
+  loaded by then), and returns the `compile_cache` choice: hit (where from, and how many graphs torch found in its
+  caches), or miss (saved where, or why not).
 - No environment switch: the folder is `EngineConfig.compile_cache` ('off': torch's own caches only, untouched).
   Torch's inductor cache folder is pointed at the working folder only for the compile, and put back after it.
 """
@@ -219,6 +220,11 @@ class CompileCache:
                 return Choice("compile_cache", "unused", f"the step was not compiled{notes}")
             if self.loaded_from is not None:
                 anew = f", {misses} compiled anew" if misses else ""
+                if misses and self.save_dir is not None and self.work is not None:
+                    try:  # the entry, with the graphs it lacked (e.g. another decoder handle in the same process)
+                        anew += f" and added to {save_entry(self.save_dir, self.key, self.work)}"
+                    except OSError as exc:
+                        anew += f" (not saved: {exc})"
                 return Choice("compile_cache", "hit", f"{self.name} from {self.loaded_from.parent}: {hits} graphs "
                               f"from torch's caches{anew}{notes}")  # fmt: skip
             if self.save_dir is None:
