@@ -13,6 +13,9 @@ Contract:
   It runs until SIGTERM or SIGINT, which drain gracefully (see `TandemServer.shutdown`).
   Exit code 0 after a drain, 1 if the model fails to load.
   `--dtype auto` means the folder's own dtype on GPU and float32 on CPU.
+- Flags are parsed before torch is imported: `build_serve_config` puts `--omp-wait`'s policy in the environment
+  first (`set_omp_wait`), before the OpenMP runtime starts (`inference_svc.engine` imports its engine lazily, and
+  nothing before that line imports torch).
 - `tandem generate` lives in `generate_cli`.
 """
 
@@ -22,6 +25,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -34,6 +38,7 @@ from inference_svc.engine.config import (
     CPU_KERNEL_MODES,
     INT4_KERNELS,
     KV_CACHE_DTYPES,
+    OMP_WAIT_POLICIES,
     EngineConfig,
 )
 from inference_svc.errors import InferenceError
@@ -66,6 +71,7 @@ ENGINE_FLAGS = FlagSpec(
         "compile": COMPILE_MODES,
         "cpu_kernels": CPU_KERNEL_MODES,
         "int4_kernel": INT4_KERNELS,
+        "omp_wait": OMP_WAIT_POLICIES,
         "quantization": QUANTIZATIONS,
         "quantization_group_size": INT4_GROUP_SIZES,
     },
@@ -182,6 +188,7 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
     if args.model is None:
         parser.error("a model folder is required: tandem serve DIR (or --model DIR)")
     try:
+        set_omp_wait(args.threads, args.omp_wait)  # first: resolving --dtype auto may import torch
         settings = ServerSettings(
             model=args.model,
             host=args.host,
@@ -217,6 +224,20 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
     except (InferenceError, ValueError) as exc:
         parser.error(str(exc))
     return settings, engine_config, args
+
+
+def set_omp_wait(threads_flag: int | str, omp_wait: str) -> None:
+    """Put `--omp-wait`'s policy (for `--threads`) in this process's environment, where the OpenMP runtime reads it
+    when torch loads it (`inference_svc.executor.threads`); the engine records what is in effect. A no-op once
+    torch was imported; `EngineConfigError` naming the flag on a bad value."""
+    config = EngineConfig(threads=threads_flag, omp_wait=omp_wait)  # validated as the engine's config will be
+    if "torch" in sys.modules or (omp_wait == "auto" and "OMP_WAIT_POLICY" in os.environ):
+        return  # too late, or the user's own setting (the engine reports it)
+    from inference_svc.executor import threads
+
+    sample = threads.LOAD_SAMPLE_SECONDS if omp_wait == "auto" else 0.0
+    policy = threads.choose_threads(config.threads, config.omp_wait, threads.read_cpu_facts(load_sample=sample))
+    os.environ.update(threads.omp_environment(policy))
 
 
 async def _serve(settings: ServerSettings, engine_config: Any, fault_hook: Any = None) -> int:

@@ -41,6 +41,11 @@ MIN_KEYWORDS = 4
 EVAL_WINDOW = 128
 """Held-out windows as long as the training blocks (configs/demo.yaml data.block_size)."""
 EVAL_MAX_TOKENS = 8192
+DEMO_SERVE_FLAGS = ("--compile", "off")
+"""Every server of the demo runs its step eagerly. Each lives for seconds (one completion; one configuration of
+the comparison table), and compiling the 5M model's step costs about 50 s a server on 2 cores (five servers:
+about 4 of the demo's minutes, docs/benchmarks.md §26) for about 1 ms a token back. `tandem serve` on its own
+keeps `--compile auto` (compiled, and warm from its compile cache at the next start)."""
 
 
 def step(title: str) -> None:
@@ -171,9 +176,9 @@ def serve(bundle_dir: Path) -> PythonCheck:
     from inference_svc.serve_process import ServeProcess
 
     step("serve the bundle over gRPC and stream the greedy completion of a Python prompt")
-    flags = ["--metrics-port", "0", "--http-port", "0", "--shutdown-grace", "10"]
+    flags = ["--metrics-port", "0", "--http-port", "0", "--shutdown-grace", "10", *DEMO_SERVE_FLAGS]
     server = ServeProcess(bundle_dir, flags, echo=True)
-    print(f"$ tandem serve --model {bundle_dir} --port {server.port}", flush=True)
+    print(f"$ tandem serve --model {bundle_dir} --port {server.port} {' '.join(DEMO_SERVE_FLAGS)}", flush=True)
     try:
         target = server.target
         server.wait_serving(300)
@@ -213,7 +218,7 @@ def compare_configurations(bundle_dir: Path) -> None:
     out = bundle_dir.parent / "compare"
     args = ["--compare", "--model", str(bundle_dir), "--configs", configs, "--streams", "1,16", "--num-requests", "16",
             "--input-len", "64", "--output-len", "32", "--eval-tokens", "2048", "--eval-window", "128",
-            "--warmup", "1", "--out", str(out), "--", "--kv-cache-memory", "32MiB"]  # fmt: skip
+            "--warmup", "1", "--out", str(out), "--", "--kv-cache-memory", "32MiB", *DEMO_SERVE_FLAGS]  # fmt: skip
     step(f"compare serving configurations: quality, latency, throughput, memory (tandem bench {' '.join(args)})")
     proc = subprocess.run([sys.executable, "-m", "shared_model.cli", "bench", *args], cwd=REPO, timeout=600)
     if proc.returncode != 0:

@@ -34,6 +34,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "plan": Subcommand("lt_plugins.planner_cli:main", "pick the cheapest training configuration that fits", None),
     "ledger": Subcommand("shared_model.ledger_cli:main", "print the memory ledger of a model", None),
     "serve": Subcommand("inference_svc.cli:serve_main", "serve a model over gRPC and the OpenAI API", "serve"),
+    "warm": Subcommand(
+        "inference_svc.warm_cli:main",
+        "compile a bundle's decode step into it (compile_cache/) for warm starts",
+        "serve",
+    ),
     "generate": Subcommand("inference_svc.generate_cli:generate_main", "stream a completion from a server", "serve"),
     "eval": Subcommand(
         "inference_svc.eval_cli:main", "held-out perplexity and bits per byte, offline and through a server", "serve"

@@ -107,3 +107,26 @@ def test_lightning_tips_are_filtered_out() -> None:
     tip = logging.LogRecord("x", logging.INFO, __file__, 1, "💡 Tip: try installing litlogger", None, None)
     other = logging.LogRecord("x", logging.INFO, __file__, 1, "GPU available: False, used: False", None, None)
     assert not _no_lightning_tips(tip) and _no_lightning_tips(other)
+
+
+def test_every_demo_server_runs_its_step_eagerly(demo, monkeypatch, tmp_path: Path) -> None:
+    """The demo's servers live for seconds: a compile (about 50 s each on 2 cores) would be most of the demo."""
+    seen: list[list[str]] = []
+
+    class Started(Exception):
+        pass
+
+    class Serve:
+        def __init__(self, model: Path, flags: list[str], **kwargs: object) -> None:
+            seen.append(list(flags))
+            raise Started
+
+    monkeypatch.setattr("inference_svc.serve_process.ServeProcess", Serve)
+    with pytest.raises(Started):
+        demo.serve(tmp_path)
+    monkeypatch.setattr(demo.subprocess, "run", lambda cmd, **kw: seen.append(cmd) or SimpleNamespace(returncode=0))
+    demo.compare_configurations(tmp_path / "bundle")
+    serve_flags, bench_cmd = seen
+    assert serve_flags[serve_flags.index("--compile") + 1] == "off"
+    passed_on = bench_cmd[bench_cmd.index("--") + 1 :]  # `tandem bench --compare ... -- SERVE FLAGS`
+    assert passed_on[passed_on.index("--compile") + 1] == "off"

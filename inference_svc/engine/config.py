@@ -29,6 +29,9 @@ SPECULATIVE_METHODS = ("off", "ngram")
 COMPILE_MODES = ("auto", "on", "off")
 CPU_KERNEL_MODES = ("auto", "off")
 INT4_KERNELS = ("auto", "torch")
+OMP_WAIT_POLICIES = ("auto", "passive", "active")
+"""`omp_wait` values (`inference_svc.executor.threads` applies them)."""
+DEFAULT_COMPILE_CACHE = "~/.cache/tandem/compile"
 
 _UNITS = {
     "": 1,
@@ -130,8 +133,17 @@ class EngineConfig:
     int4_kernel: str = "auto"
     """int4 layers' kernel: 'auto' (Tandem's int4 GEMV and its layout where the CPU kernels run, activations rounded
     to int8 per group as llama.cpp's Q4_0) or 'torch' (torch's packed int4 kernel and layout)."""
-    threads: int | None = None
-    """CPU threads for the model's ops (torch intra-op threads); None: torch's default, one per core."""
+    threads: int | str = "auto"
+    """CPU threads for the model's ops (torch intra-op threads): 'auto' (the CPUs this process may use, capped by
+    its cgroup CPU quota: `inference_svc.executor.threads`) or a number."""
+    omp_wait: str = "auto"
+    """How OpenMP's idle worker threads wait: 'passive' (sleep at once: leaves the CPU to others), 'active' (spin)
+    or 'auto' (passive where a CPU quota or the thread count oversubscribes the CPUs, or other processes keep them
+    busy at start; else the runtime's default). Takes effect when set before torch starts, as `tandem serve` does."""
+    compile_cache: str = DEFAULT_COMPILE_CACHE
+    """Folder of compiled decode steps (torch's compile artifacts) keyed by model, graph flags, torch and CPU: a
+    second start of the same model loads them instead of compiling; a bundle's own `compile_cache/` folder (written
+    by `tandem warm`) is read first. 'off': neither read nor written."""
     speculative: str = "off"
     """Speculative decoding by default: 'off', 'ngram' (drafts by prompt lookup) or the folder of a small draft
     model sharing the target's tokenizer; drafts are verified in one batched forward, greedy output is unchanged
@@ -167,8 +179,7 @@ class EngineConfig:
         _positive_int("max_new_tokens_limit", self.max_new_tokens_limit)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
-        if self.threads is not None:
-            _positive_int("threads", self.threads)
+        self._check_threads()
         if self.quantization not in QUANTIZATIONS:
             raise EngineConfigError("quantization", f"must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization_group_size not in INT4_GROUP_SIZES:
@@ -250,6 +261,18 @@ class EngineConfig:
                 )
             out.append((name, folder))
         return out
+
+    def _check_threads(self) -> None:
+        if isinstance(self.threads, str) and self.threads.strip().isdigit():
+            object.__setattr__(self, "threads", int(self.threads))  # a flag's text: the number it spells
+        if self.threads != "auto" and (
+            not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads <= 0
+        ):
+            raise EngineConfigError("threads", f"must be 'auto' or a positive integer, got {self.threads!r}")
+        if self.omp_wait not in OMP_WAIT_POLICIES:
+            raise EngineConfigError("omp_wait", f"must be one of {OMP_WAIT_POLICIES}, got {self.omp_wait!r}")
+        if not isinstance(self.compile_cache, str) or not self.compile_cache.strip():
+            raise EngineConfigError("compile_cache", f"must be a folder or 'off', got {self.compile_cache!r}")
 
     def _check_speculative(self) -> None:
         if not isinstance(self.speculative, str) or (

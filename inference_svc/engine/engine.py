@@ -32,7 +32,8 @@ Contract:
 - Load-time transforms, in order, each choice recorded in `load_plan` (`inference_svc.executor.prepare`): the CPU
   kernels, merged projections, the quantization (a model that cannot take it is refused, `ModelLoadError` naming
   the weight), each projection's linear method, the attention backend, the sampler, the compiled step.
-  `config.threads`, when set, sizes torch's process-wide intra-op thread pool.
+  First of all, `config.threads` and `config.omp_wait` size torch's intra-op thread pool and record the OpenMP wait
+  policy in effect (`inference_svc.executor.threads`).
 - LoRA (`config.lora_enabled`): `lora` holds the adapter slots (`inference_svc.lora`); a request's
   `SamplingParams.lora_name` picks its slot when it is queued (NOT_FOUND for one not loaded), its prefix-cache
   blocks are keyed by that adapter's loading, and `unload_lora_adapter` refuses (409) while a request uses it.
@@ -40,6 +41,8 @@ Contract:
   with `shared_model.compiled`, and the constructor warms them up before it returns (a prefill chunk, a lone decode
   and a batched decode of throwaway sequences over free blocks, which are zeroed afterwards), so the first request
   never waits on a compile; `info()` reports whether steps run compiled, how long the compile took, and the plan.
+  The compile first loads a saved entry of `inference_svc.executor.compile_cache` (the bundle's own, then
+  `config.compile_cache`) and saves one after a miss; the plan's `compile_cache` choice says which.
 """
 
 from __future__ import annotations
@@ -69,8 +72,10 @@ from inference_svc.engine.sequence import ScheduledSeq, Sequence
 from inference_svc.engine.types import Completion, EngineInfo, EngineStats, FinishReason, RequestOutput, SamplingParams
 from inference_svc.engine.validation import RequestValidator
 from inference_svc.errors import InvalidRequestError, ModelLoadError, RequestFailedError
+from inference_svc.executor import compile_cache
 from inference_svc.executor import prepare as executor  # a module: it imports the engine's config in turn
 from inference_svc.executor.plan import LoadPlan
+from inference_svc.executor.threads import settle as settle_threads
 from inference_svc.lora import requests as lora_requests
 from shared_model.bundle import Bundle
 from shared_model.config import ModelConfig
@@ -96,6 +101,7 @@ class Engine:
         self.dtype = bundle.dtype
         self.model_path = bundle.path
         # the load-time transforms, in order, each choice recorded (inference_svc.executor.prepare)
+        thread_choices = settle_threads(config.threads, config.omp_wait)
         native, cpu_choice = executor.choose_cpu_kernels(config, device)
         prepared = executor.prepare(bundle, config, native)
         model = prepared.model
@@ -157,22 +163,27 @@ class Engine:
         """One thread that computes a step's grammar bitmasks beside the forward."""
         self.compile_seconds = 0.0
         """Seconds the start-up compile took, target and draft together (0 when nothing was compiled)."""
+        cache_choice = compile_cache.unused()
         if compile_step:
+            key = compile_cache.cache_key(bundle.path, config, native, self.dtype)
+            cache = compile_cache.open_cache(config.compile_cache, bundle.path, key)
             try:
-                self.compile_seconds = sum(
-                    loader.warm_up(r, config, num_blocks, self.tokenizer)
-                    for r in (self.runner, self.draft_runner)
-                    if r is not None
-                )
+                with cache.compiling():
+                    self.compile_seconds = sum(
+                        loader.warm_up(r, config, num_blocks, self.tokenizer)
+                        for r in (self.runner, self.draft_runner)
+                        if r is not None
+                    )
                 log.info("compiled the decode step in %.1f s", self.compile_seconds)
             except loader.CompileFailed as failed:
                 compile_choice = executor.compile_failed(failed.__cause__ or failed)
                 for r in (self.runner, self.draft_runner):
                     if r is not None:
                         r.drop_compiled()
+            cache_choice = cache.finish(self.compiled)
         self.load_plan = LoadPlan((
-            cpu_choice, *prepared.choices, *executor.linear_choices(model), attention_choice,
-            executor.sampler_choice(native, device), compile_choice,
+            *thread_choices, cpu_choice, *prepared.choices, *executor.linear_choices(model), attention_choice,
+            executor.sampler_choice(native, device), compile_choice, cache_choice,
         ))  # fmt: skip
         """Every lever's choice and reason, in the order made (`inference_svc.executor`); fixed from here on."""
 

@@ -112,8 +112,6 @@ def load_bundles(path: str | Path, config: EngineConfig) -> tuple[Bundle, torch.
         except Exception as exc:
             where = f"speculative: cannot load the draft model from {config.speculative}"
             raise ModelLoadError(f"{where}: {exc}") from exc
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
     return bundle, device, draft
 
 

@@ -2,6 +2,8 @@
 
 Contract:
 - The transforms run once, when the engine is built, in this order (`TRANSFORMS`), and never again while it serves:
+  0. `threads` and `omp_wait`: torch's intra-op threads and OpenMP's wait policy, from the CPUs, cgroup quota and
+     load this process finds (`inference_svc.executor.threads`).
   1. `cpu_kernels`: whether Tandem's C++ kernels (row GEMM, int8/int4 GEMV, decode attention, sampling) run,
      from `EngineConfig.cpu_kernels` and what this machine allows (`tandem_native`: x86-64 Linux,
      AVX-512 BW/VL/VNNI, a C++ compiler and ninja). Everything below that could use them is told this one answer;
@@ -21,6 +23,7 @@ Contract:
      on a CPU for a model of at least `COMPILE_AUTO_MIN_PARAMS` parameters when inductor can build kernels here,
      and never with LoRA slots (the traced step takes no per-row adapter indices; 'on' with LoRA is refused).
      A compile that then fails under 'auto' leaves the step eager, and the engine records that (`compile_failed`).
+  8. `compile_cache`: whether the compile loaded a saved entry (`inference_svc.executor.compile_cache`).
 - `prepare(bundle, config, device)` runs 1-4 and returns the model and its choices; `choose_attention`,
   `choose_compile` and `sampler_choice` make 5-7. The engine assembles them into its `LoadPlan`
   (`inference_svc.executor.plan`), which every report reads.
@@ -47,8 +50,20 @@ from shared_model.serving_model import RowTable, ServingDecoder, ServingLinear, 
 
 COMPILE_AUTO_MIN_PARAMS = 2_000_000
 """`compile='auto'` compiles on CPU from this many parameters up: below it a step costs well under a millisecond
-and the warm-up compile (tens of seconds) is not paid back by a short-lived server (a test's, a demo's)."""
-TRANSFORMS = ("cpu_kernels", "merge_projections", "quantization", "lora", "linear", "attention", "sampler", "compile")
+and the warm-up compile (tens of seconds) is not paid back by a short-lived server (a test's)."""
+TRANSFORMS = (
+    "threads",
+    "omp_wait",
+    "cpu_kernels",
+    "merge_projections",
+    "quantization",
+    "lora",
+    "linear",
+    "attention",
+    "sampler",
+    "compile",
+    "compile_cache",
+)
 """The order of the load-time transforms (`linear` stands for one `linear.<projection>` choice per projection)."""
 
 

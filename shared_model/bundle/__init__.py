@@ -16,6 +16,7 @@ Imports go one way: layout ← manifest, checks ← read, write; this file re-ex
 
 from shared_model.bundle.checks import tokenizer_id_bound
 from shared_model.bundle.layout import (
+    COMPILE_CACHE_FOLDER,
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_BYTES,
     DTYPES,
@@ -39,6 +40,7 @@ from shared_model.bundle.read import Bundle, FolderTensors, load_bundle, read_st
 from shared_model.bundle.write import check_bundle_target, plan_shards, replace_dir, save_bundle
 
 __all__ = [
+    "COMPILE_CACHE_FOLDER",
     "CONFIG_FILE",
     "DEFAULT_MAX_SHARD_BYTES",
     "DTYPES",

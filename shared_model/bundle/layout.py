@@ -29,6 +29,9 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 MANIFEST_FILE = "tandem_bundle.json"
 """Tandem's bundle manifest and marker: {"format": 1, "files": {name: {"bytes": n, "sha256": hex}}}, plus an
 optional "source" object (provenance: which checkpoint the folder was exported from; readers may ignore it)."""
+COMPILE_CACHE_FOLDER = "compile_cache"
+"""A bundle's compiled decode steps (`tandem warm`, `inference_svc.executor.compile_cache`): not a file of the
+manifest, and replaced with the bundle (its entries are keyed by the weights they were compiled for)."""
 MANIFEST_FORMAT = 1
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 

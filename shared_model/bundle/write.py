@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 from shared_model.bundle.checks import check_tensors, tokenizer_id_bound
 from shared_model.bundle.layout import (
+    COMPILE_CACHE_FOLDER,
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_BYTES,
     GENERATION_FILE,
@@ -93,8 +94,9 @@ def save_bundle(
 
 def check_bundle_target(out_dir: str | Path, overwrite: bool = False) -> None:
     """Raise BundleError unless `out_dir` may receive a bundle: it does not exist, or (with `overwrite`) it is an
-    empty folder or a Tandem bundle (regular files named in its tandem_bundle.json, and that manifest; or, for a
-    bundle written before manifests existed, config.json and only the other files of a bundle's layout)."""
+    empty folder or a Tandem bundle (regular files named in its tandem_bundle.json, that manifest and a
+    `compile_cache/` folder; or, for a bundle written before manifests existed, config.json and only the other
+    files of a bundle's layout)."""
     out_dir = Path(out_dir)
     if not out_dir.exists() and not out_dir.is_symlink():
         return
@@ -116,7 +118,8 @@ def check_bundle_target(out_dir: str | Path, overwrite: bool = False) -> None:
     except BundleError as exc:
         raise BundleError(f"{refuse} its {MANIFEST_FILE} is unreadable ({exc})") from None
     for entry in entries:
-        if entry.name == MANIFEST_FILE:
+        if entry.name == MANIFEST_FILE or (entry.name == COMPILE_CACHE_FOLDER and entry.is_dir()
+                                           and not entry.is_symlink()):  # fmt: skip
             continue
         if entry.name not in listed:
             raise BundleError(f"{refuse} {entry.name} is not a file of the bundle (not in its {MANIFEST_FILE})")

@@ -1,0 +1,292 @@
+"""Compiled decode steps kept between starts: torch's compile artifacts, saved after a compile and loaded before the
+next one, keyed by everything the compiled graphs depend on.
+
+Contract:
+- `cache_key(bundle_path, config, native, dtype)` is the dict of what a compiled step depends on: the model and any
+  draft model (config.json and the weights' checksums, or names and sizes without a Tandem manifest), the served
+  dtype, the flags that change the graph (quantization, group size, int4 kernel, Tandem's CPU kernels on or
+  off), torch's intra-op thread count (inductor generates its CPU kernels for it), Tandem's graph code (a hash of
+  the decoder's and the compiled wrapper's source), torch's and Python's versions, and the CPU (model name and
+  instruction-set flags from /proc/cpuinfo). `digest(key)` names its entry.
+- An entry is a folder `<cache dir>/<digest>/` holding `torch/`, a torch inductor cache folder (the FX graphs,
+  AOTAutograd entries, generated sources and their compiled libraries for this key's graphs), and `manifest.json`
+  (the key, and every file of `torch/` with its size and SHA-256). It is written into a temporary sibling and
+  renamed into place: a reader sees a whole entry or none.
+- `CompileCache(dirs, save_dir, key)`: `with cache.compiling():` around the warm-up compile. It looks in each
+  folder in order (a bundle's own `compile_cache/`, then `--compile-cache`) for an entry whose manifest holds
+  exactly this key and whose files all match it, copies its `torch/` into a private working folder, and points
+  torch's inductor caches there for the compile (so every graph is found compiled, its libraries included: no C++
+  compiler runs); without one the working folder starts empty and the compile fills it. Another key is a miss,
+  never a load; a torn, corrupt or unreadable entry is logged, reported in the choice and skipped, never an error.
+  `finish(compiled)` saves the working folder as this key's entry into `save_dir` after a miss (or after a hit for
+  which torch still compiled a graph anew: the entry then gains it), removes the working folder (every library is
+  loaded by then), and returns the `compile_cache` choice: hit (where from, and how many graphs torch found in its
+  caches), or miss (saved where, or why not).
+- No environment switch: the folder is `EngineConfig.compile_cache` ('off': torch's own caches only, untouched).
+  Torch's inductor cache folder is pointed at the working folder only for the compile, and put back after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from inference_svc.executor.plan import Choice
+from shared_model.bundle import COMPILE_CACHE_FOLDER
+
+TORCH_FOLDER = "torch"
+MANIFEST = "manifest.json"
+BUNDLE_FOLDER = COMPILE_CACHE_FOLDER
+"""The folder inside a bundle where `tandem warm` writes entries (read before `--compile-cache`)."""
+FORMAT = 2
+_GRAPH_SOURCES = (
+    "shared_model/serving_model.py",
+    "shared_model/compiled.py",
+    "shared_model/quantize.py",
+    "shared_model/attention.py",
+    "shared_model/model.py",
+    "inference_svc/attention/native_cpu.py",
+)
+"""Tandem's files whose code the compiled graphs trace or call (a change to them makes every old entry a miss)."""
+log = logging.getLogger(__name__)
+
+
+def cache_key(bundle_path: str | Path, config: object, native: bool, dtype: torch.dtype) -> dict[str, str]:
+    """What a compiled step depends on (see the module docstring); every value a string."""
+    draft = getattr(config, "draft_model_path", None)
+    return {
+        "format": str(FORMAT),
+        "model": model_fingerprint(Path(bundle_path)),
+        "draft": "none" if draft is None else model_fingerprint(Path(draft)),  # its graphs are compiled too
+        "dtype": str(dtype).removeprefix("torch."),
+        "quantization": f"{config.quantization}/{config.quantization_group_size}/{config.int4_kernel}",  # type: ignore[attr-defined]
+        "cpu_kernels": "tandem" if native else "off",
+        "threads": str(torch.get_num_threads()),  # inductor's CPU kernels are generated for this many threads
+        "graph_code": _code_hash(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu_identity(),
+    }
+
+
+def digest(key: dict[str, str]) -> str:
+    """The entry's folder name: 20 hex digits of the key's SHA-256."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def model_fingerprint(folder: Path) -> str:
+    """SHA-256 of config.json and the weights' checksums from tandem_bundle.json (names and sizes without one)."""
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    try:
+        files = json.loads((folder / "tandem_bundle.json").read_text())["files"]
+        weights = sorted((n, e["sha256"]) for n, e in files.items() if n.endswith(".safetensors"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        weights = sorted((p.name, str(p.stat().st_size)) for p in folder.glob("*.safetensors"))
+    h.update(json.dumps(weights).encode())
+    return h.hexdigest()[:32]
+
+
+def cpu_identity(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """'model name | sorted flags' of the first CPU (platform.machine() where /proc/cpuinfo is unreadable)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return platform.machine() or "unknown"
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the first processor's block
+        name, _, value = line.partition(":")
+        fields[name.strip()] = value.strip()
+    flags = " ".join(sorted(fields.get("flags", "").split()))
+    return f"{fields.get('model name', platform.machine())} | {hashlib.sha256(flags.encode()).hexdigest()[:16]}"
+
+
+def _code_hash() -> str:
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for rel in _GRAPH_SOURCES:
+        path = root / rel
+        h.update(rel.encode() + (path.read_bytes() if path.exists() else b"-"))
+    return h.hexdigest()[:16]
+
+
+def bundle_cache_dir(bundle_path: str | Path) -> Path:
+    return Path(bundle_path) / BUNDLE_FOLDER
+
+
+def _counts() -> tuple[int, int]:
+    """(inductor graphs found in torch's caches, graphs compiled anew) so far in this process."""
+    from torch._dynamo.utils import counters
+
+    c = counters["inductor"]
+    return c["fxgraph_cache_hit"], c["fxgraph_cache_miss"] + c["fxgraph_cache_bypass"]
+
+
+def _files(folder: Path) -> dict[str, dict[str, object]]:
+    """{relative path: {bytes, sha256}} of the regular files under `folder` (torch's lock files left out)."""
+    out: dict[str, dict[str, object]] = {}
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if path.is_file() and not path.is_symlink() and not rel.startswith("locks/") and not rel.endswith(".lock"):
+            data = path.read_bytes()
+            out[rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return out
+
+
+@dataclass
+class CompileCache:
+    """One engine's use of the compile cache (see the module docstring)."""
+
+    dirs: Sequence[Path]
+    """Folders read, in order."""
+    save_dir: Path | None
+    """Where a miss is saved (None: not saved)."""
+    key: dict[str, str]
+    loaded_from: Path | None = None
+    problems: list[str] = field(default_factory=list)
+    work: Path | None = None
+    """The private torch cache folder of this compile."""
+    _before: tuple[int, int] = (0, 0)
+
+    @property
+    def name(self) -> str:
+        return digest(self.key)
+
+    @contextlib.contextmanager
+    def compiling(self) -> Iterator[None]:
+        """Load a matching entry (or start empty) and point torch's inductor caches at the working folder."""
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+        if not self.dirs and self.save_dir is None:  # 'off': torch's own caches, as without Tandem's
+            yield
+            return
+        self.work = Path(tempfile.mkdtemp(prefix=f"tandem-compile-{self.name}-"))
+        self.load()
+        self._before = _counts()
+        with temporary_cache_dir(str(self.work)):
+            yield
+
+    def load(self) -> bool:
+        """Copy the first matching entry's torch folder into the working folder; whether one was."""
+        assert self.work is not None
+        for folder in self.dirs:
+            entry = folder / self.name
+            if not entry.exists():
+                continue
+            try:
+                listed = self._listed(entry)
+                shutil.copytree(entry / TORCH_FOLDER, self.work, dirs_exist_ok=True)
+                _verify(_files(self.work), listed)  # the copy itself: what the compile will read
+            except Exception as exc:  # a corrupt entry: reported and skipped, never fatal
+                self.problems.append(f"{entry}: {type(exc).__name__}: {exc}")
+                log.warning("compile cache: ignoring the entry %s (%s: %s)", entry, type(exc).__name__, exc)
+                shutil.rmtree(self.work, ignore_errors=True)
+                self.work.mkdir()
+                continue
+            self.loaded_from = entry
+            return True
+        return False
+
+    def _listed(self, entry: Path) -> dict:
+        """The entry's file list, once its manifest is known to hold exactly this key."""
+        manifest = json.loads((entry / MANIFEST).read_text())
+        if not isinstance(manifest, dict) or manifest.get("key") != self.key:
+            found = manifest.get("key", {}) if isinstance(manifest, dict) else {}
+            differ = sorted(k for k in self.key if not isinstance(found, dict) or found.get(k) != self.key[k])
+            raise ValueError(f"another key ({', '.join(differ) or 'format'} differ)")
+        listed = manifest.get("files")
+        if not isinstance(listed, dict) or not listed:
+            raise ValueError(f"{MANIFEST} lists no files")
+        return listed
+
+    def finish(self, compiled: bool) -> Choice:
+        """After the warm-up compile: save on a miss, drop the working folder, and the `compile_cache` choice."""
+        hits, misses = (a - b for a, b in zip(_counts(), self._before, strict=True))
+        notes = f" ({'; '.join(self.problems)})" if self.problems else ""
+        try:
+            if not compiled:
+                return Choice("compile_cache", "unused", f"the step was not compiled{notes}")
+            if self.loaded_from is not None:
+                anew = f", {misses} compiled anew" if misses else ""
+                if misses and self.save_dir is not None and self.work is not None:
+                    try:  # the entry, with the graphs it lacked (e.g. another decoder handle in the same process)
+                        anew += f" and added to {save_entry(self.save_dir, self.key, self.work)}"
+                    except OSError as exc:
+                        anew += f" (not saved: {exc})"
+                return Choice("compile_cache", "hit", f"{self.name} from {self.loaded_from.parent}: {hits} graphs "
+                              f"from torch's caches{anew}{notes}")  # fmt: skip
+            if self.save_dir is None:
+                return Choice("compile_cache", "miss", f"{self.name}: no entry; not saved{notes}")
+            try:
+                assert self.work is not None
+                where = save_entry(self.save_dir, self.key, self.work)
+            except OSError as exc:
+                log.warning("compile cache: cannot save into %s (%s)", self.save_dir, exc)
+                why = f"{self.name}: no entry{notes}; cannot save into {self.save_dir}: {exc}"
+                return Choice("compile_cache", "miss", why)
+            return Choice("compile_cache", "miss", f"{self.name}: no entry{notes}; compiled and saved to {where}")
+        finally:
+            if self.work is not None:
+                shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _verify(found: dict, listed: dict) -> None:
+    if found != listed:
+        bad = sorted(set(listed) ^ set(found) | {n for n in listed if found.get(n) != listed[n]})
+        raise ValueError(
+            f"{len(bad)} file(s) differ from the manifest (size or SHA-256), e.g. {bad[0]}: torn or corrupt"
+        )
+
+
+def save_entry(folder: Path, key: dict[str, str], torch_dir: Path) -> Path:
+    """Write `torch_dir` (a torch inductor cache folder) as the entry of `key` under `folder`, atomically; its path.
+    OSError when it holds nothing or cannot be written."""
+    files = _files(torch_dir)
+    if not files:
+        raise OSError(f"the compile left nothing in {torch_dir}")
+    folder.mkdir(parents=True, exist_ok=True)
+    entry = folder / digest(key)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=folder))
+    try:
+        for rel in files:
+            (tmp / TORCH_FOLDER / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(torch_dir / rel, tmp / TORCH_FOLDER / rel)
+        if _files(tmp / TORCH_FOLDER) != files:
+            raise OSError(f"{torch_dir} changed while it was being saved")
+        manifest = {"key": key, "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        if entry.exists():
+            shutil.rmtree(entry)
+        os.replace(tmp, entry)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return entry
+
+
+def open_cache(setting: str, bundle_path: str | Path, key: dict[str, str]) -> CompileCache:
+    """The cache an engine uses: `setting` is `EngineConfig.compile_cache` (a folder, '~' expanded, or 'off'). The
+    bundle's own `compile_cache/` is read first; a miss is saved into `setting`'s folder (`tandem warm` names the
+    bundle's own folder there)."""
+    if setting == "off":
+        return CompileCache((), None, key)
+    own = Path(os.path.expanduser(setting))
+    bundle_dir = bundle_cache_dir(bundle_path)
+    dirs = (bundle_dir,) if own.resolve() == bundle_dir.resolve() else (bundle_dir, own)
+    return CompileCache(dirs, own, key)
+
+
+def unused() -> Choice:
+    return Choice("compile_cache", "unused", "the step is not compiled")
