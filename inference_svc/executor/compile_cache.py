@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+import tandem_native
 from inference_svc.executor.plan import Choice
 from shared_model.bundle import COMPILE_CACHE_FOLDER
 
@@ -72,6 +73,8 @@ def cache_key(bundle_path: str | Path, config: object, native: bool, dtype: torc
         "dtype": str(dtype).removeprefix("torch."),
         "quantization": f"{config.quantization}/{config.quantization_group_size}/{config.int4_kernel}",  # type: ignore[attr-defined]
         "cpu_kernels": "tandem" if native else "off",
+        "native_build": tandem_native.build_dir().name if native else "none",  # the custom ops the graphs call
+        "speculative": str(getattr(config, "speculative", "off")),  # picks the projections' row table
         "threads": str(torch.get_num_threads()),  # inductor's CPU kernels are generated for this many threads
         "graph_code": _code_hash(),
         "torch": torch.__version__,

@@ -56,6 +56,11 @@ def test_the_key_names_what_the_graphs_depend_on(qwen3_dir: Path) -> None:
     for field, value in [("torch", "0.0.0"), ("cpu", "Other CPU | 0"), ("model", "x"), ("dtype", "bfloat16")]:
         assert digest(_key(qwen3_dir, **{field: value})) != digest(key), field
     assert cache_key(qwen3_dir, EngineConfig(quantization="int8"), False, torch.float32) != key
+    assert cache_key(qwen3_dir, EngineConfig(speculative="ngram"), False, torch.float32) != key  # the row table
+    if tandem_native.available():  # the custom ops' library is part of what a graph calls
+        assert (
+            cache_key(qwen3_dir, EngineConfig(), True, torch.float32)["native_build"] == tandem_native.build_dir().name
+        )
 
 
 def test_an_entry_of_another_key_is_a_miss_not_a_load(qwen3_dir: Path, tmp_path: Path) -> None:
