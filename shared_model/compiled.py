@@ -24,7 +24,10 @@ Contract:
     in order because each layer's output is the next one's input. It returns a contiguous tensor of q's shape and
     dtype (what the decoder expects of a backend).
   The engine passes a traced backend for decode-only steps where the C++ kernels read its cache
-  (`inference_svc.engine.model_runner`), and its per-step Python backend otherwise.
+  (`inference_svc.engine.model_runner`), and its per-step Python backend otherwise. Why the split: the Python
+  backends plan on the host (block tables and lengths read into lists, a branch per chunk), which a graph cannot
+  trace, and they serve every ops and cache kind; a decode-only step needs no plan, and is the step whose
+  per-layer Python cost matters.
 - Shapes: the token axis is dynamic, so one graph serves every T >= 2 (prefill chunks, verify steps, batched decodes)
   and one T == 1 (a lone decode; torch specialises size 1). A model that branches on T has one graph per branch: a
   quantized projection takes its packed kernel up to `PACKED_MAX_ROWS` rows, so T in 2..4 and T >= 5 are two graphs;
