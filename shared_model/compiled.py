@@ -111,6 +111,11 @@ class GraphBackend(OpaqueBase):
     def __init__(self, backend: AttentionBackend) -> None:
         self.backend = backend
 
+    def __reduce__(self) -> tuple[type[GraphBackend], tuple[None]]:
+        """How inductor's graph cache keys it: as any backend (a run-time input, never part of the graph), so a
+        graph that saw one is cached across processes like every other."""
+        return GraphBackend, (None,)
+
 
 register_opaque_type(GraphBackend, typ="reference")
 _LIBRARY = torch.library.Library("tandem", "FRAGMENT")  # the native library adds its own fragments
