@@ -15,7 +15,7 @@ Contract:
     and block-table width.
   - Any other `AttentionBackend` stays eager and opaque: each `backend(layer, q, k, v, scale)` call is the custom
     op `tandem::attention(backend, layer, q, k, v, scale)`, whose first argument is the backend itself, wrapped as
-    an opaque reference object (`GraphBackend`, torch's opaque-object support): dynamo passes it into the graph as
+    an opaque reference object (`GraphBackend`, torch 2.13's opaque objects): dynamo passes it into the graph as
     an input and guards only its type, and the op's Python implementation calls it. So any backend works unchanged
     (its plans, host-side logic and cache writes are never traced), with no registry: the op finds nothing, it is
     given the backend. These graphs run under inductor's Python wrapper (its C++ wrapper cannot pass a Python
