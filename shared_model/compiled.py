@@ -57,10 +57,10 @@ Contract:
   model's step (docs/benchmarks.md). A served model's modules do not change after it was prepared, merged and
   quantized: the one attribute the graph reads that may change, `ServingLinear.row_table`, is set once here and
   only reset when the compiled forward is dropped (a failed compile, `release_row_kernels`), after which no graph
-  runs. The guards that remain check the inputs' shapes and dtypes and the backend's type. The parameters are
-  graph inputs read from the module at each call, so two decoders of one architecture (a target and a same-shaped
-  draft model) share graphs and each runs its own weights; they must then have the same row table (the engine
-  gives both its one choice).
+  runs. The guards that remain check the inputs' shapes and dtypes and the backend's type. Nothing in them tells
+  two decoders of one architecture apart (a target and a same-shaped draft model), so each `CompiledDecoder`
+  compiles its own copy of the forward's code object (`_own_forward`): dynamo keeps graphs per code object, and a
+  decoder's calls only ever meet its own graphs (its own row table, quantization and weights).
 - One decoder at a time per process runs calls through its graphs: the 'fail_on_recompile' stance is dynamo's
   process-wide state, so a second decoder compiling while another is inside a call would be refused as a
   recompile. The engine is single-threaded, and a server holds one engine.
