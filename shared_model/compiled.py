@@ -1,18 +1,33 @@
-"""A compiled forward of the one decoder, for serving: torch.compile around an opaque attention call.
+"""A compiled forward of the one decoder, for serving: torch.compile around the attention calls.
 
 Contract:
 - `CompiledDecoder(model)` wraps a `ServingDecoder` (`shared_model.serving_model`, quantized or not) and offers
   `hidden_states(input_ids, positions, backend)` with the decoder's own contract. The decoder's code is not changed
   or copied: `torch.compile` (inductor) traces `ServingDecoder.hidden_states` itself, and
   fuses what lies between the projections (norms, RoPE, SiLU·mul, residual adds) into a few generated kernels.
-- The attention backend stays eager and opaque: inside the compiled graph every `backend(layer, q, k, v, scale)`
-  call is the custom op `tandem::attention`, whose implementation calls the backend this decoder was given for the
-  current call. So any `AttentionBackend` works unchanged (its plans, host-side logic and cache writes are never
-  traced), and the graph does not depend on the context length, block tables or which backend runs.
-  The op returns a contiguous tensor of q's shape and dtype (what the decoder expects of a backend).
-  `CompiledDecoder(model, attention_op=op)` has the graph call `op` instead: an operator of the same schema, with a
-  fake kernel, that passes to `tandem::attention` every call it does not serve itself (the engine's C++ decode
-  attention, `inference_svc.attention.native_cpu.GraphAttention`, serves decode-only steps without Python).
+- Attention, two ways, chosen by the backend the caller passes for the call:
+  - A traced backend (`traced = True` on its class, e.g. `inference_svc.attention.native_cpu.GraphDecode`) holds
+    everything its layers need as tensors (the KV cache, the step's metadata) and its `__call__` is one call of a
+    tensor-only operator (`tandem::paged_attention`, whose schema declares the cache mutated): dynamo traces it,
+    so the cache and metadata are graph inputs, read at each call, and the operator runs from inside the graph
+    with no Python (on the CPU, under a C++ wrapper). Its `mark_dynamic()` marks the metadata's sizes unbacked
+    while the graphs compile: they reach only the operator, so one graph serves every batch size, context length
+    and block-table width.
+  - Any other `AttentionBackend` stays eager and opaque: each `backend(layer, q, k, v, scale)` call is the custom
+    op `tandem::attention(backend, layer, q, k, v, scale)`, whose first argument is the backend itself, wrapped as
+    an opaque reference object (`GraphBackend`, torch 2.13's opaque objects): dynamo passes it into the graph as
+    an input and guards only its type, and the op's Python implementation calls it. So any backend works unchanged
+    (its plans, host-side logic and cache writes are never traced), with no registry: the op finds nothing, it is
+    given the backend. These graphs run under inductor's Python wrapper (its C++ wrapper cannot pass a Python
+    object to an operator). The op declares no mutated arguments although a paged backend writes its cache:
+    those writes go to tensors that are not graph inputs and that the graph never reads, and the layers' calls stay
+    in order because each layer's output is the next one's input. It returns a contiguous tensor of q's shape and
+    dtype (what the decoder expects of a backend).
+  The engine passes a traced backend for decode-only steps where the C++ kernels read its cache
+  (`inference_svc.engine.model_runner`), and its per-step Python backend otherwise. Why the split: the Python
+  backends plan on the host (block tables and lengths read into lists, a branch per chunk), which a graph cannot
+  trace, and they serve every ops and cache kind; a decode-only step needs no plan, and is the step whose
+  per-layer Python cost matters.
 - Shapes: the token axis is dynamic, so one graph serves every T >= 2 (prefill chunks, verify steps, batched decodes)
   and one T == 1 (a lone decode; torch specialises size 1). A model that branches on T has one graph per branch: a
   quantized projection takes its packed kernel up to `PACKED_MAX_ROWS` rows, so T in 2..4 and T >= 5 are two graphs;
@@ -22,18 +37,15 @@ Contract:
   'fail_on_recompile' stance), before anything ran, and runs the same decoder eagerly instead; `eager_calls` counts
   those calls and the first is logged. So serving never stalls on a compile.
 - Wrapper: no size, stride or alignment asserts (`_OPTIONS`), and on the CPU a C++ wrapper around the generated
-  kernels (`_CPU_OPTIONS`); both measured, see there.
+  kernels of the traced backends' graphs (`_CPU_OPTIONS`): each kernel and operator call of the graph no longer
+  pays for Python (docs/benchmarks.md has the measurements).
 - Numerics: the fused kernels may round differently from eager (the same maths in another order), so the compiled
   forward is not bit-equal to the eager one: it is checked against it by greedy-token equality and a logit
   tolerance (tests/inference_svc/engine/test_compiled_engine.py). Inductor's `emulate_precision_casts` is on: a
   fused kernel rounds each op's result to its dtype (bf16) as eager would, instead of keeping it in fp32 up to the
-  kernel's end. Without it the T == 1 and T >= 2 graphs, fused differently, rounded a bf16 row differently: every
-  verify row of a 30M bf16 model differed from its decode row in the logits (up to 0.06), with it none does, as in
-  fp32 (ad-hoc check over 478 rows, 2026-12-02). Inference only: run it under
+  kernel's end. Without it the T == 1 and T >= 2 graphs, fused differently, round a bf16 row differently (a verify row's
+  logits then differ from its decode row's; docs/benchmarks.md). Inference only: run it under
   `torch.inference_mode()`, with inputs made there too (dynamo's guards check the tensors' dispatch keys).
-- The op declares no mutated arguments although a paged backend writes its cache: those writes go to tensors that
-  are not graph inputs and that the graph never reads, and the layers' calls stay in order because each layer's
-  output is the next one's input.
 - An fp32 or bf16 model's projections run Tandem's row kernels inside the graph by the row table the caller chose
   (`CompiledDecoder(model, row_table=...)`, `serving_model.compiled_row_table`, set by
   `serving_model.set_row_kernels`; the module's own eager forward then uses it too, until `release_row_kernels()`):
@@ -41,12 +53,14 @@ Contract:
   serves.
 - `compiler_available()` says whether inductor can build kernels here (on CPU it needs a C++ compiler).
 - Guards: dynamo checks before each call that its graph still applies. Here the guards on module state (every
-  parameter and attribute of the model's modules) are dropped: checking them cost 0.3-0.6 ms a step on the 82M
-  model, 2026-12-02 (torch's profiler, "TorchDynamo Cache Lookup"; 70 us without). A served model's modules do not
-  change after it was prepared, merged and quantized: the one attribute the graph reads that may change,
-  `ServingLinear.row_table`, is set once here and only reset when the compiled forward is dropped (a failed
-  compile, `release_row_kernels`), after which no graph runs. The guards that remain check the inputs' shapes,
-  dtypes and the backend's handle, which tells the graphs of two decoders (a target and its draft model) apart.
+  parameter and attribute of the model's modules) are dropped: checking them cost a sizeable part of a small
+  model's step (docs/benchmarks.md). A served model's modules do not change after it was prepared, merged and
+  quantized: the one attribute the graph reads that may change, `ServingLinear.row_table`, is set once here and
+  only reset when the compiled forward is dropped (a failed compile, `release_row_kernels`), after which no graph
+  runs. The guards that remain check the inputs' shapes and dtypes and the backend's type. Nothing in them tells
+  two decoders of one architecture apart (a target and a same-shaped draft model), so each `CompiledDecoder`
+  compiles its own copy of the forward's code object (`_own_forward`): dynamo keeps graphs per code object, and a
+  decoder's calls only ever meet its own graphs (its own row table, quantization and weights).
 - One decoder at a time per process runs calls through its graphs: the 'fail_on_recompile' stance is dynamo's
   process-wide state, so a second decoder compiling while another is inside a call would be refused as a
   recompile. The engine is single-threaded, and a server holds one engine.
@@ -54,59 +68,69 @@ Contract:
 
 from __future__ import annotations
 
-import itertools
 import logging
 import shutil
 import time
-import weakref
+import types
 from collections.abc import Callable
 
 import torch
+from torch._library.opaque_object import get_opaque_type_name, register_opaque_type
+from torch._opaque_base import OpaqueBase
 
 from shared_model.attention import AttentionBackend
 from shared_model.serving_model import RowTable, ServingDecoder, set_row_kernels
 
-_DECODERS: weakref.WeakValueDictionary[int, CompiledDecoder] = weakref.WeakValueDictionary()
-"""handle -> each live decoder (the custom op finds the backend of the call in flight there)."""
-_HANDLES = itertools.count()
 _OPTIONS = {
     "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
     "emulate_precision_casts": True,
     "size_asserts": False,
     "alignment_asserts": False,
 }
-"""No guards on module attributes (checking them cost 0.3-0.6 ms a step), each op's result rounded to its dtype as
-eager rounds it, whatever the fusion (see the module docstring), and no size, stride or alignment asserts in the
-generated wrapper. Those asserts re-check, at every call, the graph's inputs (the activations, which dynamo's guards
-have just checked, and the parameters, which no guard checks: a served model's are never replaced after warm-up, the
-invariant the dropped module guards rely on too) and the outputs of the opaque ops: `tandem::attention` (whose
-implementation refuses a result of another shape and returns it contiguous in q's dtype, as its fake kernel
-promises) and Tandem's packed GEMV operators (fresh contiguous results). On the 82M int4 model the asserts cost
-0.19-0.32 ms of a 3.2-3.7 ms step (2 threads; an ad-hoc A/B with two engines in one process, alternating 12
-requests each way, 10/12 and 11/12 pairs faster without)."""
+"""No guards on module attributes, each op's result rounded to its dtype as eager rounds it, whatever the fusion
+(see the module docstring), and no size, stride or alignment asserts in the generated wrapper. Those asserts
+re-check, at every call, the graph's inputs (the activations, which dynamo's guards have just checked, and the
+parameters, which no guard checks: a served model's are never replaced after warm-up, the invariant the dropped
+module guards rely on too) and the outputs of the operators: `tandem::attention` (whose implementation refuses a
+result of another shape and returns it contiguous in q's dtype, as its fake kernel promises), `tandem::paged_attention`
+(the same, from C++) and Tandem's packed GEMV operators (fresh contiguous results). Their cost:
+docs/benchmarks.md."""
 _CPU_OPTIONS = {"cpp_wrapper": True}
-"""On the CPU, a C++ wrapper around the generated kernels instead of a Python one: each kernel and opaque-op call of
-the graph no longer pays for Python. On the 82M int4 model it took 0.17-0.32 ms off a 3.1-3.6 ms step (2 threads;
-the same A/B, 11/12 pairs faster both ways round) and added about 25 s to a cold compile (77 s against 52 s). Not
-on CUDA: nothing here has measured it there."""
+"""On the CPU, a C++ wrapper around a traced backend's graphs instead of a Python one: each kernel and operator call
+of the graph no longer pays for Python, for a longer cold compile (docs/benchmarks.md). Not for the opaque
+backends' graphs (it cannot pass a Python object to an operator), and not on CUDA (not measured there)."""
 _RECOMPILE = "Detected recompile"
 """The start of the RuntimeError dynamo raises under the 'fail_on_recompile' stance."""
 log = logging.getLogger(__name__)
 
 
+class GraphBackend(OpaqueBase):
+    """An `AttentionBackend` as the graph's `tandem::attention` receives it: an opaque reference object (dynamo
+    guards its type only and passes it into the graph as an input; the op's implementation calls `backend`)."""
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        self.backend = backend
+
+    def __reduce__(self) -> tuple[type[GraphBackend], tuple[None]]:
+        """How inductor's graph cache keys it: as any backend (a run-time input, never part of the graph), so a
+        graph that saw one is cached across processes like every other."""
+        return GraphBackend, (None,)
+
+
+register_opaque_type(GraphBackend, typ="reference")
 _LIBRARY = torch.library.Library("tandem", "FRAGMENT")  # the native library adds its own fragments
-"""The `tandem::attention` operator, declared through `torch.library.Library` rather than `torch.library.custom_op`:
-the latter's Python wrapper cost about 20 us a call more, once per layer and step (ad-hoc loop, 2026-12-02)."""
-_LIBRARY.define("attention(int handle, int layer_idx, Tensor q, Tensor k, Tensor v, float scale) -> Tensor")
+"""The `tandem::attention` operator, declared through `torch.library.Library` rather than `torch.library.custom_op`,
+whose Python wrapper costs more per call (once per layer and step)."""
+_LIBRARY.define(
+    f"attention({get_opaque_type_name(GraphBackend)} backend, int layer_idx, Tensor q, Tensor k, Tensor v, "
+    "float scale) -> Tensor"
+)
 
 
 def _attention(
-    handle: int, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    backend: GraphBackend, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    backend = _DECODERS[handle].current_backend
-    if backend is None:
-        raise RuntimeError("tandem::attention called outside a CompiledDecoder call")
-    out = backend(layer_idx, q, k, v, scale)  # [B, T, Hq, D]
+    out = backend.backend(layer_idx, q, k, v, scale)  # [B, T, Hq, D]
     if out.shape != q.shape:
         raise RuntimeError(f"tandem::attention: the backend returned {tuple(out.shape)} for q {tuple(q.shape)}")
     return out.to(q.dtype).contiguous()  # what the fake promises the graph: q's shape, dtype and layout
@@ -116,20 +140,38 @@ _LIBRARY.impl("attention", _attention, "CompositeExplicitAutograd")  # any devic
 
 
 @torch.library.register_fake("tandem::attention")
-def _(handle: int, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    del handle, layer_idx, k, v, scale
+def _(backend: object, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    del backend, layer_idx, k, v, scale
     return q.new_empty(q.shape)
 
 
-class _OpaqueBackend:
-    """The backend the compiled graph sees: one custom-op call per layer, resolved to the real backend at run time."""
+class _OpaqueCall:
+    """What the graph of an opaque backend calls per layer: `tandem::attention` with the backend as its argument."""
 
-    def __init__(self, handle: int, op: Callable[..., torch.Tensor]) -> None:
-        self.handle = handle
-        self.op = op
+    def __init__(self, backend: GraphBackend) -> None:
+        self.backend = backend
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        return self.op(self.handle, layer_idx, q, k, v, scale)
+        return torch.ops.tandem.attention(self.backend, layer_idx, q, k, v, scale)
+
+
+def _forward(
+    model: ServingDecoder, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+) -> torch.Tensor:
+    """The compiled function: the decoder's own `hidden_states` (each `CompiledDecoder` compiles a copy of this
+    function's code, so that its graphs are its own: dynamo keeps graphs per code object, and the module guards that
+    would tell two decoders apart are dropped)."""
+    return model.hidden_states(input_ids, positions, backend)
+
+
+def _own_forward() -> Callable[..., torch.Tensor]:
+    """A function of `_forward`'s code in a code object of its own."""
+    return types.FunctionType(_forward.__code__.replace(), _forward.__globals__, _forward.__name__)
+
+
+def is_traced(backend: object) -> bool:
+    """Whether `backend` is one the graph traces (tensor-only operators: the module docstring)."""
+    return getattr(type(backend), "traced", False) is True
 
 
 def compiler_available(device: torch.device) -> tuple[bool, str]:
@@ -153,31 +195,24 @@ def compiler_available(device: torch.device) -> tuple[bool, str]:
 
 
 class CompiledDecoder:
-    """`ServingDecoder.hidden_states` compiled by inductor, attention left to the caller's backend (module doc)."""
+    """`ServingDecoder.hidden_states` compiled by inductor, attention by the caller's backend (module doc)."""
 
-    def __init__(
-        self,
-        model: ServingDecoder,
-        attention_op: Callable[..., torch.Tensor] | None = None,
-        row_table: RowTable | None = None,
-    ) -> None:
+    def __init__(self, model: ServingDecoder, row_table: RowTable | None = None) -> None:
         """`row_table`: the projections' kernels by row count (`serving_model.compiled_row_table`); None keeps
         `torch.mv` / `F.linear` (the caller's choice of kernels)."""
         self.model = model
         self.row_table = row_table
         self.row_kernels = set_row_kernels(model, row_table)
         """Projections that run Tandem's row kernels by `row_table` (`serving_model.set_row_kernels`)."""
-        self.handle = next(_HANDLES)
-        _DECODERS[self.handle] = self
-        self.current_backend: AttentionBackend | None = None
-        self._opaque = _OpaqueBackend(self.handle, attention_op or torch.ops.tandem.attention)
-        # Every decoder's graphs are entries of the one code object ServingDecoder.hidden_states (a handle is a guarded
-        # constant, so they never share one): room for a few engines' 2-3 graphs each in one process.
+        # room for the graphs of each kind of backend and each branch of T (every decoder has its own code objects)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         options = dict(_OPTIONS)  # a copy: torch.compile pops guard_filter_fn from the dict it is given
+        self._opaque = torch.compile(_own_forward(), dynamic=None, fullgraph=True, options=dict(options))
+        """For opaque backends (through `tandem::attention`)."""
         if next(model.parameters()).device.type == "cpu":
             options.update(_CPU_OPTIONS)
-        self._compiled = torch.compile(model.hidden_states, dynamic=None, fullgraph=True, options=options)
+        self._traced = torch.compile(_own_forward(), dynamic=None, fullgraph=True, options=options)
+        """For traced backends (their tensor-only operators in the graph)."""
         self.compile_seconds: float | None = None
         """Seconds `warm_up` took (None before it ran)."""
         self.eager_calls = 0
@@ -194,23 +229,25 @@ class CompiledDecoder:
             # row count, such as 2, specializes to it: maybe_mark_dynamic allows that)
             torch._dynamo.maybe_mark_dynamic(input_ids, 1)
             torch._dynamo.maybe_mark_dynamic(positions, positions.dim() - 1)
-        self.current_backend = backend
+        if is_traced(backend):
+            compiled, graph_backend = self._traced, backend
+            if self.compile_seconds is None:  # compiling: the metadata's sizes reach only the operator
+                backend.mark_dynamic()  # type: ignore[attr-defined]
+        else:
+            compiled, graph_backend = self._opaque, _OpaqueCall(GraphBackend(backend))
+        if self.compile_seconds is None:
+            return compiled(self.model, input_ids, positions, graph_backend)
         try:
-            if self.compile_seconds is None:
-                return self._compiled(input_ids, positions, self._opaque)
-            try:
-                with torch.compiler.set_stance("fail_on_recompile"):
-                    return self._compiled(input_ids, positions, self._opaque)
-            except RuntimeError as exc:  # raised at the guard check, before the graph ran: nothing happened yet
-                if _RECOMPILE not in str(exc):
-                    raise
-                reason = _reason(exc)
-            self.eager_calls += 1
-            if self.eager_calls == 1:
-                log.warning("compiled decoder: no graph covers this step (%s); such steps run eagerly", reason)
-            return self.model.hidden_states(input_ids, positions, backend)
-        finally:
-            self.current_backend = None
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return compiled(self.model, input_ids, positions, graph_backend)
+        except RuntimeError as exc:  # raised at the guard check, before the graph ran: nothing happened yet
+            if _RECOMPILE not in str(exc):
+                raise
+            reason = _reason(exc)
+        self.eager_calls += 1
+        if self.eager_calls == 1:
+            log.warning("compiled decoder: no graph covers this step (%s); such steps run eagerly", reason)
+        return self.model.hidden_states(input_ids, positions, backend)
 
     def release_row_kernels(self) -> None:
         """Give the model back its eager projections (`torch.mv`, bit-equal to `F.linear`): when this compiled

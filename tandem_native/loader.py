@@ -10,10 +10,10 @@ Contract:
 - Once loaded, the operators exist (`torch.ops.tandem.*`), each with a fake kernel for tracing registered here, so
   a compiled step calls them through the dispatcher with no Python wrapper: `int8_gemv` (`shared_model.int8_gemv`),
   `int4_gemv` and `int4_dequantize` (`shared_model.int4_gemv`), `row_gemm` and `tile_gemm`
-  (`shared_model.serving_model`), `tile_gemm_int8` (`shared_model.quantize`) and
-  `paged_attention` (`inference_svc.attention.native_cpu`). The module's own functions (`decode_attention`,
-  `store_kv`, `decode_step`, the graph binding calls, `truncation_thresholds`, `sample_rows`, `int8_gemv`,
-  `tile_gemm_ready`) are called from Python directly.
+  (`shared_model.serving_model`), `tile_gemm_int8` (`shared_model.quantize`) and `paged_attention`
+  (`inference_svc.attention.native_cpu`). The module's own functions (`decode_attention`, `store_kv`,
+  `decode_step`, `truncation_thresholds`, `sample_rows`, `int8_gemv`, `tile_gemm_ready`) are called from Python
+  directly.
 - The build: torch's extension builder compiles `SOURCES` with `FLAGS` in `~/.cache/tandem/native/<hash>/`, the
   hash covering the sources' and `HEADERS`' names and text, the flags, torch's and Python's versions and the
   compiler. The sources are copied there first and built from the copies, so every clone of the same commit
@@ -213,9 +213,19 @@ def _register_fakes() -> None:
         return scales_and_zeros.new_empty((codes.shape[0], 2 * codes.shape[1]))
 
     @torch.library.register_fake("tandem::paged_attention")
-    def _(handle: int, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        del handle, layer_idx, k, v, scale
-        return q.new_empty(q.shape)  # contiguous, q's shape and dtype: what decode_step and tandem::attention return
+    def _(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer_idx: int,
+        slot_mapping: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        del k, v, kv_cache, layer_idx, slot_mapping, context_lens, block_tables, scale
+        return q.new_empty(q.shape)  # contiguous, q's shape and dtype: what decode_step returns
 
 
 def main(argv: list[str] | None = None) -> int:

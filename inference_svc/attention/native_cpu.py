@@ -12,24 +12,23 @@ Contract:
   for all of them. A query's result does not depend on the others in the batch, bit for bit. Lengths and block
   ids are checked against the cache.
 - `store_kv(k, v, k_cache, v_cache, slot_mapping)`: both caches' stores in one call (cast to the cache's dtype).
-- Why: on the 82M model a decode step spent about 150-200 µs per layer in attention under torch's profiler
-  (2026-12-02), most of it a dozen small torch ops (views, casts, two stores, SDPA's set-up) for one query over a
-  few hundred cached tokens.
-- `GraphAttention.bind(handle, cache)`: the C++ operator `torch.ops.tandem.paged_attention`, which a compiled
-  decoder's graph calls in place of `tandem::attention` (`shared_model.compiled.CompiledDecoder(attention_op=)`),
-  bound to that decoder's KV cache (once per decoder: a second binding is refused). Between `begin(meta)` and
-  `end()` of a decode-only step (every token a decode query: plain decodes, verify items), each layer's call
-  runs `decode_step` over the bound caches in C++: the same function, so the same results, as the Python backend
-  would call, without the per-layer Python (the custom op's dispatch into Python and the backend's own code,
-  about 30 µs a layer in the profiler, 2026-12-03). Every other call goes to `tandem::attention`. `calls()`
-  counts the layer calls that ran in C++. The caches stay bound until the `GraphAttention` is collected.
-  `GraphAttention.bind` returns None where the C++ kernels cannot run, or cannot read this cache (fp8/int8 with
-  scales, a dtype they lack, a head size not a multiple of 16).
+- Why: a decode step's attention per layer is a few hundred cached tokens per query; as a dozen small torch ops
+  (views, casts, two stores, SDPA's set-up) it cost more than the attention itself (docs/benchmarks.md).
+- `GraphDecode(cache, meta)`: one decode-only step's attention (every token a decode query: plain decodes, verify
+  items) as a backend that a compiled decoder traces (`traced = True`, `shared_model.compiled`): each layer's call
+  is the C++ operator `tandem::paged_attention(q, k, v, kv_cache, layer, slot_mapping, context_lens,
+  block_tables, scale)`, which runs `decode_step` over that layer of the cache: the same function, so the same
+  results, as the Python backend (`paged.PagedAttention` over the torch ops) would call, without Python per layer.
+  The cache (the `KVCache`'s one tensor, `data`, which the operator writes in place: its schema says so) and the
+  metadata are the object's tensors, so the graph takes them as inputs at every call: nothing is bound or
+  registered anywhere, the `KVCache` stays their one owner. `mark_dynamic()` marks the metadata's sizes unbacked
+  (for the compile). `GraphDecode.serves(cache)` says whether the C++ kernel reads this cache (unscaled, a dtype it
+  has, a head size a multiple of 16, on the CPU, with the library built here); `GraphDecode.covers(meta)` whether
+  a step is decode-only.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,42 +54,45 @@ def reads(cache: torch.Tensor, head_dim: int) -> bool:
     return cache.dtype in NATIVE_DTYPES and head_dim % 16 == 0
 
 
-class GraphAttention:
-    """One compiled decoder's `tandem::paged_attention`, bound to its KV cache (see the module docstring)."""
+class GraphDecode:
+    """A decode-only step's attention over one cache, traced into a compiled graph (see the module docstring)."""
 
-    def __init__(self, native: Any, handle: int, cache: KVCache) -> None:
-        self._native = native
-        self.handle = handle
-        layers = [cache.layer(i) for i in range(cache.data.shape[0])]  # [num_blocks, block_size, Hkv, D] each
-        native.bind_caches(handle, [k for k, _ in layers], [v for _, v in layers])
-        weakref.finalize(self, native.unbind, handle)
+    traced = True
+    """`shared_model.compiled` traces this backend's calls (tensor-only operators) instead of calling it opaquely."""
 
-    @classmethod
-    def operator(cls, cache: KVCache) -> Any | None:
-        """The graph operator for decoders over `cache`, or None where the C++ kernels cannot serve it."""
+    def __init__(self, cache: KVCache, meta: AttentionMetadata) -> None:
+        own = _own_storage  # guards would pin a view's storage offset (the decode step's slots are one)
+        self.kv_cache = cache.data  # [L, 2, num_blocks, block_size, Hkv, D], written in place
+        self.slot_mapping = own(meta.slot_mapping)  # [T] int64
+        self.context_lens = own(meta.decode_context_lens)  # [T] int32
+        self.block_tables = own(meta.decode_block_tables)  # [T, max_blocks] int32
+
+    @staticmethod
+    def serves(cache: KVCache) -> bool:
+        """Whether the C++ kernel reads `cache` here (else every step takes the Python backend)."""
         k_cache, _ = cache.layer(0)
         if not k_cache.is_cpu or cache.scales is not None or not reads(k_cache, k_cache.shape[-1]):
-            return None
-        if extension() is None:
-            return None
-        return torch.ops.tandem.paged_attention
-
-    @classmethod
-    def bind(cls, handle: int, cache: KVCache) -> GraphAttention | None:
-        """Decoder `handle`'s operator bound to `cache`, or None where `operator(cache)` is None."""
-        return cls(extension(), handle, cache) if cls.operator(cache) is not None else None
-
-    def begin(self, meta: AttentionMetadata) -> bool:
-        """Open a step: True (its layers then run in C++) for a decode-only step, False for any other."""
-        if meta.num_decode_tokens != int(meta.slot_mapping.shape[0]):
             return False
-        self._native.begin_decode(self.handle, meta.slot_mapping, meta.decode_context_lens, meta.decode_block_tables)
-        return True
+        return extension() is not None
 
-    def end(self) -> None:
-        """Close the open step (its metadata released)."""
-        self._native.end_decode(self.handle)
+    @staticmethod
+    def covers(meta: AttentionMetadata) -> bool:
+        """Whether the step is decode-only (every token a decode query)."""
+        return meta.num_decode_tokens == int(meta.slot_mapping.shape[0])
 
-    def calls(self) -> int:
-        """Layer calls that ran in C++ so far."""
-        return int(self._native.graph_calls(self.handle))
+    def mark_dynamic(self) -> None:
+        """Mark every size of the metadata unbacked: the graph passes them to the operator only, so one graph
+        serves every batch size and block-table width."""
+        for t in (self.slot_mapping, self.context_lens, self.block_tables):
+            for dim in range(t.dim()):
+                torch._dynamo.decorators.mark_unbacked(t, dim)
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        # q: [1, T, Hq, D]; k, v: [1, T, Hkv, D] -> [1, T, Hq, D]
+        return torch.ops.tandem.paged_attention(
+            q, k, v, self.kv_cache, layer_idx, self.slot_mapping, self.context_lens, self.block_tables, scale
+        )
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if t.storage_offset() else t

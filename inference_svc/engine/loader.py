@@ -29,7 +29,7 @@ from inference_svc.engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from inference_svc.engine.detokenizer import IncrementalDetokenizer
 from inference_svc.engine.draft_model import DraftModelProposer
 from inference_svc.engine.kv_cache import ledger_dtype_name
-from inference_svc.engine.model_runner import ModelRunner
+from inference_svc.engine.model_runner import QUERY_CHUNK_MAX, ModelRunner
 from inference_svc.engine.sampler import Sampler
 from inference_svc.engine.sequence import ScheduledSeq, Sequence
 from inference_svc.engine.speculative import NgramProposer, Proposer, SpeculationPolicy, Speculator
@@ -139,10 +139,12 @@ def warm_up(runner: ModelRunner, config: EngineConfig, num_blocks: int, tokenize
 
     The compile runs a prefill chunk longer than the projections' row table's last bound where the pool allows, a
     lone decode, a decode of two sequences and chunks on each side of each bound of the table and of 5 rows (T == 1
-    and every T >= 2 branch a model takes); a 5-row chunk (a verify step's shape) must then be covered (were it
-    not, `CompiledDecoder` logs it and runs it eagerly). A compile that fails is a `ModelLoadError` under 'on';
-    under 'auto' it raises `CompileFailed`, and the engine records that and runs every step eagerly. No timing
-    decides anything here (`inference_svc.executor.prepare`)."""
+    and every T >= 2 branch a model takes), and decode-only steps of as many rows as each bound, one more and the
+    last bound's next, above `QUERY_CHUNK_MAX` (verify items of several sequences: a decode-only step attends
+    through graphs of its own, `shared_model.compiled`); a 5-row chunk (a verify step's shape) must then be
+    covered (were it not, `CompiledDecoder` logs it and runs it eagerly). A compile that fails is a
+    `ModelLoadError` under 'on'; under 'auto' it raises `CompileFailed`, and the engine records that and runs every
+    step eagerly. No timing decides anything here (`inference_svc.executor.prepare`)."""
     assert runner.compiled is not None
     bs = config.block_size
     table = runner.compiled.row_table
@@ -168,6 +170,9 @@ def warm_up(runner: ModelRunner, config: EngineConfig, num_blocks: int, tokenize
         for rows in sorted({5, *bounds, *(b + 1 for b in bounds)}):  # each side of each branch, a verify's 5
             if 2 < rows <= n:
                 runner.run([ScheduledSeq(seqs[1], n + 1 - rows, rows)])
+        for rows in sorted({*bounds, *(b + 1 for b in bounds), longest + 1}):  # decode-only steps of that many
+            if QUERY_CHUNK_MAX < rows <= n:  # rows (verify items of several sequences): a graph of their own
+                runner.run([ScheduledSeq(seqs[0], n + 1 - rows + j, 1) for j in range(rows)])
 
     peak = runner.peak_workspace_bytes  # the warm-up's steps are not the service's
     try:

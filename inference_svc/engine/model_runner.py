@@ -16,14 +16,13 @@ Contract:
   token is a prompt token, and that `Sequence.prompt_logprobs` does not hold yet, also go through the LM head
   (in pieces of `logprobs.ROWS_PER_PIECE` rows) and come back reduced to `TokenLogprob`s in `StepLogits.prompt`:
   never a [prompt, vocab] tensor.
-- A compiled runner over the default (torch) ops gives its graph the C++ attention operator where it can
-  (`inference_svc.attention.native_cpu.GraphAttention`): a decode-only step's layers then store K/V and attend
-  in C++ from inside the graph, with the same kernel and results as the Python backend, which serves the rest.
+- A compiled runner over the default (torch) ops runs a decode-only step's attention in C++ from inside the graph
+  where the kernel reads its cache (`inference_svc.attention.native_cpu.GraphDecode`, given the cache and the
+  step's metadata as tensors), with the same kernel and results as the Python backend, which serves the rest.
 - LoRA (`lora`, the engine's `inference_svc.lora.slots.LoraSlots`): a step holding a request with an adapter
   (`Sequence.lora_slot`) runs its forward inside `lora.rows(...)` with every row's slot in the flat layout, so each
   row gets its own adapter's delta and base rows their plain output; a step of base requests only runs as without.
-- Runs under `torch.inference_mode()`; no autograd state and no global state but that operator's binding of the
-  cache (released with the runner).
+- Runs under `torch.inference_mode()`; no autograd state and no global state.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from inference_svc.attention.native_cpu import GraphAttention
+from inference_svc.attention.native_cpu import GraphDecode
 from inference_svc.attention.paged import AttentionMetadata, PagedAttentionFactory, paged_attention_factory
 from inference_svc.attention.torch_ops import is_torch_ops, torch_ops
 from inference_svc.engine.kv_cache import KVCache
@@ -116,14 +115,12 @@ class ModelRunner:
         # the torch ops' compiled decode steps attend in C++ from inside the graph, where they can
         factory = self.backend_factory
         torch_backend = isinstance(factory, PagedAttentionFactory) and is_torch_ops(factory.ops)
-        graph_op = GraphAttention.operator(self.cache) if compiled and torch_backend and native else None
-        self.compiled = CompiledDecoder(model, attention_op=graph_op, row_table=row_table) if compiled else None
+        self.compiled = CompiledDecoder(model, row_table=row_table) if compiled else None
         """The compiled forward (None: eager); the engine warms it up before serving."""
         self._hidden_states = model.hidden_states if self.compiled is None else self.compiled.hidden_states
-        self.graph_attention = (
-            GraphAttention.bind(self.compiled.handle, self.cache) if self.compiled and graph_op is not None else None
-        )
-        """The compiled graph's C++ attention over this cache (None: every layer's call goes through the backend)."""
+        self.graph_decode = compiled and torch_backend and native and GraphDecode.serves(self.cache)
+        """Whether a compiled decode-only step attends in C++ from inside the graph (`GraphDecode`); else every
+        step's layers call the Python backend."""
         self.peak_workspace_bytes = 0
         # the prefill fields of a decode-only step (read-only constants, as `_prepare` would build them)
         self._no_prefill_cu = torch.zeros(1, dtype=torch.int32, device=device)
@@ -142,20 +139,15 @@ class ModelRunner:
             prompt_rows: list[_PromptRows] = []
         else:
             input_ids, positions, meta, sample_rows, prompt_rows = self._prepare(batch)
-        backend = self.backend_factory(self.cache, meta)
-        graph = self.graph_attention
-        in_graph = graph is not None and graph.begin(meta)  # a decode-only step: its layers attend in C++
-        adapters = self.lora is not None and any(b.seq.lora_slot >= 0 for b in batch)
-        try:
-            if adapters:
-                assert self.lora is not None
-                with self.lora.rows(_row_slots(batch), self.device):
-                    hidden = self._hidden_states(input_ids[None], positions[None], backend)[0]  # [T, H]
-            else:
+        if self.graph_decode and GraphDecode.covers(meta):  # a decode-only step: its layers attend in C++
+            backend: Callable = GraphDecode(self.cache, meta)
+        else:
+            backend = self.backend_factory(self.cache, meta)
+        if self.lora is not None and any(b.seq.lora_slot >= 0 for b in batch):
+            with self.lora.rows(_row_slots(batch), self.device):
                 hidden = self._hidden_states(input_ids[None], positions[None], backend)[0]  # [T, H]
-        finally:
-            if in_graph:
-                graph.end()
+        else:
+            hidden = self._hidden_states(input_ids[None], positions[None], backend)[0]  # [T, H]
         in_order = len(sample_rows) == hidden.shape[0] and sample_rows == list(range(hidden.shape[0]))
         rows = hidden if in_order else hidden[sample_rows]  # [R, H], the sampling items' rows in batch order
         logits = self.model.logits(rows).float()  # [S_sample, vocab]
@@ -288,7 +280,7 @@ class ModelRunner:
         if self.compiled is not None:
             self.compiled.release_row_kernels()
         self.compiled = None
-        self.graph_attention = None  # its caches unbound
+        self.graph_decode = False
         self._hidden_states = self.model.hidden_states
 
     @torch.inference_mode()

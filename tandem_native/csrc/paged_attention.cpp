@@ -14,15 +14,11 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <ATen/core/dispatch/Dispatcher.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <mutex>
-#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -307,99 +303,29 @@ torch::Tensor decode_step(const torch::Tensor& q, const torch::Tensor& k, const 
 }
 
 // ------------------------------------------------------------------------- the compiled graph's attention operator
-// `tandem::paged_attention(handle, layer, q, k, v, scale)` has the schema of shared_model/compiled.py's
-// `tandem::attention` and is what a compiled decoder's graph calls instead, so that a decode step's attention runs
-// without Python: while a decode-only step of decoder `handle` is open (`begin_decode`), each layer's call is
-// `decode_step` over that layer's bound caches (`bind_caches`) and the step's metadata (a step all of whose tokens
-// are decode queries: plain decodes, verify items, short chunks run as queries); any other call (a step with prefill
-// chunks, no open step, another decoder) is passed to `tandem::attention`, whose Python backend
-// handles every step. One engine thread drives a decoder; the table is locked for the decoders of other threads.
-struct GraphContext {
-  std::vector<torch::Tensor> k_caches, v_caches;  // per layer, bound for the decoder's life
-  torch::Tensor slots, lens, tables;               // the open decode step's metadata (undefined when none is open)
-  int64_t calls = 0;                               // layer calls that ran here, not in Python
-};
-
-std::mutex graph_mutex;
-std::unordered_map<int64_t, GraphContext>& graph_contexts() {
-  static std::unordered_map<int64_t, GraphContext> contexts;
-  return contexts;
-}
-
-void bind_caches(int64_t handle, std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches) {
-  TORCH_CHECK(!k_caches.empty() && k_caches.size() == v_caches.size(), "bind_caches: one K and one V cache per layer");
-  for (size_t i = 0; i < k_caches.size(); ++i)
-    TORCH_CHECK(k_caches[i].is_cpu() && k_caches[i].dim() == 4 && k_caches[i].sizes() == v_caches[i].sizes() &&
-                    k_caches[i].scalar_type() == v_caches[i].scalar_type(),
-                "bind_caches: layer ", i, "'s caches must be CPU tensors [num_blocks, block_size, Hkv, D] alike");
-  std::lock_guard<std::mutex> lock(graph_mutex);
-  TORCH_CHECK(graph_contexts().count(handle) == 0, "bind_caches: decoder ", handle, " already has caches bound");
-  auto& ctx = graph_contexts()[handle];
-  ctx.k_caches = std::move(k_caches);
-  ctx.v_caches = std::move(v_caches);
-}
-
-void unbind(int64_t handle) {
-  std::lock_guard<std::mutex> lock(graph_mutex);
-  graph_contexts().erase(handle);
-}
-
-void begin_decode(int64_t handle, const torch::Tensor& slots, const torch::Tensor& lens, const torch::Tensor& tables) {
-  std::lock_guard<std::mutex> lock(graph_mutex);
-  auto it = graph_contexts().find(handle);
-  TORCH_CHECK(it != graph_contexts().end(), "begin_decode: no caches bound to decoder ", handle);
-  it->second.slots = slots;
-  it->second.lens = lens;
-  it->second.tables = tables;
-}
-
-void end_decode(int64_t handle) {
-  std::lock_guard<std::mutex> lock(graph_mutex);
-  auto it = graph_contexts().find(handle);
-  if (it != graph_contexts().end()) {
-    it->second.slots = torch::Tensor();
-    it->second.lens = torch::Tensor();
-    it->second.tables = torch::Tensor();
-  }
-}
-
-int64_t graph_calls(int64_t handle) {
-  std::lock_guard<std::mutex> lock(graph_mutex);
-  auto it = graph_contexts().find(handle);
-  return it == graph_contexts().end() ? 0 : it->second.calls;
-}
-
-torch::Tensor graph_attention(int64_t handle, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
-                              const torch::Tensor& v, double scale) {
-  torch::Tensor k_cache, v_cache, slots, lens, tables;
-  {
-    std::lock_guard<std::mutex> lock(graph_mutex);
-    auto it = graph_contexts().find(handle);
-    if (it != graph_contexts().end() && it->second.slots.defined()) {
-      auto& ctx = it->second;
-      TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(ctx.k_caches.size()), "tandem::paged_attention: layer ",
-                  layer, " out of range");
-      k_cache = ctx.k_caches[layer];
-      v_cache = ctx.v_caches[layer];
-      slots = ctx.slots;
-      lens = ctx.lens;
-      tables = ctx.tables;
-      ++ctx.calls;
-    }
-  }
-  if (slots.defined()) return decode_step(q, k, v, k_cache, v_cache, slots, lens, tables, scale);
-  static const auto python = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("tandem::attention", "")
-                                 .typed<torch::Tensor(int64_t, int64_t, const torch::Tensor&, const torch::Tensor&,
-                                                      const torch::Tensor&, double)>();
-  return python.call(handle, layer, q, k, v, scale);
+// `tandem::paged_attention(q, k, v, kv_cache, layer, slot_mapping, context_lens, block_tables, scale)` is what a
+// compiled decoder's graph calls for each layer of a decode-only step (every token a decode query: plain decodes,
+// verify items): `decode_step` over layer `layer` of the whole cache kv_cache [L, 2, num_blocks, block_size, Hkv, D]
+// (K at index 0, V at 1; written in place at slot_mapping, so the schema declares it mutated), with the step's
+// metadata as the other arguments. Everything it reads is an argument: no state outside the call.
+torch::Tensor graph_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              torch::Tensor& kv_cache, int64_t layer, const torch::Tensor& slot_mapping,
+                              const torch::Tensor& context_lens, const torch::Tensor& block_tables, double scale) {
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
+              "tandem::paged_attention: kv_cache must be contiguous [L, 2, num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(0), "tandem::paged_attention: layer ", layer, " out of range");
+  auto layer_cache = kv_cache.select(0, layer);  // [2, num_blocks, block_size, Hkv, D]
+  auto k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
+  return decode_step(q, k, v, k_cache, v_cache, slot_mapping, context_lens, block_tables, scale);
 }
 
 }  // namespace
 
 // The graph's operator (its fake kernel for tracing is registered from Python: tandem_native/loader.py)
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
-  m.def("paged_attention(int handle, int layer_idx, Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def(
+      "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, int layer_idx, Tensor slot_mapping, "
+      "Tensor context_lens, Tensor block_tables, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("paged_attention", &graph_attention); }
 
@@ -410,9 +336,4 @@ void register_paged_attention(pybind11::module_& m) {
   m.def("store_kv", &store_kv, "store a step's K and V at their slots", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decode_step", &decode_step, "store a decode step's K and V, then attend over the cache",
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("bind_caches", &bind_caches, "bind a decoder's per-layer K/V caches to its graph operator");
-  m.def("unbind", &unbind, "forget a decoder's caches");
-  m.def("begin_decode", &begin_decode, "open a decode-only step: slot mapping, context lengths, block tables");
-  m.def("end_decode", &end_decode, "close the decoder's open step");
-  m.def("graph_calls", &graph_calls, "layer calls of the graph operator that ran in C++ for a decoder");
 }

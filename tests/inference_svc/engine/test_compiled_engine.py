@@ -114,46 +114,53 @@ def test_compiled_speculative_greedy_equals_compiled_plain(compiled_engine) -> N
 
 
 @pytest.mark.skipif(cpu_attention.extension() is None, reason="needs Tandem's C++ CPU kernels")
-def test_compiled_decode_steps_attend_in_cpp_with_the_python_backends_results(qwen3_dir, make_engine) -> None:
-    """The graph's C++ attention (`GraphAttention`) serves exactly the decode-only steps, every layer of them, and
-    gives bitwise the logits of the same graph whose calls all go to the Python backend (`tandem::attention`)."""
-    engine = make_engine(qwen3_dir, compile="on", enable_prefix_caching=False)  # both runs: the same steps
-    runner, run = engine.runner, engine.runner.run
-    graph = runner.graph_attention
-    assert graph is not None
-    steps: list[tuple[bool, torch.Tensor]] = []
-    opened: list[bool] = []  # whether each step's attention was opened in C++ (every token a decode query)
-    begin = graph.begin
+def test_compiled_decode_steps_attend_in_cpp_with_the_python_backends_results(qwen3_dir, make_engine, monkeypatch):
+    """The graph's C++ attention (`GraphDecode`: the cache and the step's metadata as graph inputs) serves exactly
+    the decode-only steps, with no Python backend built for them, at every batch size and context length without a
+    recompile, and gives bitwise the logits of an engine whose every step's attention calls the Python backend
+    (through `tandem::attention`, the backend passed as the op's opaque argument)."""
 
-    def counted_begin(meta) -> bool:
-        opened.append(begin(meta))
-        return opened[-1]
+    def recorded(engine) -> list[tuple[bool, torch.Tensor]]:
+        runner = engine.runner
+        run, factory = runner.run, runner.backend_factory
+        steps: list[tuple[bool, torch.Tensor]] = []
+        built: list[int] = []  # Python backends built by the step
 
-    def recorded(batch):
-        out = run(batch)
-        decode = bool(opened) and opened.pop()
-        steps.append((decode, out.sample.clone()))
-        return out
+        def counting_factory(cache, meta):
+            built.append(1)
+            return factory(cache, meta)
 
-    graph.begin = counted_begin
-    runner.run = recorded
-    prompts = [[5, 6, 7, 8] * 5, list(range(10, 47))]
+        def recording_run(batch):
+            built.clear()
+            out = run(batch)
+            steps.append((not built, out.sample.clone()))  # (the step attended in C++, its logits)
+            return out
+
+        runner.backend_factory, runner.run = counting_factory, recording_run
+        return steps
+
+    prompts = [[5, 6, 7, 8] * 5, list(range(10, 47)), [3, 4, 5]]  # the last: one block (a table of width 1)
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
-    before = graph.calls()
+    engine = make_engine(qwen3_dir, compile="on", enable_prefix_caching=False)  # both runs: the same steps
+    assert engine.runner.graph_decode
+    steps = recorded(engine)
     in_cpp = engine.generate(prompts, params)
-    decode_steps = sum(decode for decode, _ in steps)
-    assert decode_steps >= len(prompts) * (NEW_TOKENS - 1) // 2  # the decodes ran there (two batched a step at most)
-    assert decode_steps < len(steps)  # prefill steps too, which must not
-    assert graph.calls() - before == decode_steps * engine.model_config.num_layers
-    first, steps[:] = list(steps), []
-    runner.graph_attention = None  # no open step: every call goes to Python
-    in_python = engine.generate(prompts, params)
-    assert graph.calls() - before == decode_steps * engine.model_config.num_layers  # none ran in C++ this time
+    in_graph = sum(decode for decode, _ in steps)
+    assert in_graph >= (NEW_TOKENS - 1) // 2  # the decodes ran there (batched)
+    assert in_graph < len(steps)  # prefill steps too, which must not
+    assert engine.runner.compiled is not None and engine.runner.compiled.eager_calls == 0
+
+    monkeypatch.setattr(cpu_attention.GraphDecode, "serves", staticmethod(lambda cache: False))
+    python = make_engine(qwen3_dir, compile="on", enable_prefix_caching=False)  # every step: the Python backend
+    assert not python.runner.graph_decode
+    python_steps = recorded(python)
+    in_python = python.generate(prompts, params)
+    assert not any(decode for decode, _ in python_steps)
     assert [r.token_ids for r in in_python] == [r.token_ids for r in in_cpp]
-    assert len(steps) == len(first)
-    for i, ((decode, a), (_, b)) in enumerate(zip(first, steps, strict=True)):
+    assert len(python_steps) == len(steps)
+    for i, ((decode, a), (_, b)) in enumerate(zip(steps, python_steps, strict=True)):
         assert torch.equal(a, b), f"step {i} ({'decode' if decode else 'prefill'}) differs"
-    assert runner.compiled is not None and runner.compiled.eager_calls == 0
+    assert python.runner.compiled is not None and python.runner.compiled.eager_calls == 0
 
 
 @pytest.fixture(scope="module")

@@ -157,19 +157,20 @@ def _meta(slots: list[int], lens: list[int], tables: torch.Tensor, prefill_token
 
 
 @needs_kernel
-def test_graph_attention_serves_only_caches_its_kernel_reads() -> None:
+def test_graph_decode_serves_only_caches_its_kernel_reads() -> None:
     from inference_svc.engine.kv_cache import KVCache
 
     cpu = torch.device("cpu")
-    assert cpu_attention.GraphAttention.operator(KVCache.allocate(2, 4, 16, 2, 16, torch.bfloat16, cpu)) is not None
-    assert cpu_attention.GraphAttention.operator(KVCache.allocate(2, 4, 16, 2, 16, torch.int8, cpu)) is None  # scaled
-    assert cpu_attention.GraphAttention.operator(KVCache.allocate(2, 4, 16, 2, 24, torch.float32, cpu)) is None
+    assert cpu_attention.GraphDecode.serves(KVCache.allocate(2, 4, 16, 2, 16, torch.bfloat16, cpu))
+    assert not cpu_attention.GraphDecode.serves(KVCache.allocate(2, 4, 16, 2, 16, torch.int8, cpu))  # scaled
+    assert not cpu_attention.GraphDecode.serves(KVCache.allocate(2, 4, 16, 2, 24, torch.float32, cpu))
 
 
 @needs_kernel
-def test_graph_attention_is_the_decode_step_over_its_bound_layer_and_only_inside_a_decode_step() -> None:
-    """The graph's operator, between begin and end of a decode-only step, is `decode_step` over the bound cache's
-    layer, bit for bit; it refuses a layer outside the cache; a step with prefill tokens is not opened."""
+def test_graph_decode_is_the_decode_step_over_its_layer_of_the_cache_it_is_given() -> None:
+    """The graph's operator takes the whole cache and the step's metadata as arguments (the cache declared written
+    in place, no handle): a layer's call is `decode_step` over that layer, bit for bit; it refuses a layer outside
+    the cache; a step with prefill tokens is not a decode-only step."""
     from inference_svc.engine.kv_cache import KVCache
 
     cache = KVCache.allocate(2, 64, 16, 4, 64, torch.float32, torch.device("cpu"))
@@ -178,28 +179,27 @@ def test_graph_attention_is_the_decode_step_over_its_bound_layer_and_only_inside
     cache.data[1, 1].copy_(v_cache)
     k, v = torch.randn(2, 4, 64), torch.randn(2, 4, 64)
     slots = [int(tables[0, 0]) * 16 + 15, int(tables[1, 2]) * 16 + 7]
-    handle = 10**9  # no compiled decoder has it
-    graph = cpu_attention.GraphAttention.bind(handle, cache)
-    assert graph is not None
-    assert not graph.begin(_meta(slots, ctx.tolist(), tables, prefill_tokens=3))
-    assert graph.begin(_meta(slots, ctx.tolist(), tables))
-    try:
-        out = torch.ops.tandem.paged_attention(handle, 1, q[None], k[None], v[None], 0.125)
-        with pytest.raises(RuntimeError, match="layer 2 out of range"):
-            torch.ops.tandem.paged_attention(handle, 2, q[None], k[None], v[None], 0.125)
-    finally:
-        graph.end()
+    assert not cpu_attention.GraphDecode.covers(_meta(slots, ctx.tolist(), tables, prefill_tokens=3))
+    meta = _meta(slots, ctx.tolist(), tables)
+    assert cpu_attention.GraphDecode.covers(meta)
+    graph = cpu_attention.GraphDecode(cache, meta)
+    assert graph.kv_cache is cache.data  # the one cache, not a copy or a binding
+    out = graph(1, q[None], k[None], v[None], 0.125)
+    with pytest.raises(RuntimeError, match="layer 2 out of range"):
+        graph(2, q[None], k[None], v[None], 0.125)
     want = native.decode_step(q[None], k[None], v[None], k_cache, v_cache, torch.tensor(slots), ctx, tables, 0.125)
     assert torch.equal(out, want)
     assert torch.equal(cache.data[1, 0], k_cache) and torch.equal(cache.data[1, 1], v_cache)  # stored the same
     assert not cache.data[0].any()  # layer 0 untouched
-    assert graph.calls() == 1
+    schema = torch.ops.tandem.paged_attention.default._schema
+    written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    assert written == ["kv_cache"] and "handle" not in str(schema)
+    for fn in ("bind_caches", "unbind", "begin_decode", "end_decode", "graph_calls"):  # no registry to bind into
+        assert not hasattr(native, fn), fn
 
 
 @needs_kernel
-def test_store_refuses_rows_of_another_shape_on_its_casting_path_and_a_second_binding_is_refused() -> None:
-    from inference_svc.engine.kv_cache import KVCache
-
+def test_store_refuses_rows_of_another_shape_on_its_casting_path() -> None:
     k_cache, v_cache = torch.zeros(4, 16, 4, 64, dtype=torch.bfloat16), torch.zeros(4, 16, 4, 64, dtype=torch.bfloat16)
     rows = torch.randn(2, 2, 128)  # fp32 into a bf16 cache (the casting path): as many elements, other heads
     with pytest.raises(RuntimeError, match=r"must be \[T, Hkv, D\]"):
@@ -207,8 +207,3 @@ def test_store_refuses_rows_of_another_shape_on_its_casting_path_and_a_second_bi
     assert not k_cache.any() and not v_cache.any()
     native.store_kv(rows.view(1, 2, 4, 64), rows.view(1, 2, 4, 64), k_cache, v_cache, torch.tensor([1, 2]))
     assert torch.equal(k_cache.view(-1, 4, 64)[1:3], rows.view(2, 4, 64).to(torch.bfloat16))
-    cache = KVCache.allocate(1, 4, 16, 4, 64, torch.float32, torch.device("cpu"))
-    graph = cpu_attention.GraphAttention.bind(10**9 + 1, cache)
-    with pytest.raises(RuntimeError, match="already has caches bound"):
-        cpu_attention.GraphAttention.bind(10**9 + 1, cache)
-    del graph
