@@ -16,9 +16,12 @@ Contract:
     not pinned to a CPU that another process may later take.
   - omp_wait 'auto': 'passive' (OpenMP's idle workers sleep at once instead of spinning) where the threads can
     outnumber the CPU time the process gets: a cgroup quota below the allowed CPUs, more threads than
-    min(CPUs, quota), or other processes keeping at least half a CPU busy at start (spinning workers then take
-    time slices from them and from each other, and every parallel op waits for a descheduled worker). Otherwise
-    the OpenMP runtime's default (spin a while, then sleep), which keeps a quiet machine's step fastest. One
+    min(CPUs, quota) (spinning workers then take time slices from each other, and every parallel op waits for a
+    descheduled worker). Otherwise the OpenMP runtime's default (spin a while, then sleep), which keeps a quiet
+    machine's step fastest (passive made a quiet machine's compiled int4 step 4.6x slower: 94 against 432 tok/s,
+    docs/benchmarks.md §26). Other processes' load at start is measured and reported, never chosen from: one
+    0.1 s sample is not the machine's life, and a start that happened to follow a busy moment must not serve
+    4x slower for good; a machine shared for good is told to pass `--omp-wait passive`. One
     thread: no worker ever waits, nothing to choose. 'passive' / 'active' as given.
 - The wait policy only takes effect when it is in the environment before the OpenMP runtime starts (torch's import
   loads it): `omp_environment(policy)` is the variables to set, and `tandem serve` sets them after parsing its flags
@@ -256,9 +259,9 @@ def _choose_wait(asked: str, threads: int, n_cpus: int, quota: float | None, bus
         return "passive", f"--omp-wait auto: the quota ({quota:g} CPUs) is below the {n_cpus} CPUs allowed"
     if threads > budget:
         return "passive", f"--omp-wait auto: {threads} threads for {budget:g} CPUs"
-    if busy is not None and busy >= BUSY_FRACTION:
-        return "passive", f"--omp-wait auto: other processes kept {busy:.1f} of the {n_cpus} CPUs busy at start"
-    seen = "" if busy is None else f", other processes idle on them at start ({busy:.1f} CPUs busy)"
+    seen = "" if busy is None else f"; other processes kept {busy:.1f} CPUs busy at start"
+    if busy is not None and busy >= BUSY_FRACTION:  # reported, never chosen from: one sample is not the machine
+        seen += " (a machine shared for good wants --omp-wait passive)"
     return "default", f"--omp-wait auto: {threads} threads on {n_cpus} CPUs, each its own{seen}"
 
 

@@ -86,14 +86,15 @@ def _stat(ticks: dict[int, tuple[int, int]]) -> str:
     return "\n".join([*lines, "intr 1", "procs_running 3"]) + "\n"
 
 
-def test_cpus_kept_busy_by_other_processes_make_the_workers_wait_passively(tmp_path: Path) -> None:
+def test_cpus_busy_at_start_are_reported_not_chosen_from(tmp_path: Path) -> None:
     before = _stat({0: (1000, 5000), 1: (2000, 4000)})
     after = _stat({0: (1002, 5098), 1: (2100, 4000)})  # over 100 ticks: cpu0 2% busy, cpu1 100% busy
     busy = threads.others_busy(before, after, (0, 1), own_seconds=0.0)
     assert busy == pytest.approx(1.02)
     policy = choose_threads("auto", "auto", CpuFacts((0, 1), busy=busy))
-    assert (policy.threads, policy.wait) == (2, "passive")  # the count never follows the load (compiled for it)
-    assert "other processes kept 1.0 of the 2 CPUs busy at start" in policy.wait_reason
+    assert (policy.threads, policy.wait) == (2, "default")  # neither follows one sample of the load
+    assert "other processes kept 1.0 CPUs busy at start" in policy.wait_reason
+    assert "--omp-wait passive" in policy.wait_reason  # the lever, named
     # this process's own time is not another's load: the same ticks, all of them ours, leave the default
     hz = os.sysconf("SC_CLK_TCK")
     ours = threads.others_busy(before, after, (0, 1), own_seconds=102 / hz)
