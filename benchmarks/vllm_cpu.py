@@ -20,8 +20,6 @@ and the venv's `libiomp5.so` in `LD_PRELOAD` (`tcmalloc_path()` names the apt pa
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -31,6 +29,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama_cpp import _locked, _tail
 
 VERSION = "0.32.0"
 TORCH = "2.13.0"
@@ -59,24 +60,6 @@ class Venv:
 
 def cache_root() -> Path:
     return Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem")) / "peers"
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def _step(cmd: list[str], log: Path, timeout_s: float, what: str, env: dict[str, str] | None = None) -> None:
