@@ -18,10 +18,10 @@ Contract:
     outnumber the CPU time the process gets: a cgroup quota below the allowed CPUs, more threads than
     min(CPUs, quota) (spinning workers then take time slices from each other, and every parallel op waits for a
     descheduled worker). Otherwise the OpenMP runtime's default (spin a while, then sleep), which keeps a quiet
-    machine's step fastest (passive made a quiet machine's compiled int4 step 4.6x slower: 94 against 432 tok/s,
-    docs/benchmarks.md §26). Other processes' load at start is measured and reported, never chosen from: one
-    0.1 s sample is not the machine's life, and a start that happened to follow a busy moment must not serve
-    4x slower for good; a machine shared for good is told to pass `--omp-wait passive`. One
+    machine's step fastest (passive slows a quiet machine's compiled step several-fold: docs/benchmarks.md §26).
+    Other processes' load at start is measured and reported, never chosen from: one 0.1 s sample is not the
+    machine's life, and a start that followed a busy moment must not serve slowly for good; a machine shared for
+    good is told to pass `--omp-wait passive`. One
     thread: no worker ever waits, nothing to choose. 'passive' / 'active' as given.
 - The wait policy only takes effect when it is in the environment before the OpenMP runtime starts (torch's import
   loads it): `omp_environment(policy)` is the variables to set, and `tandem serve` sets them after parsing its flags
