@@ -252,20 +252,20 @@ class Server:
 
     def __init__(
         self, bundle: Path, dtype: str, quant: str | None, threads: int, threads_flag: bool, log_path: Path,
-        compile_mode: str | None = None, extra_flags: Sequence[str] = (),
+        compile_mode: str | None = None, extra_flags: Sequence[str] = (), tree: Path = REPO,
     ) -> None:  # fmt: skip
         flags = ["--no-metrics", "--no-http", "--device", "cpu", "--dtype", dtype, "--log-level", "WARNING"]
         if quant:
             flags += ["--quantization", quant]
         if compile_mode:
             flags += ["--compile", compile_mode]
-        env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        env = {"PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
         if threads_flag:
             flags += ["--threads", str(threads)]
         else:
             env["OMP_NUM_THREADS"] = str(threads)
         self.log_path = log_path
-        self.process = ServeProcess(bundle, [*flags, *extra_flags], log=log_path, env=env, cwd=REPO)
+        self.process = ServeProcess(bundle, [*flags, *extra_flags], log=log_path, env=env, cwd=tree)
         self.cmd, self.target = self.process.cmd, self.process.target
 
     def wait_serving(self, timeout_s: float) -> None:
@@ -334,18 +334,27 @@ def tandem_read_bytes(config, quant: str | None, dtype: str, group: int = 64) ->
 
 
 def tandem_case(
-    bundle: Path, config, precision: str, threads: int, args, state: dict, out_dir: Path, compile_mode: str | None
+    bundle: Path,
+    config,
+    precision: str,
+    threads: int,
+    args,
+    state: dict,
+    out_dir: Path,
+    compile_mode: str | None,
+    tree: Path = REPO,
+    label: str = "",
 ) -> dict:
     from inference_svc.client import NO_RETRY, TandemClient
 
     dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(precision, args.quant_dtype)
     quant = precision if precision in ("int8", "int4") else None
-    log_path = out_dir / "servers" / f"{precision}-t{threads}-compile-{compile_mode or 'default'}.log"
+    log_path = out_dir / "servers" / f"{label}{precision}-t{threads}-compile-{compile_mode or 'default'}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     server = None
     try:
         for _ in range(2):  # a second try without --threads when the server lacks it
-            server = Server(bundle, dtype, quant, threads, state["threads_flag"], log_path, compile_mode)
+            server = Server(bundle, dtype, quant, threads, state["threads_flag"], log_path, compile_mode, tree=tree)
             try:
                 server.wait_serving(args.server_timeout)
                 break
@@ -446,7 +455,44 @@ def markdown(results: dict[str, Any]) -> str:
         f"{tg} tok/s (share of the measured bandwidth in brackets); {results['weight_bytes_estimate']}",
     ]
     lines += [f"Note: {n}" for n in results["notes"]]
+    if results.get("baseline") or results.get("rounds", 1) > 1:
+        lines += ["", *rounds_table(results)]
     return "\n".join(lines)
+
+
+def rounds_table(results: dict[str, Any]) -> list[str]:
+    """The ratios of every round, this checkout's and the baseline's side by side: their spread across rounds is
+    the run-to-run noise, and a change counts only beyond it."""
+    base = results.get("baseline")
+    head = f"this checkout ({results.get('commit', '?')})"
+    title = f"Ratios to llama.cpp per round ({results['rounds']} rounds, llama-bench rerun each round"
+    title += f"; before = {base['commit']} at {base['tree']}, in turns with {head})." if base else f"; {head})."
+    lines = [title, ""]
+    cols = ["precision", "threads"]
+    for k in ("tg", "pp"):
+        cols += ([f"{k} before (rounds)", f"{k} before mean"] if base else []) + [f"{k} now (rounds)", f"{k} now mean"]
+    lines += ["| " + " | ".join(cols) + " |", "|---|--:|" + "--:|" * (len(cols) - 2)]
+    for c in results["cases"]:
+        cells = [f"{c['precision']} / {c['gguf_type']}", str(c["threads"])]
+        for k in ("tg", "pp"):
+            for side in (["baseline"] if base else []) + ["tandem"]:
+                values = c.get(side, {}).get("ratio_rounds", {}).get(k, [])
+                cells += [", ".join(f"{v:.2f}" for v in values) or "–",
+                          fmt(statistics.mean(values), 2) if values else "–"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def git_commit(tree: Path) -> str:
+    """The short commit of a checkout ('?' when git cannot say), with '+' when it has uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=30, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    return head + ("+" if dirty else "")
 
 
 def _other_compile_cells(case: dict[str, Any], modes: list[str]) -> str:
@@ -537,6 +583,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--quiet-below", type=float, default=0.1, help="share of the CPUs that counts as calm")
     p.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another checkout of Tandem (e.g. `git worktree add /tmp/before COMMIT`): its server runs in each case "
+        "beside this checkout's, with the same flags, in turns, so a change is measured before and after in one run",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times each case is repeated (llama-bench, then Tandem, and the baseline): the table gives the mean "
+        "ratio and each round's, whose spread is the run-to-run noise a change must exceed",
+    )
+    p.add_argument(
         "--llama-amx", action="store_true", help="build llama.cpp with AMX (off by default, see llama_cpp.py)"
     )
     args = p.parse_args(argv)
@@ -545,6 +605,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for k, v in (small if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if args.baseline is not None:
+        args.baseline = args.baseline.resolve()
+        if not (args.baseline / "shared_model" / "cli.py").is_file():
+            p.error(f"--baseline {args.baseline} is not a Tandem checkout (no shared_model/cli.py there)")
     args.thread_counts = [int(t) for t in args.threads.split(",") if t.strip()]
     args.compile_modes = [m.strip() for m in args.compile.split(",") if m.strip()]
     if not args.compile_modes or any(m not in ("auto", "on", "off") for m in args.compile_modes):
@@ -554,6 +620,74 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown or not args.thread_counts or min(args.thread_counts) < 1:
         p.error(f"--precisions must be of {','.join(PAIRS)} and --threads positive integers")
     return args
+
+
+def one_round(
+    index: int, precision: str, threads: int, bundle: Path, config, args, state: dict, out_dir: Path, tools,
+    results: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """One round of a case: llama-bench, then Tandem from this checkout and from `--baseline` (if given), the two
+    checkouts in turns (the baseline first in even rounds), each with the first `--compile` mode; the other modes
+    run from this checkout in round 0 only. Per-round ratios to this round's llama-bench are added to each run."""
+    gtype = PAIRS[precision]
+    try:
+        gguf = Path(results["gguf_files"][gtype])
+        lc = llama_cpp.bench(tools, gguf, threads, args.n_prompt, args.n_gen, args.bench_timeout)
+        lc["read_per_token"] = results["gguf"][gtype]["read_per_token"]
+        lc["tg_gbs"] = lc["read_per_token"] * lc["tg"] / 1e9
+        if lc["raw"]:
+            results["llama_cpp"]["build_commit"] = lc["raw"][0].get("build_commit", "?")
+        log(f"  llama.cpp: tg{args.n_gen} {lc['tg']:.1f} tok/s, pp{args.n_prompt} {lc['pp']:.1f} tok/s")
+    except (llama_cpp.StepError, KeyError, ValueError) as exc:
+        lc = {"error": str(exc)}
+        results["errors"].append(f"llama-bench {gtype} t{threads}: {exc}")
+        print(f"error: llama-bench {gtype} t{threads}: {str(exc).splitlines()[0]}", file=sys.stderr)
+    trees = [("", REPO)] + ([("baseline ", args.baseline)] if args.baseline is not None else [])
+    if index % 2 == 0:
+        trees.reverse()
+    out: dict[str, Any] = {"llama_cpp": lc, "other_compile": {}}
+    for label, tree in trees:
+        for mode in args.compile_modes if not label and index == 0 else args.compile_modes[:1]:
+            where = f"tandem {label}{precision} t{threads} --compile {mode}"
+            try:
+                td = tandem_case(bundle, config, precision, threads, args, state, out_dir, mode, tree, label.strip())
+            except Exception as exc:  # one case failing must not lose the others
+                td = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+                results["errors"].append(f"{where}: {td['error']}")
+                print(f"error: {where}: {td['error'].splitlines()[0]}", file=sys.stderr)
+            if td.get("status") == "ok":
+                td["tg_gbs"] = td["read_per_token"] * td["tg"] / 1e9
+                td["ratio"] = {k: td[k] / lc[k] for k in ("tg", "pp") if k in lc}
+                compiled = f"compiled in {td['compile_seconds']:.0f} s" if td["compiled"] else "eager"
+                ratio = f", tg ratio {td['ratio']['tg']:.2f}" if "tg" in td["ratio"] else ""
+                log(f"  Tandem {label}--compile {mode} ({compiled}): tg{args.n_gen} {td['tg']:.1f} tok/s, "
+                    f"pp{args.n_prompt} {td['pp']:.1f} tok/s{ratio}")  # fmt: skip
+            elif td.get("status") == "not offered":
+                log(f"  Tandem {label}--compile {mode}: not offered ({td['reason']})")
+            if label:
+                out["baseline"] = td
+            elif mode == args.compile_modes[0]:
+                out["tandem"] = td
+            else:
+                out["other_compile"][mode] = td
+    return out
+
+
+def mean_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several rounds' results of one side as one: the first run's record with its rates replaced by their means
+    over the rounds that succeeded, and each rate's per-round values (`<rate>_rounds`) and ratios (`ratio_rounds`)
+    beside them; the first failure when none succeeded."""
+    ok = [r for r in runs if "error" not in r and r.get("status", "ok") == "ok"]
+    if not ok:
+        return runs[0]
+    merged = dict(ok[0])
+    for key in ("tg", "pp", "tg_gbs"):
+        if all(key in r for r in ok):
+            merged[key] = statistics.mean(r[key] for r in ok)
+            merged[f"{key}_rounds"] = [r[key] for r in ok]
+    if all("ratio" in r for r in ok):
+        merged["ratio_rounds"] = {k: [r["ratio"][k] for r in ok if k in r["ratio"]] for k in ("tg", "pp")}
+    return merged
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -573,6 +707,11 @@ def main(argv: list[str] | None = None) -> int:
         "n_prompt": args.n_prompt,
         "quant_dtype": args.quant_dtype,
         "compile_modes": args.compile_modes,
+        "rounds": args.rounds,
+        "baseline": None
+        if args.baseline is None
+        else {"tree": str(args.baseline), "commit": git_commit(args.baseline)},  # noqa: E501
+        "commit": git_commit(REPO),
         "notes": [],
         "cases": [],
         "errors": [],
@@ -617,6 +756,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"NOTE: {note}")
         results["notes"].append(note)
     results["gguf"] = {t: {"file": str(p), **gguf_read_bytes(tools.source, p)} for t, p in ggufs.items()}
+    results["gguf_files"] = {t: str(p) for t, p in ggufs.items()}
     results["weight_bytes_estimate"] = (
         "weight bytes read per token: llama.cpp = the GGUF's tensor bytes less token_embd unless it is the LM head "
         "(tied here, so it counts); Tandem = computed from the config and shared_model/quantize.py's formats: the "
@@ -637,41 +777,18 @@ def main(argv: list[str] | None = None) -> int:
             case: dict[str, Any] = {"precision": precision, "gguf_type": gtype, "threads": threads, "ratio": {}}
             case["background_cpu_busy"] = wait_quiet(args.quiet_wait, args.quiet_below)  # other work on the machine
             log(f"[{precision} / {gtype}, {threads}T] (other work on the CPUs: {case['background_cpu_busy']:.0%})")
-            try:
-                lc = llama_cpp.bench(tools, ggufs[gtype], threads, args.n_prompt, args.n_gen, args.bench_timeout)
-                lc["read_per_token"] = results["gguf"][gtype]["read_per_token"]
-                lc["tg_gbs"] = lc["read_per_token"] * lc["tg"] / 1e9
-                if lc["raw"]:
-                    results["llama_cpp"]["build_commit"] = lc["raw"][0].get("build_commit", "?")
-                log(f"  llama.cpp: tg{args.n_gen} {lc['tg']:.1f} tok/s, pp{args.n_prompt} {lc['pp']:.1f} tok/s")
-            except (llama_cpp.StepError, KeyError, ValueError) as exc:
-                lc = {"error": str(exc)}
-                results["errors"].append(f"llama-bench {gtype} t{threads}: {exc}")
-                print(f"error: llama-bench {gtype} t{threads}: {str(exc).splitlines()[0]}", file=sys.stderr)
-            runs: dict[str, dict[str, Any]] = {}
-            for mode in args.compile_modes:
-                where = f"tandem {precision} t{threads} --compile {mode}"
-                try:
-                    td = tandem_case(bundle, config, precision, threads, args, state, out_dir, mode)
-                except Exception as exc:  # one case failing must not lose the others
-                    td = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
-                    results["errors"].append(f"{where}: {td['error']}")
-                    print(f"error: {where}: {td['error'].splitlines()[0]}", file=sys.stderr)
-                if td.get("status") == "ok":
-                    td["tg_gbs"] = td["read_per_token"] * td["tg"] / 1e9
-                    compiled = f"compiled in {td['compile_seconds']:.0f} s" if td["compiled"] else "eager"
-                    log(f"  Tandem --compile {mode} ({compiled}): tg{args.n_gen} {td['tg']:.1f} tok/s, "
-                        f"pp{args.n_prompt} {td['pp']:.1f} tok/s")  # fmt: skip
-                elif td.get("status") == "not offered":
-                    log(f"  Tandem --compile {mode}: not offered ({td['reason']})")
-                runs[mode] = td
-            td = runs[args.compile_modes[0]]
-            if td.get("status") == "ok":
-                for k in ("tg", "pp"):
-                    if k in lc:
-                        case["ratio"][k] = td[k] / lc[k]
-            case["llama_cpp"], case["tandem"] = lc, td
-            case["tandem_other_compile"] = {m: runs[m] for m in args.compile_modes[1:]}
+            rounds = [
+                one_round(r, precision, threads, bundle, config, args, state, out_dir, tools, results)
+                for r in range(args.rounds)
+            ]
+            lc, td = mean_run([r["llama_cpp"] for r in rounds]), mean_run([r["tandem"] for r in rounds])
+            case["llama_cpp"], case["tandem"], case["rounds"] = lc, td, rounds
+            case["tandem_other_compile"] = rounds[0]["other_compile"]
+            for k in ("tg", "pp"):
+                if k in lc and td.get("status") == "ok":
+                    case["ratio"][k] = td[k] / lc[k]
+            if args.baseline is not None:
+                case["baseline"] = mean_run([r["baseline"] for r in rounds])
             results["cases"].append(case)
     busy = [c["background_cpu_busy"] for c in results["cases"] if c["background_cpu_busy"] == c["background_cpu_busy"]]
     if busy and max(busy) > 0.15:
