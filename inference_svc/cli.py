@@ -231,7 +231,7 @@ def set_omp_wait(threads_flag: int | str, omp_wait: str) -> None:
     when torch loads it (`inference_svc.executor.threads`); the engine records what is in effect. A no-op once
     torch was imported; `EngineConfigError` naming the flag on a bad value."""
     config = EngineConfig(threads=threads_flag, omp_wait=omp_wait)  # validated as the engine's config will be
-    if "torch" in sys.modules or (omp_wait == "auto" and "OMP_WAIT_POLICY" in os.environ):
+    if "torch" in sys.modules or (omp_wait == "auto" and {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)):
         return  # too late, or the user's own setting (the engine reports it)
     from inference_svc.executor import threads
 

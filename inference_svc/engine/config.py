@@ -29,7 +29,7 @@ SPECULATIVE_METHODS = ("off", "ngram")
 COMPILE_MODES = ("auto", "on", "off")
 CPU_KERNEL_MODES = ("auto", "off")
 INT4_KERNELS = ("auto", "torch")
-OMP_WAIT_POLICIES = ("auto", "passive", "active")
+OMP_WAIT_POLICIES = ("auto", "passive", "bounded", "active")
 """`omp_wait` values (`inference_svc.executor.threads` applies them)."""
 DEFAULT_COMPILE_CACHE = "~/.cache/tandem/compile"
 
@@ -137,9 +137,11 @@ class EngineConfig:
     """CPU threads for the model's ops (torch intra-op threads): 'auto' (the CPUs this process may use, capped by
     its cgroup CPU quota: `inference_svc.executor.threads`) or a number."""
     omp_wait: str = "auto"
-    """How OpenMP's idle worker threads wait: 'passive' (sleep at once: leaves the CPU to others), 'active' (spin)
-    or 'auto' (passive where a CPU quota or the thread count oversubscribes the CPUs, or other processes keep them
-    busy at start; else the runtime's default). Takes effect when set before torch starts, as `tandem serve` does."""
+    """How OpenMP's idle worker threads wait between parallel regions: 'passive' (sleep at once: leaves the CPU to
+    others), 'bounded' (spin about ten microseconds, then sleep: the gaps inside a step stay hot, a worker whose
+    partner was descheduled yields soon), 'active' (spin) or 'auto' (passive where a CPU quota or the thread count
+    oversubscribes the CPUs, else bounded: `inference_svc.executor.threads`). Takes effect when set before torch
+    starts, as `tandem serve` does."""
     compile_cache: str = DEFAULT_COMPILE_CACHE
     """Folder of compiled decode steps (torch's compile artifacts) keyed by model, graph flags, torch and CPU: a
     second start of the same model loads them instead of compiling; a bundle's own `compile_cache/` folder (written

@@ -17,12 +17,14 @@ Contract:
   - omp_wait 'auto': 'passive' (OpenMP's idle workers sleep at once instead of spinning) where the threads can
     outnumber the CPU time the process gets: a cgroup quota below the allowed CPUs, more threads than
     min(CPUs, quota) (spinning workers then take time slices from each other, and every parallel op waits for a
-    descheduled worker). Otherwise the OpenMP runtime's default (spin a while, then sleep), which keeps a quiet
-    machine's step fastest (passive slows a quiet machine's compiled step several-fold: docs/benchmarks.md §26).
-    Other processes' load at start is measured and reported, never chosen from: one 0.1 s sample is not the
-    machine's life, and a start that followed a busy moment must not serve slowly for good; a machine shared for
-    good is told to pass `--omp-wait passive`. One
-    thread: no worker ever waits, nothing to choose. 'passive' / 'active' as given.
+    descheduled worker). Otherwise 'bounded': an idle worker spins for `BOUNDED_SPINS` iterations (libgomp's
+    `GOMP_SPINCOUNT`; about ten microseconds at libgomp's own estimate of 100,000 a millisecond) and then sleeps.
+    The gaps between a step's parallel regions are shorter than that, so a quiet machine's step keeps its workers
+    hot; a worker whose partner was descheduled by another process stops spinning soon and gives the CPU back,
+    where the runtime's default spins about 3 ms and 'active' for minutes, and a shared machine's step collapses
+    (docs/benchmarks.md §26 has both machines' figures). Other processes' load at start is measured and reported,
+    never chosen from: the rule holds on a quiet and on a busy machine, so nothing depends on a moment's load.
+    One thread: no worker ever waits, nothing to choose. 'passive' / 'bounded' / 'active' as given.
 - The wait policy only takes effect when it is in the environment before the OpenMP runtime starts (torch's import
   loads it): `omp_environment(policy)` is the variables to set, and `tandem serve` sets them after parsing its flags
   and before it imports torch (`inference_svc.cli`). `wait_choice(policy, environ)` records what is in effect: the
@@ -44,10 +46,15 @@ from inference_svc.executor.plan import Choice
 
 LOAD_SAMPLE_SECONDS = 0.1
 """How long `tandem serve` watches `/proc/stat` for other processes' load before choosing the wait policy."""
-BUSY_FRACTION = 0.5
-"""A CPU counts as taken when other processes kept it at least this busy over the sample (rounded sum)."""
-WAIT_POLICIES = ("auto", "passive", "active")
-_OMP_VALUES = {"passive": "PASSIVE", "active": "ACTIVE"}
+BOUNDED_SPINS = 1000
+"""libgomp spin iterations of an idle worker under 'bounded' before it sleeps (GOMP_SPINCOUNT)."""
+_ENVIRONMENTS = {
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"},
+    "bounded": {"GOMP_SPINCOUNT": str(BOUNDED_SPINS), "KMP_BLOCKTIME": "1"},
+    "active": {"OMP_WAIT_POLICY": "ACTIVE", "KMP_BLOCKTIME": "200"},
+}
+"""Each policy's variables for libgomp (torch's CPU wheels) and Intel's OpenMP (KMP_BLOCKTIME in ms, its least
+non-zero unit), set before the runtime starts."""
 
 
 @dataclass(frozen=True)
@@ -259,10 +266,11 @@ def _choose_wait(asked: str, threads: int, n_cpus: int, quota: float | None, bus
         return "passive", f"--omp-wait auto: the quota ({quota:g} CPUs) is below the {n_cpus} CPUs allowed"
     if threads > budget:
         return "passive", f"--omp-wait auto: {threads} threads for {budget:g} CPUs"
-    seen = "" if busy is None else f"; other processes kept {busy:.1f} CPUs busy at start"
-    if busy is not None and busy >= BUSY_FRACTION:  # reported, never chosen from: one sample is not the machine
-        seen += " (a machine shared for good wants --omp-wait passive)"
-    return "default", f"--omp-wait auto: {threads} threads on {n_cpus} CPUs, each its own{seen}"
+    seen = "" if busy is None else f"; other processes kept {busy:.1f} CPUs busy at start (reported, not chosen from)"
+    return "bounded", (
+        f"--omp-wait auto: {threads} threads on {n_cpus} CPUs, each its own: idle workers spin {BOUNDED_SPINS} "
+        f"iterations, then sleep{seen}"
+    )
 
 
 def _cpu_span(cpus: tuple[int, ...]) -> str:
@@ -280,26 +288,27 @@ def _cpu_span(cpus: tuple[int, ...]) -> str:
 def omp_environment(policy: ThreadPolicy) -> dict[str, str]:
     """The variables that give the OpenMP runtimes (libgomp, Intel's) `policy.wait`, to set before torch is imported;
     {} for the runtime's default."""
-    if policy.wait == "default":
-        return {}
-    return {"OMP_WAIT_POLICY": _OMP_VALUES[policy.wait], "KMP_BLOCKTIME": "0" if policy.wait == "passive" else "200"}
+    return dict(_ENVIRONMENTS.get(policy.wait, {}))
 
 
 def wait_choice(policy: ThreadPolicy, environ: Mapping[str, str]) -> Choice:
     """The `omp_wait` choice as in effect: `environ` is the environment the OpenMP runtime started with."""
-    found = environ.get("OMP_WAIT_POLICY", "").strip().upper()
-    wanted = _OMP_VALUES.get(policy.wait, "")
-    if found == wanted:
+    wanted = _ENVIRONMENTS.get(policy.wait, {})
+    if all(environ.get(k, "").strip().upper() == v.upper() for k, v in wanted.items() if k != "KMP_BLOCKTIME"):
         return Choice("omp_wait", policy.wait, policy.wait_reason)
-    in_effect = found.lower() if found else "default"
+    found = {k: environ[k].strip() for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if environ.get(k, "").strip()}
     if found:
-        return Choice("omp_wait", in_effect, f"{policy.wait_reason}; in effect: OMP_WAIT_POLICY={found} from the "
-                      "environment the OpenMP runtime started with")  # fmt: skip
+        shown = " ".join(f"{k}={v}" for k, v in found.items())
+        in_effect = found.get("OMP_WAIT_POLICY", "default").lower()
+        if "GOMP_SPINCOUNT" in found:
+            in_effect = f"spin {found['GOMP_SPINCOUNT']}" if in_effect == "default" else in_effect
+        return Choice("omp_wait", in_effect, f"{policy.wait_reason}; in effect: {shown} from the environment the "
+                      "OpenMP runtime started with")  # fmt: skip
     why = (
         f"{policy.wait_reason}; not in effect: the OpenMP runtime started before it could be set (`tandem serve` "
         "sets it before it imports torch), so the runtime's default holds"
     )
-    return Choice("omp_wait", in_effect, why)
+    return Choice("omp_wait", "default", why)
 
 
 def settle(threads: int | str, omp_wait: str, root: str | Path = "/") -> tuple[Choice, Choice]:
