@@ -34,12 +34,21 @@ Contract:
   complete checkpoint.
 - Before DeepSpeed builds any op, build locks left by a process killed mid-build are removed
   (`lt_plugins.op_builds`): torch's builder would wait on them for ever.
+- The process group the strategy starts (`setup_distributed`, when none was running) lives as long as the process
+  (Lightning reuses it across fit/validate/test) and is ended at process exit, by an `atexit` handler, while the
+  interpreter is still whole: DeepSpeed's `destroy_process_group` (torch's, and DeepSpeed's own references to its
+  groups), then a garbage collection of what still refers to it (ZeRO-3 parameters do), which joins the backend's
+  threads (gloo's work and transport loops). Left running into interpreter finalization, those threads can abort
+  the process after a run that succeeded ("terminate called without an active exception", exit -6). No barrier is
+  made at exit: ending a group is local, and a barrier would hold a rank whose peer failed until the timeout.
 - Nothing here knows about shared_model.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
 import shutil
 from collections.abc import Mapping
@@ -137,15 +146,19 @@ class ZeroStrategy(DeepSpeedStrategy):
         super().setup_environment()
 
     def setup_distributed(self) -> None:
-        if not self._on_cpu:
-            super().setup_distributed()
-            return
-        # CPU devices have no index: Lightning's device-index validation does not apply (refusal 2).
-        from lightning.fabric.utilities.seed import reset_seed
+        starts_group = not torch.distributed.is_initialized()
+        if self._on_cpu:
+            # CPU devices have no index: Lightning's device-index validation does not apply (refusal 2).
+            from lightning.fabric.utilities.seed import reset_seed
 
-        reset_seed()
-        self.set_world_ranks()
-        self._init_deepspeed_distributed()
+            reset_seed()
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+        else:
+            super().setup_distributed()
+        if starts_group and torch.distributed.is_initialized():
+            atexit.unregister(end_process_group)  # once per process, however many strategies start one
+            atexit.register(end_process_group)
 
     @property
     def _device_rank(self) -> int:
@@ -254,6 +267,21 @@ class ZeroStrategy(DeepSpeedStrategy):
         last = latest_checkpoint(path.parent)
         kept = f"the last complete checkpoint is {last.name}" if last is not None else "no complete checkpoint exists"
         return f"checkpoint {path.name} not saved: {problem}{removed}; {kept}"
+
+
+def end_process_group() -> None:
+    """Destroy the default process group and every group DeepSpeed made, then collect the objects that still refer
+    to them, so that the backend's threads are joined now (registered at exit by `setup_distributed`; a no-op when
+    no group runs)."""
+    if not torch.distributed.is_initialized():
+        return
+    import deepspeed.comm as ds_comm
+
+    if getattr(ds_comm, "cdb", None) is not None:
+        ds_comm.destroy_process_group()  # torch's, and DeepSpeed's references to its groups
+    else:
+        torch.distributed.destroy_process_group()
+    gc.collect()  # ZeRO-3 parameters hold their group (ds_process_group): its threads are joined when it is freed
 
 
 def _use_deepspeed_cpu_accelerator() -> None:

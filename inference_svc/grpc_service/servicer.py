@@ -11,13 +11,15 @@ Contract:
   deserializer (`wire_guard.safe_deserializer`, bounded by `max_request_bytes`, with the prescreens below) and
   handlers that answer an `Unread` request themselves.
 - Every Inference RPC is one `RequestRecord` (`inference_svc.access_log`, the outcome table HTTP shares), ended
-  once when the call is done: counted in `tandem_request_errors` when not OK, and one `tandem.access` line. An RPC
-  that ends without a status sent by the server (client cancel or disconnect at any point after the handler
-  started: while admitted, decoding, or between two streamed messages) is DEADLINE_EXCEEDED if its deadline had
-  passed or was within `DEADLINE_SLACK_S` (the client's timer fires first: its cancel arrives before the server's
-  own deadline by about the request's transit time), else CANCELLED. Errors the server answers are recorded where
-  it answers them (`_fail`), never twice. (A call cancelled before gRPC has even read its request never reaches
-  the service and is not counted.)
+  once: counted in `tandem_request_errors` when not OK, and one `tandem.access` line. An error the server answers
+  is recorded and its record ended where it is answered (`_fail`), before the status is sent: a client that has
+  its error finds it counted in the next scrape (as HTTP does for a whole response: its record ends before the
+  response is returned). Any other RPC's record ends when the call is done (`on_rpc_done`): an OK one, and one that ends
+  without a status sent by the server (client cancel or disconnect at any point after the handler started: while
+  admitted, decoding, or between two streamed messages), which is DEADLINE_EXCEEDED if its deadline had passed or
+  was within `DEADLINE_SLACK_S` (the client's timer fires first: its cancel arrives before the server's own
+  deadline by about the request's transit time), else CANCELLED. (A call cancelled before gRPC has even read its
+  request never reaches the service and is not counted.)
 - Prescreens: a Generate whose text prompt has more than 4 bytes per character of the engine's character limit
   (`AsyncEngine.max_prompt_chars`) cannot fit, whatever it holds: it is refused from the prompt field's length on
   the wire (`wire_guard.last_field_length`), before the message is parsed and the prompt becomes a `str`, with
@@ -144,7 +146,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             log.error("request %s failed: %r", rid or "-", exc, exc_info=exc)
         record = _RECORD.get()
         if record is not None:
-            record.fail(exc)  # counted when the call is done (`on_rpc_done`)
+            record.fail(exc)
+            self._owner.access_log.finish(record)  # counted before the status leaves (`on_rpc_done` finds it ended)
         else:  # not an Inference RPC (a malformed health check): no record, counted here
             self._owner.metrics.observe_error(code.name)
         await context.abort(code, message)

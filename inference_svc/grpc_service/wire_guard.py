@@ -172,18 +172,20 @@ class MalformedRequestGuard(grpc.aio.ServerInterceptor):
 
 
 class MalformedLog:
-    """At most one WARNING line per malformed request, and at most one per `interval` seconds overall: the next
-    line after a quiet spell says how many were left unlogged. Never a traceback, never the request bytes."""
+    """At most one WARNING line per malformed request, and at most one per `interval` seconds overall (of `clock`,
+    monotonic seconds): a request `interval` or more after the last line gets one, saying how many were left
+    unlogged since. Never a traceback, never the request bytes."""
 
-    def __init__(self, interval: float = 10.0) -> None:
+    def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval = interval
+        self._clock = clock
         self._lock = threading.Lock()
         self._last = -float("inf")
         self._suppressed = 0
 
     def note(self, peer: str, error: MalformedRequestError) -> None:
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             if now - self._last < self.interval:
                 self._suppressed += 1
                 return

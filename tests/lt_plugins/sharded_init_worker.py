@@ -12,12 +12,18 @@ once configure_model has run (training under ZeRO-3 is covered by test_train_cli
   an exact load); `dtypes`: the parameters' dtypes;
 - `random_diff`: the same for a from-scratch build under the strategy's sharded context against
   `build_model(config, seed=3)` built whole (the per-leaf sharded init must draw the same values).
+
+and, from the last `atexit` handler (after the strategy's own), `<OUT>/rank<r>.exit.json`: the names of the
+process's native threads still running when the interpreter starts finalizing (`threads_at_exit`). A gloo thread
+left there can abort the process ("terminate called without an active exception") after a run that succeeded.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -89,7 +95,20 @@ class Built(Exception):
     """Ends the fit once the probe has recorded construction and loading."""
 
 
+def native_thread_names() -> list[str]:
+    """The names of this process's native threads (Linux /proc), sorted."""
+    tasks = Path("/proc/self/task")
+    return sorted((task / "comm").read_text().strip() for task in tasks.iterdir())
+
+
+def record_threads_at_exit(path: Path) -> None:
+    """Write the native threads alive now to `path` (an atexit handler registered before the strategy's: it runs
+    after it)."""
+    path.write_text(json.dumps({"threads_at_exit": native_thread_names()}))
+
+
 def main(folder: str, out: str, stage: int, precision: str = "32-true") -> None:
+    atexit.register(record_threads_at_exit, Path(out, f"rank{os.environ['RANK']}.exit.json"))
     torch.set_num_threads(1)
     config = read_config(folder)
     data = DataSection(block_size=16, batch_size=2)

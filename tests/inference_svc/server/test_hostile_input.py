@@ -24,7 +24,9 @@ import grpc
 import pytest
 
 from inference_svc.client import NO_RETRY
+from inference_svc.errors import MalformedRequestError
 from inference_svc.grpc_service.auth import ApiKeyInterceptor
+from inference_svc.grpc_service.wire_guard import MalformedLog
 from inference_svc.proto_gen import inference_pb2 as pb
 from inference_svc.proto_gen import inference_pb2_grpc as pb_grpc
 from tests.inference_svc.server.conftest import MAX_NEW_TOKENS_LIMIT, ServerThread, make_server, metric_value
@@ -41,12 +43,14 @@ INTERNALS = ("Traceback", "DecodeError", "Error parsing", "google.protobuf", "Un
 
 
 def _errors(srv: ServerThread, code: str) -> float:
-    """tandem_request_errors_total{code=CODE} from the server's own exposition text."""
+    """tandem_request_errors_total{code=CODE} from the server's own exposition text. An error the server answers is
+    counted before its status is sent, so once a call has its error this counts it: no wait, exact."""
     return metric_value(srv.server.metrics.render(), "tandem_request_errors_total", code=code)
 
 
 def _wait_for_errors(srv: ServerThread, code: str, at_least: float, timeout: float = 30.0) -> float:
-    """Poll the counter until it reaches `at_least` (bounded), then return it."""
+    """Poll the counter until it reaches `at_least` (bounded), then return it: for outcomes the server learns after
+    its client (a client's cancel is counted when the server sees the call end)."""
     deadline = time.monotonic() + timeout
     while (value := _errors(srv, code)) < at_least and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -97,7 +101,7 @@ def test_malformed_request_is_invalid_argument(server: ServerThread, method, str
     details = err.details() or ""
     assert details.startswith("malformed request: "), details
     assert not any(s in details for s in INTERNALS), details
-    assert _wait_for_errors(server, "INVALID_ARGUMENT", before + 1) == before + 1
+    assert _errors(server, "INVALID_ARGUMENT") == before + 1
     noisy = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(noisy) <= 1, [r.getMessage() for r in noisy]
     assert all(r.exc_info is None and r.levelno < logging.ERROR for r in noisy)
@@ -121,27 +125,64 @@ def test_bad_utf8_is_named_as_such(server: ServerThread) -> None:
     assert "UTF-8" in (err.details() or "")
 
 
-def test_malformed_log_is_rate_limited(server: ServerThread, caplog) -> None:
-    """A flood of malformed calls writes one WARNING line (within the rate limit), with no traceback."""
+def test_malformed_log_is_rate_limited(server: ServerThread, caplog, monkeypatch) -> None:
+    """A flood of malformed calls writes one WARNING line (within the rate limit), with no traceback, and every call
+    is counted by the time its client has the error (the count once failed here, 27 for 26, when it came from the
+    RPC's done-callback: the previous test's call was counted after this one read `before`)."""
     caplog.set_level(logging.DEBUG)
-    limiter = server.server.malformed_log
-    limiter.interval, saved = 3600.0, limiter.interval
-    limiter._last = -float("inf")  # start a fresh window for this test
-    try:
-        n = 12
-        before = _errors(server, "INVALID_ARGUMENT")
-        for i in range(n):
-            payload = list(PAYLOADS.values())[i % len(PAYLOADS)]
-            assert _raw_call(server.target, "Generate", payload, streaming=False).code() == (
-                grpc.StatusCode.INVALID_ARGUMENT
-            )
-        assert _wait_for_errors(server, "INVALID_ARGUMENT", before + n) == before + n
-    finally:
-        limiter.interval = saved
+    # the server's limiter on a stopped clock: every call falls in one window, however slow the machine
+    monkeypatch.setattr(server.server, "malformed_log", MalformedLog(interval=10.0, clock=lambda: 0.0))
+    n = 12
+    before = _errors(server, "INVALID_ARGUMENT")
+    for i in range(n):
+        payload = list(PAYLOADS.values())[i % len(PAYLOADS)]
+        assert _raw_call(server.target, "Generate", payload, streaming=False).code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert _errors(server, "INVALID_ARGUMENT") == before + i + 1
     lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(lines) == 1, [r.getMessage() for r in lines]
     assert lines[0].exc_info is None and "malformed request" in lines[0].getMessage()
     assert "\n" not in lines[0].getMessage()
+
+
+def test_malformed_log_window_follows_its_clock(caplog) -> None:
+    """One line per `interval` of the limiter's clock: calls less than `interval` after the last line are counted
+    and named by the next line, the one at `interval` or later."""
+    caplog.set_level(logging.DEBUG)
+    now = [100.0]
+    limiter = MalformedLog(interval=10.0, clock=lambda: now[0])
+    error = MalformedRequestError("GenerateRequest", "truncated")
+    for t in (100.0, 101.0, 109.999, 110.0, 110.0, 125.0, 134.9):
+        now[0] = t
+        limiter.note("ipv4:127.0.0.1:1", error)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 3, lines
+    assert "more since" not in lines[0]
+    assert lines[1].endswith("(2 more since the last such line)")  # 101 and 109.999
+    assert lines[2].endswith("(1 more since the last such line)")  # the second call at 110; 134.9 is still quiet
+    assert all("truncated" in line and "ipv4:127.0.0.1:1" in line for line in lines)
+
+
+def test_an_answered_error_is_counted_before_the_answer_leaves(server: ServerThread, monkeypatch) -> None:
+    """The record of an error the server answers ends before the status is sent. Checked in the order itself:
+    while the record ends, the server waits (bounded) for the client to say it has the answer; it cannot have it
+    yet. (Ended from the RPC's done-callback instead, the status has left and the client's answer comes.)"""
+    access_log = server.server.access_log
+    answered = threading.Event()
+    client_had_it: list[bool] = []
+    finish = access_log.finish
+
+    def finish_after_looking(record) -> None:
+        if record.failed and not record.finished:
+            client_had_it.append(answered.wait(1.0))
+        finish(record)
+
+    monkeypatch.setattr(access_log, "finish", finish_after_looking)
+    for method, streaming in (("Generate", False), ("GenerateStream", True), ("Tokenize", False)):
+        answered.clear()
+        err = _raw_call(server.target, method, GARBAGE, streaming=streaming)
+        answered.set()
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+    assert client_had_it == [False, False, False]
 
 
 def test_server_still_serves_after_malformed_requests(server: ServerThread) -> None:
@@ -157,7 +198,7 @@ def test_unauthenticated_garbage_is_unauthenticated(keyed_server: ServerThread, 
     before = _errors(keyed_server, "UNAUTHENTICATED")
     err = _raw_call(keyed_server.target, method, payload, streaming=streaming)
     assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
-    assert _wait_for_errors(keyed_server, "UNAUTHENTICATED", before + 1) == before + 1
+    assert _errors(keyed_server, "UNAUTHENTICATED") == before + 1
     # the same bytes with a valid key are parsed, and refused as malformed
     err = _raw_call(
         keyed_server.target, method, payload, streaming=streaming, metadata=(("authorization", f"Bearer {KEY}"),)
