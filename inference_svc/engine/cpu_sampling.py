@@ -12,6 +12,8 @@ Contract:
   one entry per row → (tokens, the rows whose logits are not all finite), as lists: `sampler.probabilities` then
   `Sampler.draw` (argmax for a greedy row) in one call, the same tokens as that torch path (the sampler's tests hold
   it to them). Lists, not tensors: building five small tensors cost more than the call.
+- `greedy_rows(logits)`: logits fp32 `[S, V]` → (each row's argmax, the first index of its largest value; the rows
+  whose logits are not all finite, whose token is 0), as lists: the torch path's greedy tokens in one call.
 - Why: torch's CPU sort of a row of logits was most of a sampled decode step's sampling time (figures:
   docs/benchmarks-archive.md §7, "Sampling without a sort").
 """

@@ -17,10 +17,11 @@ Contract:
   kept, so the kept set never depends on an order among equal values. The kept probabilities are renormalized.
   On the CPU the thresholds come from a C++ selection (`inference_svc.engine.cpu_sampling`, O(V) a row), elsewhere
   from a sort (`_thresholds_torch`), the same rule.
-- On the CPU (fp32 logits, where the kernels are built), a batch whose rows are not all greedy and that has no
-  penalties, biases, min_tokens or grammar is sampled by one C++ call (`cpu_sampling.sample_rows`): the same ATen
-  operations for the probabilities, the same threshold and the same draw, so the same tokens as the torch path (tested),
-  without a Python call per operation (its cost: docs/benchmarks-archive.md §7, "Sampling without a sort"). Every other
+- On the CPU (fp32 logits, where the kernels are built), a batch that has no penalties, biases, min_tokens or
+  grammar is sampled by one C++ call: `cpu_sampling.greedy_rows` when every row is greedy (each row's first
+  argmax and its finiteness in one pass), else `cpu_sampling.sample_rows` (the same ATen operations for the
+  probabilities, the same threshold and the same draw): the same tokens as the torch path (tested), without a
+  Python call per operation (its cost: docs/benchmarks-archive.md §7, "Sampling without a sort"). Every other
   batch takes the torch path.
 - No valid parameter overflows: penalized logits are clamped to the finite float range, and temperature divides
   `logits - rowmax` (all <= 0) and is floored at fp32's smallest normal number, so a temperature of 1e-38 (or
@@ -127,16 +128,19 @@ class Sampler:
         greedy = [r.params.greedy for r in requests]
         native = _native(logits, self.native)
         plain = bitmask is None and not any(r.params.penalized for r in requests)
-        if native is not None and not all(greedy) and plain:
-            token_list, failed = native.sample_rows(
-                logits,
-                [1.0 if r.params.greedy else r.params.temperature for r in requests],
-                greedy,
-                [r.params.top_k for r in requests],
-                [r.params.top_p for r in requests],
-                [r.params.min_p for r in requests],
-                self._uniforms(requests),
-            )
+        if native is not None and plain:
+            if all(greedy):
+                token_list, failed = native.greedy_rows(logits)
+            else:
+                token_list, failed = native.sample_rows(
+                    logits,
+                    [1.0 if r.params.greedy else r.params.temperature for r in requests],
+                    greedy,
+                    [r.params.top_k for r in requests],
+                    [r.params.top_p for r in requests],
+                    [r.params.min_p for r in requests],
+                    self._uniforms(requests),
+                )
             if not (top_k or want_logprobs):
                 return Samples(token_list, None, failed)
             tokens = torch.tensor(token_list)

@@ -195,6 +195,36 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>> sample_rows(
   return {tokens, failed};
 }
 
+// The greedy token of each row of logits [S, V] fp32 (penalties already applied) and the rows whose logits are not
+// all finite, in one pass a row: torch.argmax's first index of the largest value, token 0 for a row that is not
+// finite (sampler.py's torch path zeroes such a row before its argmax). The rows of a greedy batch without a
+// Python call per operation (six torch calls on the torch path).
+std::tuple<std::vector<int64_t>, std::vector<int64_t>> greedy_rows(const torch::Tensor& logits) {
+  TORCH_CHECK(logits.is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat,
+              "greedy_rows: logits must be a CPU fp32 [S, V] tensor");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab > 0, "greedy_rows: the vocabulary is empty");
+  const auto x = logits.contiguous();
+  const float* xp = x.data_ptr<float>();
+  std::vector<int64_t> tokens(rows, 0);
+  std::vector<char> bad(rows, 0);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / vocab), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * vocab;
+      bool ok = true;
+      for (int64_t i = 0; i < vocab; ++i) ok &= std::isfinite(row[i]);
+      if (ok)
+        tokens[r] = row_argmax(row, vocab);
+      else
+        bad[r] = 1;
+    }
+  });
+  std::vector<int64_t> failed;
+  for (int64_t r = 0; r < rows; ++r)
+    if (bad[r]) failed.push_back(r);
+  return {tokens, failed};
+}
+
 }  // namespace
 
 // Its entries in the library's Python module (module.cpp); the GIL is released while they run.
@@ -202,5 +232,7 @@ void register_sampling(pybind11::module_& m) {
   m.def("truncation_thresholds", &truncation_thresholds, "each row's smallest kept probability (top-k, top-p, min-p)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("sample_rows", &sample_rows, "one token per row: probabilities, truncation and the inverse-CDF draw",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("greedy_rows", &greedy_rows, "each row's argmax, and the rows that are not all finite",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -167,3 +167,25 @@ def test_the_one_call_sampler_draws_the_tokens_of_the_torch_path(trial) -> None:
 def test_the_one_call_sampler_refuses_per_row_lists_of_the_wrong_length() -> None:
     with pytest.raises(RuntimeError, match="every per-row list needs 2 entries, got 1"):
         native.sample_rows(torch.zeros(2, 8), [1.0], [False, False], [0, 0], [1.0, 1.0], [0.0, 0.0], [0.5, 0.5])
+
+
+@needs_native
+@pytest.mark.parametrize("trial", range(12))
+def test_an_all_greedy_batch_takes_the_torch_paths_tokens_in_one_call(trial) -> None:
+    logits, params = _mixed_batch(trial)
+    logits[0, 1:4] = logits[0].max() + 1.0  # a tie for the largest value: the first index wins, as torch.argmax
+    greedy = [SamplingParams(temperature=0.0, seed=p.seed) for p in params]
+    assert _three_steps(logits, greedy, True) == _three_steps(logits, greedy, False)
+    tokens, failed = native.greedy_rows(logits)
+    finite = torch.isfinite(logits).all(dim=-1)
+    assert failed == (~finite).nonzero()[:, 0].tolist()
+    assert tokens == [int(row.argmax()) if ok else 0 for row, ok in zip(logits, finite, strict=True)]
+    assert tokens[0] == 1 or 0 in failed
+
+
+@needs_native
+def test_the_greedy_rows_refuse_what_is_not_fp32_rows() -> None:
+    with pytest.raises(RuntimeError, match="greedy_rows: logits must be a CPU fp32"):
+        native.greedy_rows(torch.zeros(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="greedy_rows: the vocabulary is empty"):
+        native.greedy_rows(torch.zeros(2, 0))
