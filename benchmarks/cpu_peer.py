@@ -710,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "baseline": None
         if args.baseline is None
-        else {"tree": str(args.baseline), "commit": git_commit(args.baseline)},  # noqa: E501
+        else {"tree": str(args.baseline), "commit": git_commit(args.baseline)},
         "commit": git_commit(REPO),
         "notes": [],
         "cases": [],

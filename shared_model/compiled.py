@@ -30,7 +30,8 @@ Contract:
   per-layer Python cost matters.
 - Shapes: the token axis is dynamic, so one graph serves every T >= 2 (prefill chunks, verify steps, batched decodes)
   and one T == 1 (a lone decode; torch specialises size 1). A model that branches on T has one graph per branch: a
-  quantized projection takes its packed kernel up to `PACKED_MAX_ROWS` rows, so T in 2..4 and T >= 5 are two graphs;
+  quantized projection branches at its `row_bounds()` (an int4 one takes its row kernel up to `int4_gemv.MAX_ROWS`
+  rows, so T in 2..16 and T >= 17 are two graphs);
   a dense one at each bound of its row table (below). `warm_up(run)` calls `run` (which must reach
   every kind of step), returns the seconds it took, and records them in `compile_seconds`. After warm-up the compiled
   code never compiles again: a call whose shapes or guards no graph covers is refused by dynamo at its guard check (the

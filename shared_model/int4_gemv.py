@@ -39,8 +39,9 @@ import torch
 import tandem_native
 from shared_model.int8_gemv import quantize_activation
 
-MAX_ROWS = 4
-"""Activation rows per call (the kernel reads each weight row once for all of them)."""
+MAX_ROWS = 16
+"""Activation rows per call, 4 at a time over the whole weight (a 16-stream decode step's projections; more rows,
+prefill chunks, take the dequantized weight and the dense GEMM: docs/benchmarks.md §16)."""
 LANES = 16
 """Groups per tile of the layout: one 32-bit lane of an AVX-512 vector each."""
 

@@ -268,6 +268,15 @@ class QuantizedLinear(nn.Module):
             return "int4_packed", f"1-{m} rows: _weight_int4pack_mm_for_cpu; more: unpack + GEMM"
         return "int4_packed", f"every call: _weight_int4pack_mm_for_cpu in slices of {m} rows (layout not unpackable)"
 
+    def row_bounds(self) -> tuple[int, ...]:
+        """The largest row count of each of `forward`'s branches but the last (a compiled step traces a graph per
+        branch, so its warm-up runs each side of each bound)."""
+        if self.kind == "int8":
+            if self._tile_kernel:
+                return (1, TILE_MAX_ROWS) if self._row_kernel else (TILE_MAX_ROWS,)
+            return (1, PACKED_MAX_ROWS) if self._row_kernel else (PACKED_MAX_ROWS,)
+        return (int4_gemv.MAX_ROWS,) if self._row_kernel else (PACKED_MAX_ROWS,)
+
     def _packed(self, x2: torch.Tensor) -> torch.Tensor:
         if self.kind == "int8":
             if self._packed_kernel:
@@ -377,9 +386,9 @@ def _check_model(model: CausalLM | ServingDecoder, kind: str, group_size: int) -
 
 class DequantizedLinear(nn.Module):
     """The reference of a `QuantizedLinear`: its dequantized weight in fp32, applied with the same roundings (the
-    input and output rounded to the compute dtype; past `PACKED_MAX_ROWS` rows the weight too, as the dequantized
-    path multiplies in that dtype; with `rounding` from `activation_rounding`, the activations of the calls a row
-    kernel runs) around a plain fp32 matmul. Only the order of the sums differs."""
+    input and output rounded to the compute dtype; past `PACKED_MAX_ROWS` rows and the row kernel's rows the weight
+    too, as the dequantized path multiplies in that dtype; with `rounding` from `activation_rounding`, the
+    activations of the calls a row kernel runs) around a plain fp32 matmul. Only the order of the sums differs."""
 
     def __init__(
         self,
@@ -398,7 +407,8 @@ class DequantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        weight = self.weight if rows <= PACKED_MAX_ROWS else self.weight.to(self.compute).float()
+        exact = rows <= max(PACKED_MAX_ROWS, self.act_rows)  # the packed and row kernels' weights are not rounded
+        weight = self.weight if exact else self.weight.to(self.compute).float()
         xc = x.to(self.compute).float()
         if self.act_group and rows <= self.act_rows:  # groups never span rows
             xc = int8_gemv.quantize_activation(xc.reshape(-1), self.act_group).view(xc.shape)

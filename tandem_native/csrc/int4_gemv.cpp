@@ -16,8 +16,11 @@
 // [2, N, G] (scales, then zeros: a tile's 16 are contiguous), with no shuffle. The activation bytes are laid out
 // the same way once per call (tile t of a block pairs lane l with group (16t + l) % G).
 //
-// Each weight row is read once for all the activation rows (at most kMaxRows), several blocks per pass for
-// independent chains, the next pass's blocks prefetched meanwhile. Passes are split over torch's intra-op threads.
+// Each pass reads a few weight blocks (several for independent chains, the next pass's prefetched meanwhile) and
+// multiplies them by up to 4 activation rows at once, in registers; more rows (at most kMaxRows) go 4 at a time,
+// each time over the whole weight, which stays in the cache between them (interleaving the row chunks within a
+// pass measured slower). A row's result is the same at any row count. Passes are split over torch's intra-op
+// threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -32,8 +35,9 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 4;  // activation rows per call: a decode batch (more rows take the dense path)
-constexpr int64_t kLanes = 16;   // groups per tile: one 32-bit lane each
+constexpr int64_t kMaxRows = 16;   // activation rows per call: decode batches (more rows take the dense path)
+constexpr int64_t kChunkRows = 4;  // rows a kernel pass multiplies at once (2 * R * M accumulators in registers)
+constexpr int64_t kLanes = 16;     // groups per tile: one 32-bit lane each
 
 // Where a row's groups and a block's bytes lie.
 struct Shape {
@@ -142,6 +146,13 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
+// Activation rows r0.. of `a` (row r0 as its first).
+Activations rows_from(const Activations& a, int64_t r0, const Shape& sh) {
+  const int64_t lanes = sh.tiles * kLanes;
+  return Activations{a.x + r0 * sh.tiles * sh.steps * 128, a.scale + r0 * lanes, a.sum + r0 * lanes,
+                     a.eight_sums + r0 * lanes};
+}
+
 // M activation rows times R blocks per pass (2 * R * M integer accumulators in registers).
 template <int M, int R, typename S>
 void blocks_kernel(const Activations& a, const uint8_t* codes, const S* sz, float* y, int64_t n, const Shape& sh) {
@@ -188,7 +199,8 @@ void blocks_kernel(const Activations& a, const uint8_t* codes, const S* sz, floa
             const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(lo[i][r], _mm512_srai_epi32(hi[i][r], 4)),
                                                  _mm512_loadu_si512(a.eight_sums + at));
             const __m512 sa = _mm512_mul_ps(s, _mm512_loadu_ps(a.scale + at));
-            const __m512 v = _mm512_fmadd_ps(z, _mm512_loadu_ps(a.sum + at), _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sa));
+            const __m512 v =
+                _mm512_fmadd_ps(z, _mm512_loadu_ps(a.sum + at), _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sa));
             _mm512_storeu_ps(lanes(i, r) + t * kLanes, v);
           }
         }
@@ -212,6 +224,11 @@ void blocks_kernel(const Activations& a, const uint8_t* codes, const S* sz, floa
 template <typename S>
 void dispatch_rows(const Activations& a, int64_t m, const uint8_t* codes, const S* sz, float* y, int64_t n,
                    const Shape& sh) {
+  if (m > kChunkRows) {  // 4 rows at a time, each pass over the whole weight (it stays in the cache between them)
+    for (int64_t r0 = 0; r0 < m; r0 += kChunkRows)
+      dispatch_rows(rows_from(a, r0, sh), std::min<int64_t>(kChunkRows, m - r0), codes, sz, y + r0 * n, n, sh);
+    return;
+  }
   switch (m) {  // 2 * R * M vectors of accumulators stay in registers
     case 1: return blocks_kernel<1, 4>(a, codes, sz, y, n, sh);
     case 2: return blocks_kernel<2, 2>(a, codes, sz, y, n, sh);

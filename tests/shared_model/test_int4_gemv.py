@@ -50,10 +50,11 @@ def test_dequantize_matches_the_quantize_module() -> None:
 
 SHAPES = [
     (16, 64, 64, 1), (48, 768, 64, 1), (96, 768, 128, 3), (2304, 768, 64, 4), (64, 2048, 256, 2), (18, 512, 64, 2),
-    (32, 3072, 32, 3), (16, 11008, 64, 1),
+    (32, 3072, 32, 3), (16, 11008, 64, 1), (2304, 768, 64, 16), (96, 768, 128, 13), (64, 2048, 256, 7),
 ]  # fmt: skip
 """(N, K, group, rows): one block, the 82M model's shapes, several group sizes, blocks of 2 rows (8 groups a row),
-groups of 32, and Llama-2-7B's down projection (172 groups a row: blocks of 4 rows, 43 tiles)."""
+groups of 32, Llama-2-7B's down projection (172 groups a row: blocks of 4 rows, 43 tiles), and calls of more rows
+than a pass multiplies at once (4): a 16-stream decode (the most, `MAX_ROWS`), remainders of 1 and 3."""
 
 
 @needs_kernel
@@ -70,6 +71,8 @@ def test_kernel_matches_its_reference(n: int, k: int, group: int, rows: int, dty
     assert (y.float() - ref).abs().max() <= tol * ref.abs().max()
     exact = x.float() @ int4_gemv.dequantize(codes, sz_stored, group).t()  # without the activation rounding
     assert (y.float() - exact).abs().max() <= 0.03 * exact.abs().max()
+    for r in {0, rows // 2, rows - 1}:  # a row's bits do not depend on the other rows of the call
+        assert torch.equal(y[r], int4_gemv.int4_gemv(x[r : r + 1], codes, sz_stored, group)[0]), r
 
 
 @needs_kernel
@@ -102,7 +105,7 @@ def test_the_op_refuses_what_it_cannot_run() -> None:
     _, codes, sz = _weights(16, 128, 64)
     op = torch.ops.tandem.int4_gemv
     with pytest.raises(RuntimeError, match="M in 1"):
-        op(torch.zeros(5, 128), codes, sz, 64)
+        op(torch.zeros(int4_gemv.MAX_ROWS + 1, 128), codes, sz, 64)
     with pytest.raises(RuntimeError, match="shapes do not match"):
         op(torch.zeros(1, 256), codes, sz, 64)
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -137,7 +140,7 @@ def test_int4_layer_runs_decode_batches_through_the_kernel(compiled: bool) -> No
     ref = DequantizedLinear(dequantize_int4(*quantize_int4(weight, 64), 64, torch.bfloat16), None, torch.bfloat16,
                             rounding)  # fmt: skip
     fn = torch.compile(layer, fullgraph=True) if compiled else layer  # fullgraph: the custom op does not break it
-    for rows in (1, 3, PACKED_MAX_ROWS, 9):  # 9 rows: the dense path over the dequantized weight
+    for rows in (1, 3, PACKED_MAX_ROWS, 9, int4_gemv.MAX_ROWS, int4_gemv.MAX_ROWS + 1):  # the last: dense path
         x = torch.randn(rows, 256, generator=g, dtype=torch.bfloat16)
         y, expected = fn(x).float(), ref(x).float()
         assert (y - expected).abs().max() <= 1e-2 * expected.abs().max(), rows
