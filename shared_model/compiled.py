@@ -73,16 +73,27 @@ import shutil
 import time
 import types
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+from torch._dynamo.package import CompilePackage, DiskDynamoStore
 from torch._library.opaque_object import get_opaque_type_name, register_opaque_type
 from torch._opaque_base import OpaqueBase
 
 from shared_model.attention import AttentionBackend
 from shared_model.serving_model import RowTable, ServingDecoder, set_row_kernels
 
+
+def _guard_filter(entries: list) -> list[bool]:
+    """The guards kept (see the module docstring): none on module state, and of the rest only the portable ones
+    (the inputs' tensor guards, symbolic shapes, torch's global state), the guards a saved package can hold."""
+    modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+    portable = torch.compiler.keep_portable_guards_unsafe(entries)
+    return [a and b for a, b in zip(modules, portable, strict=True)]
+
+
 _OPTIONS = {
-    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+    "guard_filter_fn": _guard_filter,
     "emulate_precision_casts": True,
     "size_asserts": False,
     "alignment_asserts": False,
@@ -99,6 +110,9 @@ _CPU_OPTIONS = {"cpp_wrapper": True}
 """On the CPU, a C++ wrapper around a traced backend's graphs instead of a Python one: each kernel and operator call
 of the graph no longer pays for Python, for a longer cold compile (docs/benchmarks.md). Not for the opaque
 backends' graphs (it cannot pass a Python object to an operator), and not on CUDA (not measured there)."""
+_KINDS = ("opaque", "traced")
+PACKAGE_FILE = "entry"
+"""A kind's saved graphs: `<packages>/<kind>/entry` (torch's `DiskDynamoStore` layout)."""
 _RECOMPILE = "Detected recompile"
 """The start of the RuntimeError dynamo raises under the 'fail_on_recompile' stance."""
 log = logging.getLogger(__name__)
@@ -206,13 +220,19 @@ class CompiledDecoder:
         """Projections that run Tandem's row kernels by `row_table` (`serving_model.set_row_kernels`)."""
         # room for the graphs of each kind of backend and each branch of T (every decoder has its own code objects)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        options = dict(_OPTIONS)  # a copy: torch.compile pops guard_filter_fn from the dict it is given
-        self._opaque = torch.compile(_own_forward(), dynamic=None, fullgraph=True, options=dict(options))
-        """For opaque backends (through `tandem::attention`)."""
-        if next(model.parameters()).device.type == "cpu":
-            options.update(_CPU_OPTIONS)
-        self._traced = torch.compile(_own_forward(), dynamic=None, fullgraph=True, options=options)
-        """For traced backends (their tensor-only operators in the graph)."""
+        self._cpu = next(model.parameters()).device.type == "cpu"
+        self._functions = {kind: _own_forward() for kind in _KINDS}
+        """Each kind's function, in a code object of its own (dynamo's graphs and a package's are kept on it)."""
+        self._packages: dict[str, CompilePackage] = {}
+        self._compiled = {kind: self._compile(kind, None) for kind in _KINDS}
+        """'opaque': for opaque backends (through `tandem::attention`); 'traced': for traced backends (their
+        tensor-only operators in the graph)."""
+        self._traced_type: type | None = None
+        """The traced backend's class the graphs were compiled for (its guard is not kept: checked here)."""
+        self._compiling = True
+        """Whether a call may compile (marks its dynamic sizes): during a warm-up that traces."""
+        self.precompiled = "not asked"
+        """What `warm_up` did with its packages: 'loaded N graphs', 'traced ...', or why not."""
         self.compile_seconds: float | None = None
         """Seconds `warm_up` took (None before it ran)."""
         self.eager_calls = 0
@@ -225,25 +245,31 @@ class CompiledDecoder:
         # fresh storage for views (a decode step's rows of one host copy): guards would pin their storage offsets
         input_ids = input_ids.clone() if input_ids.storage_offset() else input_ids
         positions = positions.clone() if positions.storage_offset() else positions
-        if input_ids.dim() == 2 and input_ids.shape[1] > 1:  # one graph per branch of T >= 2 (a table step of one
-            # row count, such as 2, specializes to it: maybe_mark_dynamic allows that)
+        if self._compiling and input_ids.dim() == 2 and input_ids.shape[1] > 1:  # one graph per branch of T >= 2
+            # (a table step of one row count, such as 2, specializes to it: maybe_mark_dynamic allows that). Only
+            # while compiling: a graph compiled with the mark takes calls without it, and a loaded one wants none
             torch._dynamo.maybe_mark_dynamic(input_ids, 1)
             torch._dynamo.maybe_mark_dynamic(positions, positions.dim() - 1)
         if is_traced(backend):
-            compiled, graph_backend = self._traced, backend
-            if self.compile_seconds is None:  # compiling: the metadata's sizes reach only the operator
+            compiled, graph_backend = self._compiled["traced"], backend
+            if self._traced_type is None:
+                self._traced_type = type(backend)
+            if self._compiling:  # the metadata's sizes reach only the operator
                 backend.mark_dynamic()  # type: ignore[attr-defined]
         else:
-            compiled, graph_backend = self._opaque, _OpaqueCall(GraphBackend(backend))
-        if self.compile_seconds is None:
+            compiled, graph_backend = self._compiled["opaque"], _OpaqueCall(GraphBackend(backend))
+        if self.compile_seconds is None and self._compiling:
             return compiled(self.model, input_ids, positions, graph_backend)
-        try:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return compiled(self.model, input_ids, positions, graph_backend)
-        except RuntimeError as exc:  # raised at the guard check, before the graph ran: nothing happened yet
-            if _RECOMPILE not in str(exc):
-                raise
-            reason = _reason(exc)
+        if graph_backend is backend and type(backend) is not self._traced_type:
+            reason = f"a traced backend of another class ({type(backend).__name__})"
+        else:
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    return compiled(self.model, input_ids, positions, graph_backend)
+            except RuntimeError as exc:  # raised at the guard check, before the graph ran: nothing happened yet
+                if _RECOMPILE not in str(exc) or self.compile_seconds is None:  # a loaded warm-up's miss: raised
+                    raise
+                reason = _reason(exc)
         self.eager_calls += 1
         if self.eager_calls == 1:
             log.warning("compiled decoder: no graph covers this step (%s); such steps run eagerly", reason)
@@ -255,12 +281,86 @@ class CompiledDecoder:
         set_row_kernels(self.model, None)
         self.row_table, self.row_kernels = None, 0
 
-    def warm_up(self, run: Callable[[], object]) -> float:
-        """Compile by calling `run` (steps of each kind through `hidden_states`); returns and records its seconds."""
+    def _compile(self, kind: str, package: CompilePackage | None) -> Callable[..., torch.Tensor]:
+        """`torch.compile(fullgraph=True)` of `kind`'s function, its graphs recorded in `package` when given."""
+        options = dict(_OPTIONS)
+        if kind == "traced" and self._cpu:
+            options.update(_CPU_OPTIONS)
+        guards = options.pop("guard_filter_fn")
+        backend = torch._TorchCompileInductorWrapper(None, options, None)  # what torch.compile builds
+        return torch._dynamo.optimize(backend=backend, nopython=True, dynamic=None, guard_filter_fn=guards,
+                                      package=package)(self._functions[kind])  # fmt: skip
+
+    def warm_up(self, run: Callable[[], object], packages: Path | None = None) -> float:
+        """Compile by calling `run` (steps of each kind through `hidden_states`); returns and records its seconds.
+
+        `packages`: a folder of this decoder's saved graphs (`PACKAGE_FILE` per kind). When it holds them, they are
+        installed and `run` must find every step covered by them (no tracing: the warm start); when it does not, or
+        when loading or a step fails, the graphs are traced and compiled and saved there."""
         start = time.perf_counter()
-        run()
+        if packages is not None and self._load(packages):
+            try:
+                self._compiling = False
+                run()
+            except RuntimeError as exc:
+                if _RECOMPILE not in str(exc):
+                    raise
+                self.precompiled = f"not used: a warm-up step no saved graph covers ({_reason(exc)}); traced"
+                log.warning("compiled decoder: %s", self.precompiled)
+                self._unload()
+        if self._compiling or not self._packages:
+            self._compiling = True
+            if packages is not None:
+                self._packages = {kind: CompilePackage(fn) for kind, fn in self._functions.items()}
+                self._compiled = {kind: self._compile(kind, self._packages[kind]) for kind in _KINDS}
+            with torch._functorch.config.patch(bundled_autograd_cache=True):  # the packages' graphs, recorded
+                run()
+            if packages is not None:
+                self._save(packages)
+        self._compiling = False
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
+
+    def _load(self, folder: Path) -> bool:
+        """Install the saved graphs of each kind from `folder` (both or neither); whether they were."""
+        if not all((folder / kind / PACKAGE_FILE).is_file() for kind in _KINDS):
+            self.precompiled = "none saved"
+            return False
+        store = DiskDynamoStore(str(folder))
+        try:
+            with torch.inference_mode():  # the guards' dispatch keys are those of inference tensors
+                for kind in _KINDS:
+                    entry = store.load_cache_entry(kind)
+                    package = CompilePackage(self._functions[kind], entry.dynamo)
+                    self._packages[kind] = package
+                    package.install(entry.backends)
+                    self._compiled[kind] = self._compile(kind, package)
+        except Exception as exc:  # a package of another torch, source or shape: traced instead, never fatal
+            self.precompiled = f"not loaded ({type(exc).__name__}: {exc}); traced"
+            log.warning("compiled decoder: saved graphs %s", self.precompiled)
+            self._unload()
+            return False
+        graphs = sum(len(code.guarded_codes) for p in self._packages.values() for code in p.cache_entry().codes)
+        self.precompiled = f"loaded {graphs} graphs"
+        return True
+
+    def _unload(self) -> None:
+        for package in self._packages.values():
+            package.uninstall()
+        self._packages = {}
+        self._compiling = True
+
+    def _save(self, folder: Path) -> None:
+        store = DiskDynamoStore(str(folder))
+        try:
+            for kind, package in self._packages.items():
+                store.save_package(package, kind)
+        except Exception as exc:  # the compiled step still serves; the next start traces again
+            self.precompiled = f"traced; not saved ({type(exc).__name__}: {exc})"
+            log.warning("compiled decoder: graphs %s", self.precompiled)
+            return
+        graphs = sum(len(code.guarded_codes) for p in self._packages.values() for code in p.cache_entry().codes)
+        self.precompiled = f"traced {graphs} graphs and saved them"
 
 
 def _reason(exc: BaseException) -> str:

@@ -134,7 +134,9 @@ def build_speculator(
     )
 
 
-def warm_up(runner: ModelRunner, config: EngineConfig, num_blocks: int, tokenizer: Tokenizer) -> float:
+def warm_up(
+    runner: ModelRunner, config: EngineConfig, num_blocks: int, tokenizer: Tokenizer, packages: Path | None = None
+) -> float:
     """Compile `runner`'s graphs on throwaway sequences over free blocks, then zero those blocks; seconds.
 
     The compile runs a prefill chunk longer than the projections' row table's last bound where the pool allows, a
@@ -176,7 +178,7 @@ def warm_up(runner: ModelRunner, config: EngineConfig, num_blocks: int, tokenize
 
     peak = runner.peak_workspace_bytes  # the warm-up's steps are not the service's
     try:
-        seconds = runner.compiled.warm_up(run)
+        seconds = runner.compiled.warm_up(run, packages)
         runner.run([ScheduledSeq(seqs[0], n - 4, 5)])  # a verify-shaped chunk: covered, or logged and counted
     except Exception as exc:
         if config.compile == "on":
