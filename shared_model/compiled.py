@@ -178,9 +178,16 @@ def _forward(
     return model.hidden_states(input_ids, positions, backend)
 
 
-def _own_forward() -> Callable[..., torch.Tensor]:
-    """A function of `_forward`'s code in a code object of its own."""
-    return types.FunctionType(_forward.__code__.replace(), _forward.__globals__, _forward.__name__)
+def _own_forward(loading: bool = False) -> Callable[..., torch.Tensor]:
+    """A function of `_forward`'s code in a code object of its own. The globals dynamo installs its compiled graphs
+    in are the function's: a traced one gets a namespace of its own (nothing a saved package installed can clash
+    with the names a trace picks), one that loads packages this module's (where torch's package installs them)."""
+    scope = (
+        _forward.__globals__
+        if loading
+        else {"__name__": __name__, "__builtins__": _forward.__globals__["__builtins__"]}
+    )
+    return types.FunctionType(_forward.__code__.replace(), scope, _forward.__name__)
 
 
 def is_traced(backend: object) -> bool:
@@ -311,6 +318,7 @@ class CompiledDecoder:
         if self._compiling or not self._packages:
             self._compiling = True
             if packages is not None:
+                self._functions = {kind: _own_forward() for kind in _KINDS}
                 self._packages = {kind: CompilePackage(fn) for kind, fn in self._functions.items()}
                 self._compiled = {kind: self._compile(kind, self._packages[kind]) for kind in _KINDS}
             with torch._functorch.config.patch(bundled_autograd_cache=True):  # the packages' graphs, recorded
@@ -330,6 +338,7 @@ class CompiledDecoder:
         try:
             with torch.inference_mode():  # the guards' dispatch keys are those of inference tensors
                 for kind in _KINDS:
+                    self._functions[kind] = _own_forward(loading=True)
                     entry = store.load_cache_entry(kind)
                     package = CompilePackage(self._functions[kind], entry.dynamo)
                     self._packages[kind] = package
