@@ -238,7 +238,7 @@ class CompiledDecoder:
         """The traced backend's class the graphs were compiled for (its guard is not kept: checked here)."""
         self._compiling = True
         """Whether a call may compile (marks its dynamic sizes): during a warm-up that traces."""
-        self.precompiled = "not asked"
+        self.precompiled = ""
         """What `warm_up` did with its packages: 'loaded N graphs', 'traced ...', or why not."""
         self.compile_seconds: float | None = None
         """Seconds `warm_up` took (None before it ran)."""
@@ -312,8 +312,8 @@ class CompiledDecoder:
             except RuntimeError as exc:
                 if _RECOMPILE not in str(exc):
                     raise
-                self.precompiled = f"not used: a warm-up step no saved graph covers ({_reason(exc)}); traced"
-                log.warning("compiled decoder: %s", self.precompiled)
+                self.precompiled = f"not used: a warm-up step no saved graph covers ({_reason(exc)})"
+                log.warning("compiled decoder: saved graphs %s; tracing", self.precompiled)
                 self._unload()
         if self._compiling or not self._packages:
             self._compiling = True
@@ -332,7 +332,7 @@ class CompiledDecoder:
     def _load(self, folder: Path) -> bool:
         """Install the saved graphs of each kind from `folder` (both or neither); whether they were."""
         if not all((folder / kind / PACKAGE_FILE).is_file() for kind in _KINDS):
-            self.precompiled = "none saved"
+            self.precompiled = ""  # none saved: a first compile
             return False
         store = DiskDynamoStore(str(folder))
         try:
@@ -345,8 +345,8 @@ class CompiledDecoder:
                     package.install(entry.backends)
                     self._compiled[kind] = self._compile(kind, package)
         except Exception as exc:  # a package of another torch, source or shape: traced instead, never fatal
-            self.precompiled = f"not loaded ({type(exc).__name__}: {exc}); traced"
-            log.warning("compiled decoder: saved graphs %s", self.precompiled)
+            self.precompiled = f"not loaded ({type(exc).__name__}: {exc})"
+            log.warning("compiled decoder: saved graphs %s; tracing", self.precompiled)
             self._unload()
             return False
         graphs = sum(len(code.guarded_codes) for p in self._packages.values() for code in p.cache_entry().codes)
@@ -365,11 +365,12 @@ class CompiledDecoder:
             for kind, package in self._packages.items():
                 store.save_package(package, kind)
         except Exception as exc:  # the compiled step still serves; the next start traces again
-            self.precompiled = f"traced; not saved ({type(exc).__name__}: {exc})"
-            log.warning("compiled decoder: graphs %s", self.precompiled)
-            return
-        graphs = sum(len(code.guarded_codes) for p in self._packages.values() for code in p.cache_entry().codes)
-        self.precompiled = f"traced {graphs} graphs and saved them"
+            done = f"traced; not saved ({type(exc).__name__}: {exc})"
+            log.warning("compiled decoder: graphs %s", done)
+        else:
+            graphs = sum(len(code.guarded_codes) for p in self._packages.values() for code in p.cache_entry().codes)
+            done = f"traced {graphs} graphs and saved them"
+        self.precompiled = f"{self.precompiled}; {done}" if self.precompiled else done
 
 
 def _reason(exc: BaseException) -> str:
