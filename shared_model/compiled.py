@@ -16,7 +16,7 @@ Contract:
   - Any other `AttentionBackend` stays eager and opaque: each `backend(layer, q, k, v, scale)` call is the custom
     op `tandem::attention(backend, layer, q, k, v, scale)`, whose first argument is the backend itself, wrapped as
     an opaque reference object (`GraphBackend`, torch 2.13's opaque objects): dynamo passes it into the graph as
-    an input and guards only its type, and the op's Python implementation calls it. So any backend works unchanged
+    an input (no guard on it: see Guards), and the op's Python implementation calls it. So any backend works unchanged
     (its plans, host-side logic and cache writes are never traced), with no registry: the op finds nothing, it is
     given the backend. These graphs run under inductor's Python wrapper (its C++ wrapper cannot pass a Python
     object to an operator). The op declares no mutated arguments although a paged backend writes its cache:
@@ -31,7 +31,7 @@ Contract:
 - Shapes: the token axis is dynamic, so one graph serves every T >= 2 (prefill chunks, verify steps, batched decodes)
   and one T == 1 (a lone decode; torch specialises size 1). A model that branches on T has one graph per branch: a
   quantized projection takes its packed kernel up to `PACKED_MAX_ROWS` rows, so T in 2..4 and T >= 5 are two graphs;
-  a dense one at each bound of its row table (below). `warm_up(run)` calls `run` (which must reach
+  a dense one at each bound of its row table (below). `warm_up(run, packages)` calls `run` (which must reach
   every kind of step), returns the seconds it took, and records them in `compile_seconds`. After warm-up the compiled
   code never compiles again: a call whose shapes or guards no graph covers is refused by dynamo at its guard check (the
   'fail_on_recompile' stance), before anything ran, and runs the same decoder eagerly instead; `eager_calls` counts
@@ -57,10 +57,30 @@ Contract:
   model's step (docs/benchmarks.md). A served model's modules do not change after it was prepared, merged and
   quantized: the one attribute the graph reads that may change, `ServingLinear.row_table`, is set once here and
   only reset when the compiled forward is dropped (a failed compile, `release_row_kernels`), after which no graph
-  runs. The guards that remain check the inputs' shapes and dtypes and the backend's type. Nothing in them tells
-  two decoders of one architecture apart (a target and a same-shaped draft model), so each `CompiledDecoder`
-  compiles its own copy of the forward's code object (`_own_forward`): dynamo keeps graphs per code object, and a
-  decoder's calls only ever meet its own graphs (its own row table, quantization and weights).
+  runs. Of the other guards only the portable ones are kept (`_guard_filter`: the inputs' tensor guards, those of
+  a traced backend's tensors included, the symbolic shapes, torch's global state such as grad mode and the thread
+  count): not the identity of the modules and functions the code calls (Tandem's source is fixed for a process,
+  and the compile cache's key holds its hash), nor the backend's type, which is checked here instead: the opaque
+  graphs only ever receive this module's `_OpaqueCall`, and a traced backend of a class other than the one the
+  graphs were compiled for runs eagerly (counted in `eager_calls`). Nothing in the guards tells two decoders of
+  one architecture apart (a target and a same-shaped draft model), so each `CompiledDecoder` compiles its own
+  copy of the forward's code object (`_own_forward`): dynamo keeps graphs per code object, and a decoder's calls
+  only ever meet its own graphs (its own row table, quantization and weights).
+- Saved graphs (`warm_up(run, packages)`, `packages` a folder the compile cache keys by model, flags, torch, CPU
+  and Tandem's code: `inference_svc.executor.compile_cache`): without saved graphs there, the warm-up traces and
+  compiles, recording each kind's graphs (dynamo's transformed code, their guards, and inductor's compiled
+  graphs through AOTAutograd's bundled entries) in a torch `CompilePackage` per kind, saved there as
+  `<kind>/entry` after the warm-up. With them, each kind's package is installed on a fresh code object before the
+  warm-up (dynamo's frame evaluation finds the graphs by their guards, as it finds graphs it traced: no tracing,
+  no AOTAutograd, no C++ compiler) and the warm-up must run entirely from them ('fail_on_recompile'). A package
+  that cannot be read or installed (another torch, changed source: torch checks the inlined functions' source
+  hashes), or a warm-up step that no saved graph covers, is logged and dropped: the graphs are traced as without
+  them and saved in their place, never an error. `precompiled` says which happened. The same bits either way: a
+  loaded graph is the saved one. Marks of dynamic sizes (`maybe_mark_dynamic`) are put on inputs only while
+  tracing: a graph traced with them takes inputs without them, and a loaded graph's guards want none (a package
+  keeps the inputs' metadata, not their marks). A traced function's globals are a namespace of its own; a
+  loading one's are this module's (where torch installs a package's names): so a trace after a load, in one
+  process, never meets a name the package installed.
 - One decoder at a time per process runs calls through its graphs: the 'fail_on_recompile' stance is dynamo's
   process-wide state, so a second decoder compiling while another is inside a call would be refused as a
   recompile. The engine is single-threaded, and a server holds one engine.
@@ -301,9 +321,9 @@ class CompiledDecoder:
     def warm_up(self, run: Callable[[], object], packages: Path | None = None) -> float:
         """Compile by calling `run` (steps of each kind through `hidden_states`); returns and records its seconds.
 
-        `packages`: a folder of this decoder's saved graphs (`PACKAGE_FILE` per kind). When it holds them, they are
-        installed and `run` must find every step covered by them (no tracing: the warm start); when it does not, or
-        when loading or a step fails, the graphs are traced and compiled and saved there."""
+        `packages`: a folder for this decoder's saved graphs (`<kind>/PACKAGE_FILE`; the module docstring). When it
+        holds them they are installed and `run` must find every step covered by them (no tracing: a warm start);
+        when it does not, or loading or a step fails, the graphs are traced and compiled and saved there."""
         start = time.perf_counter()
         if packages is not None and self._load(packages):
             try:

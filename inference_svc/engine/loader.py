@@ -146,7 +146,8 @@ def warm_up(
     through graphs of its own, `shared_model.compiled`); a 5-row chunk (a verify step's shape) must then be
     covered (were it not, `CompiledDecoder` logs it and runs it eagerly). A compile that fails is a
     `ModelLoadError` under 'on'; under 'auto' it raises `CompileFailed`, and the engine records that and runs every
-    step eagerly. No timing decides anything here (`inference_svc.executor.prepare`)."""
+    step eagerly. `packages`: the compile cache's folder for this runner's saved graphs (`CompiledDecoder.warm_up`;
+    None: nothing saved or loaded). No timing decides anything here (`inference_svc.executor.prepare`)."""
     assert runner.compiled is not None
     bs = config.block_size
     table = runner.compiled.row_table

@@ -9,19 +9,23 @@ Contract:
   the decoder's and the compiled wrapper's source), torch's and Python's versions, and the CPU (model name and
   instruction-set flags from /proc/cpuinfo). `digest(key)` names its entry.
 - An entry is a folder `<cache dir>/<digest>/` holding `torch/`, a torch inductor cache folder (the FX graphs,
-  AOTAutograd entries, generated sources and their compiled libraries for this key's graphs), and `manifest.json`
+  AOTAutograd entries, generated sources and their compiled libraries for this key's graphs, and under
+  `tandem-packages/<decoder>/` each decoder's saved dynamo packages: `shared_model.compiled`), and `manifest.json`
   (the key, and every file of `torch/` with its size and SHA-256). It is written into a temporary sibling and
   renamed into place: a reader sees a whole entry or none.
 - `CompileCache(dirs, save_dir, key)`: `with cache.compiling():` around the warm-up compile. It looks in each
   folder in order (a bundle's own `compile_cache/`, then `--compile-cache`) for an entry whose manifest holds
   exactly this key and whose files all match it, copies its `torch/` into a private working folder, and points
   torch's inductor caches there for the compile (so every graph is found compiled, its libraries included: no C++
-  compiler runs); without one the working folder starts empty and the compile fills it. Another key is a miss,
+  compiler runs); without one the working folder starts empty and the compile fills it. `packages(decoder)` is
+  the folder in it the engine hands each decoder ('target', 'draft') for its saved packages: with them a warm
+  start installs the traced graphs instead of tracing them (no dynamo, no AOTAutograd). Another key is a miss,
   never a load; a torn, corrupt or unreadable entry is logged, reported in the choice and skipped, never an error.
-  `finish(compiled)` saves the working folder as this key's entry into `save_dir` after a miss (or after a hit for
-  which torch still compiled a graph anew: the entry then gains it), removes the working folder (every library is
-  loaded by then), and returns the `compile_cache` choice: hit (where from, and how many graphs torch found in its
-  caches), or miss (saved where, or why not).
+  `finish(compiled)` saves the working folder as this key's entry into `save_dir` after a miss (or after a hit
+  whose working folder changed, e.g. a package traced again in place of a damaged one: the entry then gains it),
+  removes the working folder (every library is loaded by then), and returns the `compile_cache` choice: hit
+  (where from, how many graphs dynamo traced: 0 when every one came from a package), or miss (saved where, or
+  why not).
 - No environment switch: the folder is `EngineConfig.compile_cache` ('off': torch's own caches only, untouched).
   Torch's inductor cache folder is pointed at the working folder only for the compile, and put back after it.
 """
