@@ -374,9 +374,12 @@ class CompiledDecoder:
         return True
 
     def _unload(self) -> None:
-        for package in self._packages.values():
-            package.uninstall()
+        """Drop the installed packages: their functions are replaced by fresh ones (new code objects, which no
+        package's entries reach) before anything traces; the names they installed in this module stay, unused
+        (unique per compiled graph; `_own_forward` keeps traced functions' names apart)."""
         self._packages = {}
+        self._functions = {kind: _own_forward() for kind in _KINDS}
+        self._compiled = {kind: self._compile(kind, None) for kind in _KINDS}
         self._compiling = True
 
     def _save(self, folder: Path) -> None:
