@@ -10,7 +10,8 @@ Contract:
   instruction-set flags from /proc/cpuinfo). `digest(key)` names its entry.
 - An entry is a folder `<cache dir>/<digest>/` holding `torch/`, a torch inductor cache folder (the FX graphs,
   AOTAutograd entries, generated sources and their compiled libraries for this key's graphs, and under
-  `tandem-packages/<decoder>/` each decoder's saved dynamo packages: `shared_model.compiled`), and `manifest.json`
+  `tandem-packages/<decoder>/<KV layout>/` each decoder's saved dynamo packages: `shared_model.compiled`,
+  `engine.loader.warm_up`), and `manifest.json`
   (the key, and every file of `torch/` with its size and SHA-256). It is written into a temporary sibling and
   renamed into place: a reader sees a whole entry or none.
 - `CompileCache(dirs, save_dir, key)`: `with cache.compiling():` around the warm-up compile. It looks in each
