@@ -16,7 +16,7 @@ Contract:
   - Any other `AttentionBackend` stays eager and opaque: each `backend(layer, q, k, v, scale)` call is the custom
     op `tandem::attention(backend, layer, q, k, v, scale)`, whose first argument is the backend itself, wrapped as
     an opaque reference object (`GraphBackend`, torch 2.13's opaque objects): dynamo passes it into the graph as
-    an input and guards only its type, and the op's Python implementation calls it. So any backend works unchanged
+    an input (no guard on it: see Guards), and the op's Python implementation calls it. So any backend works unchanged
     (its plans, host-side logic and cache writes are never traced), with no registry: the op finds nothing, it is
     given the backend. These graphs run under inductor's Python wrapper (its C++ wrapper cannot pass a Python
     object to an operator). The op declares no mutated arguments although a paged backend writes its cache:
@@ -31,8 +31,8 @@ Contract:
 - Shapes: the token axis is dynamic, so one graph serves every T >= 2 (prefill chunks, verify steps, batched decodes)
   and one T == 1 (a lone decode; torch specialises size 1). A model that branches on T has one graph per branch: a
   quantized projection branches at its `row_bounds()` (an int4 one takes its row kernel up to `int4_gemv.MAX_ROWS`
-  rows, so T in 2..16 and T >= 17 are two graphs);
-  a dense one at each bound of its row table (below). `warm_up(run)` calls `run` (which must reach
+  rows, so T in 2..16 and T >= 17 are two graphs); a dense one at each bound of its row table (below).
+  `warm_up(run, packages)` calls `run` (which must reach
   every kind of step), returns the seconds it took, and records them in `compile_seconds`. After warm-up the compiled
   code never compiles again: a call whose shapes or guards no graph covers is refused by dynamo at its guard check (the
   'fail_on_recompile' stance), before anything ran, and runs the same decoder eagerly instead; `eager_calls` counts
@@ -58,10 +58,30 @@ Contract:
   model's step (docs/benchmarks.md). A served model's modules do not change after it was prepared, merged and
   quantized: the one attribute the graph reads that may change, `ServingLinear.row_table`, is set once here and
   only reset when the compiled forward is dropped (a failed compile, `release_row_kernels`), after which no graph
-  runs. The guards that remain check the inputs' shapes and dtypes and the backend's type. Nothing in them tells
-  two decoders of one architecture apart (a target and a same-shaped draft model), so each `CompiledDecoder`
-  compiles its own copy of the forward's code object (`_own_forward`): dynamo keeps graphs per code object, and a
-  decoder's calls only ever meet its own graphs (its own row table, quantization and weights).
+  runs. Of the other guards only the portable ones are kept (`_guard_filter`: the inputs' tensor guards, those of
+  a traced backend's tensors included, the symbolic shapes, torch's global state such as grad mode and the thread
+  count): not the identity of the modules and functions the code calls (Tandem's source is fixed for a process,
+  and the compile cache's key holds its hash), nor the backend's type, which is checked here instead: the opaque
+  graphs only ever receive this module's `_OpaqueCall`, and a traced backend of a class other than the one the
+  graphs were compiled for runs eagerly (counted in `eager_calls`). Nothing in the guards tells two decoders of
+  one architecture apart (a target and a same-shaped draft model), so each `CompiledDecoder` compiles its own
+  copy of the forward's code object (`_own_forward`): dynamo keeps graphs per code object, and a decoder's calls
+  only ever meet its own graphs (its own row table, quantization and weights).
+- Saved graphs (`warm_up(run, packages)`, `packages` a folder the compile cache keys by model, flags, torch, CPU
+  and Tandem's code: `inference_svc.executor.compile_cache`): without saved graphs there, the warm-up traces and
+  compiles, recording each kind's graphs (dynamo's transformed code, their guards, and inductor's compiled
+  graphs through AOTAutograd's bundled entries) in a torch `CompilePackage` per kind, saved there as
+  `<kind>/entry` after the warm-up. With them, each kind's package is installed on a fresh code object before the
+  warm-up (dynamo's frame evaluation finds the graphs by their guards, as it finds graphs it traced: no tracing,
+  no AOTAutograd, no C++ compiler) and the warm-up must run entirely from them ('fail_on_recompile'). A package
+  that cannot be read or installed (another torch, changed source: torch checks the inlined functions' source
+  hashes), or a warm-up step that no saved graph covers, is logged and dropped: the graphs are traced as without
+  them and saved in their place, never an error. `precompiled` says which happened. The same bits either way: a
+  loaded graph is the saved one. Marks of dynamic sizes (`maybe_mark_dynamic`) are put on inputs only while
+  tracing: a graph traced with them takes inputs without them, and a loaded graph's guards want none (a package
+  keeps the inputs' metadata, not their marks). A traced function's globals are a namespace of its own; a
+  loading one's are this module's (where torch installs a package's names): so a trace after a load, in one
+  process, never meets a name the package installed.
 - One decoder at a time per process runs calls through its graphs: the 'fail_on_recompile' stance is dynamo's
   process-wide state, so a second decoder compiling while another is inside a call would be refused as a
   recompile. The engine is single-threaded, and a server holds one engine.
@@ -74,16 +94,27 @@ import shutil
 import time
 import types
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+from torch._dynamo.package import CompilePackage, DiskDynamoStore
 from torch._library.opaque_object import get_opaque_type_name, register_opaque_type
 from torch._opaque_base import OpaqueBase
 
 from shared_model.attention import AttentionBackend
 from shared_model.serving_model import RowTable, ServingDecoder, set_row_kernels
 
+
+def _guard_filter(entries: list) -> list[bool]:
+    """The guards kept (see the module docstring): none on module state, and of the rest only the portable ones
+    (the inputs' tensor guards, symbolic shapes, torch's global state), the guards a saved package can hold."""
+    modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+    portable = torch.compiler.keep_portable_guards_unsafe(entries)
+    return [a and b for a, b in zip(modules, portable, strict=True)]
+
+
 _OPTIONS = {
-    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+    "guard_filter_fn": _guard_filter,
     "emulate_precision_casts": True,
     "size_asserts": False,
     "alignment_asserts": False,
@@ -100,6 +131,9 @@ _CPU_OPTIONS = {"cpp_wrapper": True}
 """On the CPU, a C++ wrapper around a traced backend's graphs instead of a Python one: each kernel and operator call
 of the graph no longer pays for Python, for a longer cold compile (docs/benchmarks.md). Not for the opaque
 backends' graphs (it cannot pass a Python object to an operator), and not on CUDA (not measured there)."""
+_KINDS = ("opaque", "traced")
+PACKAGE_FILE = "entry"
+"""A kind's saved graphs: `<packages>/<kind>/entry` (torch's `DiskDynamoStore` layout)."""
 _RECOMPILE = "Detected recompile"
 """The start of the RuntimeError dynamo raises under the 'fail_on_recompile' stance."""
 log = logging.getLogger(__name__)
@@ -165,9 +199,16 @@ def _forward(
     return model.hidden_states(input_ids, positions, backend)
 
 
-def _own_forward() -> Callable[..., torch.Tensor]:
-    """A function of `_forward`'s code in a code object of its own."""
-    return types.FunctionType(_forward.__code__.replace(), _forward.__globals__, _forward.__name__)
+def _own_forward(loading: bool = False) -> Callable[..., torch.Tensor]:
+    """A function of `_forward`'s code in a code object of its own. The globals dynamo installs its compiled graphs
+    in are the function's: a traced one gets a namespace of its own (nothing a saved package installed can clash
+    with the names a trace picks), one that loads packages this module's (where torch's package installs them)."""
+    scope = (
+        _forward.__globals__
+        if loading
+        else {"__name__": __name__, "__builtins__": _forward.__globals__["__builtins__"]}
+    )
+    return types.FunctionType(_forward.__code__.replace(), scope, _forward.__name__)
 
 
 def is_traced(backend: object) -> bool:
@@ -207,13 +248,19 @@ class CompiledDecoder:
         """Projections that run Tandem's row kernels by `row_table` (`serving_model.set_row_kernels`)."""
         # room for the graphs of each kind of backend and each branch of T (every decoder has its own code objects)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        options = dict(_OPTIONS)  # a copy: torch.compile pops guard_filter_fn from the dict it is given
-        self._opaque = torch.compile(_own_forward(), dynamic=None, fullgraph=True, options=dict(options))
-        """For opaque backends (through `tandem::attention`)."""
-        if next(model.parameters()).device.type == "cpu":
-            options.update(_CPU_OPTIONS)
-        self._traced = torch.compile(_own_forward(), dynamic=None, fullgraph=True, options=options)
-        """For traced backends (their tensor-only operators in the graph)."""
+        self._cpu = next(model.parameters()).device.type == "cpu"
+        self._functions = {kind: _own_forward() for kind in _KINDS}
+        """Each kind's function, in a code object of its own (dynamo's graphs and a package's are kept on it)."""
+        self._packages: dict[str, CompilePackage] = {}
+        self._compiled = {kind: self._compile(kind, None) for kind in _KINDS}
+        """'opaque': for opaque backends (through `tandem::attention`); 'traced': for traced backends (their
+        tensor-only operators in the graph)."""
+        self._traced_type: type | None = None
+        """The traced backend's class the graphs were compiled for (its guard is not kept: checked here)."""
+        self._compiling = True
+        """Whether a call may compile (marks its dynamic sizes): during a warm-up that traces."""
+        self.precompiled = ""
+        """What `warm_up` did with its packages: 'loaded N graphs', 'traced ...', or why not."""
         self.compile_seconds: float | None = None
         """Seconds `warm_up` took (None before it ran)."""
         self.eager_calls = 0
@@ -226,25 +273,31 @@ class CompiledDecoder:
         # fresh storage for views (a decode step's rows of one host copy): guards would pin their storage offsets
         input_ids = input_ids.clone() if input_ids.storage_offset() else input_ids
         positions = positions.clone() if positions.storage_offset() else positions
-        if input_ids.dim() == 2 and input_ids.shape[1] > 1:  # one graph per branch of T >= 2 (a table step of one
-            # row count, such as 2, specializes to it: maybe_mark_dynamic allows that)
+        if self._compiling and input_ids.dim() == 2 and input_ids.shape[1] > 1:  # one graph per branch of T >= 2
+            # (a table step of one row count, such as 2, specializes to it: maybe_mark_dynamic allows that). Only
+            # while compiling: a graph compiled with the mark takes calls without it, and a loaded one wants none
             torch._dynamo.maybe_mark_dynamic(input_ids, 1)
             torch._dynamo.maybe_mark_dynamic(positions, positions.dim() - 1)
         if is_traced(backend):
-            compiled, graph_backend = self._traced, backend
-            if self.compile_seconds is None:  # compiling: the metadata's sizes reach only the operator
+            compiled, graph_backend = self._compiled["traced"], backend
+            if self._traced_type is None:
+                self._traced_type = type(backend)
+            if self._compiling:  # the metadata's sizes reach only the operator
                 backend.mark_dynamic()  # type: ignore[attr-defined]
         else:
-            compiled, graph_backend = self._opaque, _OpaqueCall(GraphBackend(backend))
-        if self.compile_seconds is None:
+            compiled, graph_backend = self._compiled["opaque"], _OpaqueCall(GraphBackend(backend))
+        if self.compile_seconds is None and self._compiling:
             return compiled(self.model, input_ids, positions, graph_backend)
-        try:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return compiled(self.model, input_ids, positions, graph_backend)
-        except RuntimeError as exc:  # raised at the guard check, before the graph ran: nothing happened yet
-            if _RECOMPILE not in str(exc):
-                raise
-            reason = _reason(exc)
+        if graph_backend is backend and type(backend) is not self._traced_type:
+            reason = f"a traced backend of another class ({type(backend).__name__})"
+        else:
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    return compiled(self.model, input_ids, positions, graph_backend)
+            except RuntimeError as exc:  # raised at the guard check, before the graph ran: nothing happened yet
+                if _RECOMPILE not in str(exc) or self.compile_seconds is None:  # a loaded warm-up's miss: raised
+                    raise
+                reason = _reason(exc)
         self.eager_calls += 1
         if self.eager_calls == 1:
             log.warning("compiled decoder: no graph covers this step (%s); such steps run eagerly", reason)
@@ -256,12 +309,92 @@ class CompiledDecoder:
         set_row_kernels(self.model, None)
         self.row_table, self.row_kernels = None, 0
 
-    def warm_up(self, run: Callable[[], object]) -> float:
-        """Compile by calling `run` (steps of each kind through `hidden_states`); returns and records its seconds."""
+    def _compile(self, kind: str, package: CompilePackage | None) -> Callable[..., torch.Tensor]:
+        """`torch.compile(fullgraph=True)` of `kind`'s function, its graphs recorded in `package` when given."""
+        options = dict(_OPTIONS)
+        if kind == "traced" and self._cpu:
+            options.update(_CPU_OPTIONS)
+        guards = options.pop("guard_filter_fn")
+        backend = torch._TorchCompileInductorWrapper(None, options, None)  # what torch.compile builds
+        return torch._dynamo.optimize(backend=backend, nopython=True, dynamic=None, guard_filter_fn=guards,
+                                      package=package)(self._functions[kind])  # fmt: skip
+
+    def warm_up(self, run: Callable[[], object], packages: Path | None = None) -> float:
+        """Compile by calling `run` (steps of each kind through `hidden_states`); returns and records its seconds.
+
+        `packages`: a folder for this decoder's saved graphs (`<kind>/PACKAGE_FILE`; the module docstring). When it
+        holds them they are installed and `run` must find every step covered by them (no tracing: a warm start);
+        when it does not, or loading or a step fails, the graphs are traced and compiled and saved there."""
         start = time.perf_counter()
-        run()
+        if packages is not None and self._load(packages):
+            try:
+                self._compiling = False
+                run()
+            except RuntimeError as exc:
+                if _RECOMPILE not in str(exc):
+                    raise
+                self.precompiled = f"not used: a warm-up step no saved graph covers ({_reason(exc)})"
+                log.warning("compiled decoder: saved graphs %s; tracing", self.precompiled)
+                self._unload()
+        if self._compiling or not self._packages:
+            self._compiling = True
+            if packages is not None:
+                self._functions = {kind: _own_forward() for kind in _KINDS}
+                self._packages = {kind: CompilePackage(fn) for kind, fn in self._functions.items()}
+                self._compiled = {kind: self._compile(kind, self._packages[kind]) for kind in _KINDS}
+            with torch._functorch.config.patch(bundled_autograd_cache=True):  # the packages' graphs, recorded
+                run()
+            if packages is not None:
+                self._save(packages)
+        self._compiling = False
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
+
+    def _load(self, folder: Path) -> bool:
+        """Install the saved graphs of each kind from `folder` (both or neither); whether they were."""
+        if not all((folder / kind / PACKAGE_FILE).is_file() for kind in _KINDS):
+            self.precompiled = ""  # none saved: a first compile
+            return False
+        store = DiskDynamoStore(str(folder))
+        try:
+            with torch.inference_mode():  # the guards' dispatch keys are those of inference tensors
+                for kind in _KINDS:
+                    self._functions[kind] = _own_forward(loading=True)
+                    entry = store.load_cache_entry(kind)
+                    package = CompilePackage(self._functions[kind], entry.dynamo)
+                    self._packages[kind] = package
+                    package.install(entry.backends)
+                    self._compiled[kind] = self._compile(kind, package)
+        except Exception as exc:  # a package of another torch, source or shape: traced instead, never fatal
+            self.precompiled = f"not loaded ({type(exc).__name__}: {exc})"
+            log.warning("compiled decoder: saved graphs %s; tracing", self.precompiled)
+            self._unload()
+            return False
+        graphs = sum(len(code.guarded_codes) for p in self._packages.values() for code in p.cache_entry().codes)
+        self.precompiled = f"loaded {graphs} graphs"
+        return True
+
+    def _unload(self) -> None:
+        """Drop the installed packages: their functions are replaced by fresh ones (new code objects, which no
+        package's entries reach) before anything traces; the names they installed in this module stay, unused
+        (unique per compiled graph; `_own_forward` keeps traced functions' names apart)."""
+        self._packages = {}
+        self._functions = {kind: _own_forward() for kind in _KINDS}
+        self._compiled = {kind: self._compile(kind, None) for kind in _KINDS}
+        self._compiling = True
+
+    def _save(self, folder: Path) -> None:
+        store = DiskDynamoStore(str(folder))
+        try:
+            for kind, package in self._packages.items():
+                store.save_package(package, kind)
+        except Exception as exc:  # the compiled step still serves; the next start traces again
+            done = f"traced; not saved ({type(exc).__name__}: {exc})"
+            log.warning("compiled decoder: graphs %s", done)
+        else:
+            graphs = sum(len(code.guarded_codes) for p in self._packages.values() for code in p.cache_entry().codes)
+            done = f"traced {graphs} graphs and saved them"
+        self.precompiled = f"{self.precompiled}; {done}" if self.precompiled else done
 
 
 def _reason(exc: BaseException) -> str:

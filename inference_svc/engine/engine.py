@@ -170,8 +170,8 @@ class Engine:
             try:
                 with cache.compiling():
                     self.compile_seconds = sum(
-                        loader.warm_up(r, config, num_blocks, self.tokenizer)
-                        for r in (self.runner, self.draft_runner)
+                        loader.warm_up(r, config, num_blocks, self.tokenizer, cache.packages(name))
+                        for name, r in (("target", self.runner), ("draft", self.draft_runner))
                         if r is not None
                     )
                 log.info("compiled the decode step in %.1f s", self.compile_seconds)

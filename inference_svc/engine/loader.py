@@ -135,7 +135,9 @@ def build_speculator(
     )
 
 
-def warm_up(runner: ModelRunner, config: EngineConfig, num_blocks: int, tokenizer: Tokenizer) -> float:
+def warm_up(
+    runner: ModelRunner, config: EngineConfig, num_blocks: int, tokenizer: Tokenizer, packages: Path | None = None
+) -> float:
     """Compile `runner`'s graphs on throwaway sequences over free blocks, then zero those blocks; seconds.
 
     The compile runs a prefill chunk longer than the projections' row table's last bound (and the quantized layers'
@@ -145,7 +147,11 @@ def warm_up(runner: ModelRunner, config: EngineConfig, num_blocks: int, tokenize
     sequences: a decode-only step attends through graphs of its own, `shared_model.compiled`); a 5-row chunk (a
     verify step's shape) must then be covered (were it not, `CompiledDecoder` logs it and runs it eagerly). A
     compile that fails is a `ModelLoadError` under 'on'; under 'auto' it raises `CompileFailed`, and the engine
-    records that and runs every step eagerly. No timing decides anything here (`inference_svc.executor.prepare`)."""
+    records that and runs every step eagerly. `packages`: the compile cache's folder for this runner's saved graphs
+    (`CompiledDecoder.warm_up`; None: nothing saved or loaded), in a subfolder named by what else shapes the graphs'
+    inputs and not the cache's key (the decode steps' attention in the graph or in Python, the KV cache's dtype and
+    shape): so servers of one model with another `--kv-cache-memory` or `--kv-cache-dtype` each find their own. No
+    timing decides anything here (`inference_svc.executor.prepare`)."""
     assert runner.compiled is not None
     bs = config.block_size
     table = runner.compiled.row_table
@@ -177,9 +183,13 @@ def warm_up(runner: ModelRunner, config: EngineConfig, num_blocks: int, tokenize
             if QUERY_CHUNK_MAX < rows <= n:  # rows (verify items of several sequences): a graph of their own
                 runner.run([ScheduledSeq(seqs[0], n + 1 - rows + j, 1) for j in range(rows)])
 
+    if packages is not None:  # the graphs' inputs differ with the KV pool and the decode steps' attention
+        kv = runner.cache.data  # [L, 2, num_blocks, block_size, Hkv, D]
+        attends = "graph" if runner.graph_decode else "python"
+        packages = packages / f"{attends}-{str(kv.dtype).removeprefix('torch.')}-{'x'.join(map(str, kv.shape))}"
     peak = runner.peak_workspace_bytes  # the warm-up's steps are not the service's
     try:
-        seconds = runner.compiled.warm_up(run)
+        seconds = runner.compiled.warm_up(run, packages)
         runner.run([ScheduledSeq(seqs[0], n - 4, 5)])  # a verify-shaped chunk: covered, or logged and counted
     except Exception as exc:
         if config.compile == "on":

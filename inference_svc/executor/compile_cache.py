@@ -9,19 +9,24 @@ Contract:
   the decoder's and the compiled wrapper's source), torch's and Python's versions, and the CPU (model name and
   instruction-set flags from /proc/cpuinfo). `digest(key)` names its entry.
 - An entry is a folder `<cache dir>/<digest>/` holding `torch/`, a torch inductor cache folder (the FX graphs,
-  AOTAutograd entries, generated sources and their compiled libraries for this key's graphs), and `manifest.json`
+  AOTAutograd entries, generated sources and their compiled libraries for this key's graphs, and under
+  `tandem-packages/<decoder>/<KV layout>/` each decoder's saved dynamo packages: `shared_model.compiled`,
+  `engine.loader.warm_up`), and `manifest.json`
   (the key, and every file of `torch/` with its size and SHA-256). It is written into a temporary sibling and
   renamed into place: a reader sees a whole entry or none.
 - `CompileCache(dirs, save_dir, key)`: `with cache.compiling():` around the warm-up compile. It looks in each
   folder in order (a bundle's own `compile_cache/`, then `--compile-cache`) for an entry whose manifest holds
   exactly this key and whose files all match it, copies its `torch/` into a private working folder, and points
   torch's inductor caches there for the compile (so every graph is found compiled, its libraries included: no C++
-  compiler runs); without one the working folder starts empty and the compile fills it. Another key is a miss,
+  compiler runs); without one the working folder starts empty and the compile fills it. `packages(decoder)` is
+  the folder in it the engine hands each decoder ('target', 'draft') for its saved packages: with them a warm
+  start installs the traced graphs instead of tracing them (no dynamo, no AOTAutograd). Another key is a miss,
   never a load; a torn, corrupt or unreadable entry is logged, reported in the choice and skipped, never an error.
-  `finish(compiled)` saves the working folder as this key's entry into `save_dir` after a miss (or after a hit for
-  which torch still compiled a graph anew: the entry then gains it), removes the working folder (every library is
-  loaded by then), and returns the `compile_cache` choice: hit (where from, and how many graphs torch found in its
-  caches), or miss (saved where, or why not).
+  `finish(compiled)` saves the working folder as this key's entry into `save_dir` after a miss (or after a hit
+  whose working folder changed, e.g. a package traced again in place of a damaged one: the entry then gains it),
+  removes the working folder (every library is loaded by then), and returns the `compile_cache` choice: hit
+  (where from, how many graphs dynamo traced: 0 when every one came from a package), or miss (saved where, or
+  why not).
 - No environment switch: the folder is `EngineConfig.compile_cache` ('off': torch's own caches only, untouched).
   Torch's inductor cache folder is pointed at the working folder only for the compile, and put back after it.
 """
@@ -47,6 +52,8 @@ from inference_svc.executor.plan import Choice
 from shared_model.bundle import COMPILE_CACHE_FOLDER
 
 TORCH_FOLDER = "torch"
+PACKAGES_FOLDER = "tandem-packages"
+"""Inside the torch folder: each decoder's saved dynamo packages (`shared_model.compiled`)."""
 MANIFEST = "manifest.json"
 BUNDLE_FOLDER = COMPILE_CACHE_FOLDER
 """The folder inside a bundle where `tandem warm` writes entries (read before `--compile-cache`)."""
@@ -129,12 +136,17 @@ def bundle_cache_dir(bundle_path: str | Path) -> Path:
     return Path(bundle_path) / BUNDLE_FOLDER
 
 
-def _counts() -> tuple[int, int]:
-    """(inductor graphs found in torch's caches, graphs compiled anew) so far in this process."""
+def _counts() -> tuple[int, int, int]:
+    """(inductor graphs found in torch's caches, graphs compiled anew, graphs dynamo traced) so far in this
+    process."""
     from torch._dynamo.utils import counters
 
     c = counters["inductor"]
-    return c["fxgraph_cache_hit"], c["fxgraph_cache_miss"] + c["fxgraph_cache_bypass"]
+    return (
+        c["fxgraph_cache_hit"],
+        c["fxgraph_cache_miss"] + c["fxgraph_cache_bypass"],
+        counters["stats"]["unique_graphs"],
+    )
 
 
 def _files(folder: Path) -> dict[str, dict[str, object]]:
@@ -161,7 +173,8 @@ class CompileCache:
     problems: list[str] = field(default_factory=list)
     work: Path | None = None
     """The private torch cache folder of this compile."""
-    _before: tuple[int, int] = (0, 0)
+    _before: tuple[int, int, int] = (0, 0, 0)
+    _loaded_files: dict | None = None
 
     @property
     def name(self) -> str:
@@ -181,6 +194,10 @@ class CompileCache:
         with temporary_cache_dir(str(self.work)):
             yield
 
+    def packages(self, decoder: str) -> Path | None:
+        """The folder of `decoder`'s saved dynamo packages ('target', 'draft') in the working folder (None: 'off')."""
+        return None if self.work is None else self.work / PACKAGES_FOLDER / decoder
+
     def load(self) -> bool:
         """Copy the first matching entry's torch folder into the working folder; whether one was."""
         assert self.work is not None
@@ -199,6 +216,7 @@ class CompileCache:
                 self.work.mkdir()
                 continue
             self.loaded_from = entry
+            self._loaded_files = listed
             return True
         return False
 
@@ -216,20 +234,21 @@ class CompileCache:
 
     def finish(self, compiled: bool) -> Choice:
         """After the warm-up compile: save on a miss, drop the working folder, and the `compile_cache` choice."""
-        hits, misses = (a - b for a, b in zip(_counts(), self._before, strict=True))
+        hits, misses, traced = (a - b for a, b in zip(_counts(), self._before, strict=True))
         notes = f" ({'; '.join(self.problems)})" if self.problems else ""
         try:
             if not compiled:
                 return Choice("compile_cache", "unused", f"the step was not compiled{notes}")
             if self.loaded_from is not None:
-                anew = f", {misses} compiled anew" if misses else ""
-                if misses and self.save_dir is not None and self.work is not None:
-                    try:  # the entry, with the graphs it lacked (e.g. another decoder handle in the same process)
-                        anew += f" and added to {save_entry(self.save_dir, self.key, self.work)}"
+                what = f"{traced} graphs traced" + (f" ({hits} found compiled, {misses} compiled anew)" if traced else
+                                                    " (every graph loaded from its saved package)")  # fmt: skip
+                changed = self.work is not None and _files(self.work) != self._loaded_files
+                if changed and self.save_dir is not None and self.work is not None:
+                    try:  # the entry, with what it lacked (e.g. a package traced after a damaged one)
+                        what += f"; the entry updated in {save_entry(self.save_dir, self.key, self.work)}"
                     except OSError as exc:
-                        anew += f" (not saved: {exc})"
-                return Choice("compile_cache", "hit", f"{self.name} from {self.loaded_from.parent}: {hits} graphs "
-                              f"from torch's caches{anew}{notes}")  # fmt: skip
+                        what += f" (the entry not updated: {exc})"
+                return Choice("compile_cache", "hit", f"{self.name} from {self.loaded_from.parent}: {what}{notes}")
             if self.save_dir is None:
                 return Choice("compile_cache", "miss", f"{self.name}: no entry; not saved{notes}")
             try:

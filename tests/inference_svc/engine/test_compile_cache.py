@@ -145,7 +145,8 @@ def _choice(run: dict, lever: str) -> dict:
 def test_a_warm_start_serves_the_bits_of_the_cold_start(qwen3_dir: Path, tmp_path: Path) -> None:
     """Cold (a corrupt entry in the way: reported, compiled, saved), then `tandem warm` into the bundle, then a warm
     start in a process whose torch caches are empty and whose --compile-cache is empty: it loads the bundle's entry,
-    compiles nothing anew, and its greedy tokens and logprobs are bitwise the cold start's."""
+    traces nothing (every graph from its saved dynamo package), and its greedy tokens and logprobs are bitwise the
+    cold start's."""
     bundle = shutil.copytree(qwen3_dir, tmp_path / "bundle")
     native, threads = tandem_native.status()[0], torch.get_num_threads()
     torch.set_num_threads(1)  # the children's --threads 1
@@ -173,7 +174,55 @@ def test_a_warm_start_serves_the_bits_of_the_cold_start(qwen3_dir: Path, tmp_pat
     warm = _child(bundle, tmp_path / "empty-cache", tmp_path / "torch-warm")
     choice = _choice(warm, "compile_cache")
     assert choice["value"] == "hit" and str(bundle / "compile_cache") in choice["reason"]
-    assert "compiled anew" not in choice["reason"], choice["reason"]
+    assert "0 graphs traced (every graph loaded from its saved package)" in choice["reason"], choice["reason"]
     assert warm["tokens"] == cold["tokens"] and warm["logprobs"] == cold["logprobs"]
     assert warm["eager_calls"] == cold["eager_calls"] == 0
     assert not (tmp_path / "empty-cache").exists()  # a hit saves nothing
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CAN_COMPILE, reason=WHY_NOT)
+def test_saved_packages_load_without_tracing_and_anything_else_is_traced(tmp_path: Path) -> None:
+    """A decoder's warm-up saves its graphs as packages; a fresh decoder of the same model installs them and dynamo
+    traces nothing, with the same bits. Packages that do not cover a warm-up step, or that cannot be read, are
+    dropped and the graphs traced (never an error, never an eager step)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    from shared_model.attention import CAUSAL
+    from shared_model.compiled import PACKAGE_FILE, CompiledDecoder
+    from shared_model.model import build_model
+    from shared_model.serving_model import fuse_projections
+    from tests.conftest import tiny_config
+
+    model = fuse_projections(build_model(tiny_config(), seed=0).eval())
+    packages = tmp_path / "packages"
+    with torch.inference_mode(), temporary_cache_dir(str(tmp_path / "torch")):
+        ids = torch.randint(3, model.config.vocab_size, (1, 9))
+        pos = torch.arange(9)[None]
+
+        def steps(decoder: CompiledDecoder, lone: bool = False) -> list[torch.Tensor]:
+            rows = [9, 4, 1] if lone else [9, 4]  # fresh inputs each call, as the engine's (a trace marks its own)
+            return [decoder.hidden_states(ids[:, :n].clone(), pos[:, :n].clone(), CAUSAL) for n in rows]
+
+        def warm(lone: bool = False) -> tuple[CompiledDecoder, list[torch.Tensor], int]:
+            decoder, before = CompiledDecoder(model), counters["stats"]["unique_graphs"]
+            decoder.warm_up(lambda: steps(decoder, lone), packages)
+            return decoder, steps(decoder, lone), counters["stats"]["unique_graphs"] - before
+
+        cold, cold_out, cold_traced = warm()
+        assert cold_traced >= 1 and cold.precompiled == f"traced {cold_traced} graphs and saved them"
+        warm_decoder, warm_out, warm_traced = warm()
+        assert warm_decoder.precompiled == f"loaded {cold_traced} graphs" and warm_traced == 0
+        assert all(torch.equal(a, b) for a, b in zip(cold_out, warm_out, strict=True))  # the same graphs' bits
+
+        wider, wider_out, wider_traced = warm(lone=True)  # a lone decode (T == 1): no saved graph covers it
+        assert wider.precompiled.startswith("not used: a warm-up step no saved graph covers"), wider.precompiled
+        assert wider_traced >= 2 and all(torch.equal(a, b) for a, b in zip(cold_out, wider_out[:2], strict=False))
+        assert warm(lone=True)[2] == 0  # the traced graphs were saved in its place: the lone decode's included
+
+        (packages / "opaque" / PACKAGE_FILE).write_bytes(b"not a package")
+        damaged, damaged_out, damaged_traced = warm()
+        assert damaged.precompiled.startswith("not loaded (") and damaged_traced >= 1, damaged.precompiled
+        assert all(torch.equal(a, b) for a, b in zip(cold_out, damaged_out, strict=True))
+        assert all(d.eager_calls == 0 for d in (cold, warm_decoder, wider, damaged))

@@ -288,7 +288,7 @@ def test_a_failed_auto_compile_runs_eagerly_and_the_plan_says_why(qwen3_dir, mak
     """A compile that fails at warm-up under 'auto' leaves every step eager (the eager engine's tokens), and the
     plan records the failure; under 'on' it is refused."""
 
-    def failing_warm_up(self, run) -> float:
+    def failing_warm_up(self, run, packages=None) -> float:
         raise RuntimeError("inductor exploded")
 
     monkeypatch.setattr(executor_prepare, "COMPILE_AUTO_MIN_PARAMS", 0)
