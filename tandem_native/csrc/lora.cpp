@@ -17,14 +17,17 @@
 // naming the operand.
 //
 // Batch invariance: a row's arithmetic is fixed by its own x, slot and width alone (one fp32 accumulator per h[j]
-// over 16-lane chunks of `in` in order, then one fixed reduction; one accumulator per 16 output columns over j in
-// order, then the add to y), never by the other rows of the call, how rows are grouped, or how they are split over
+// over 16-lane chunks of `in` in order, then one fixed reduction; one fp32 sum per output column over j in order,
+// then the add to y), never by the other rows of the call, how rows are grouped, or how they are split over
 // threads. So a mixed batch gives each request the bits it gets alone.
 //
 // Layout of the work: rows are grouped by slot (a counting sort, rows in order within a slot) into blocks of up to
-// four rows of one slot, so each block reads its adapter's A and B^T once for all its rows. Blocks are split over
-// torch's intra-op threads only when the call's multiply-adds pay for waking them (`kParallelWork`); a decode
-// step's few rows run on the calling thread.
+// four rows of one slot, so each block reads its adapter's A and B^T once for all its rows. Both are read row after
+// row, four rows side by side, so they stream from memory in order: in a served step the adapters' weights are not
+// in cache (the base weights pass through it between two layers), and a column-blocked walk down B^T's rows ran at
+// about half the bandwidth (docs/benchmarks.md §25). The sums of a block's rows live in an fp32 buffer (R x out)
+// that stays in L1/L2. Blocks are split over torch's intra-op threads only when the call's multiply-adds pay for
+// waking them (`kParallelWork`); a decode step's few rows run on the calling thread.
 //
 // ISA: like every file of the library this one is built with AVX-512 (F/BW/VL) flags, and the loader only loads the
 // library on CPUs that have them; without those flags (`__AVX512F__`/`__AVX512BW__` undefined) the same kernel
@@ -184,39 +187,42 @@ inline void project(const typename E::T* const x[R], const typename E::T* a, int
     for (int j = 0; j < J; ++j) h[r * w + j0 + j] = reduce(acc[r][j]);
 }
 
-// y[r][c0 .. c0 + 16 C) += h[r] bt for R rows: one accumulator per (r, 16 columns) over j in order, then added to
-// y and rounded once (again the same arithmetic for a column whatever R and C are). Columns past `out` are masked
-// off: neither read nor written.
-template <typename E, int R, int C>
-inline void expand(typename E::T* const y[R], const float* h, const typename E::T* bt, int64_t out, int64_t w,
-                   int64_t c0) {
-  Vec acc[R][C];
+// acc[r] += h[r][j0 + i] bt[j0 + i] for i < J, over all `out` columns, for R rows: each row of bt is read in
+// order, J rows side by side (the adapter's weights stream from memory as the base's do), and each column's fp32
+// sum is loaded, gets its J products in j order, and is stored (the same arithmetic whatever R and J are).
+template <typename E, int R, int J>
+inline void expand(const float* h, const typename E::T* bt, int64_t out, int64_t w, int64_t j0, float* acc) {
+  Vec hv[R][J];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = zero();
-  for (int64_t j = 0; j < w; ++j) {
-    Vec hv[R];
-    for (int r = 0; r < R; ++r) hv[r] = broadcast(h[r * w + j]);
-    for (int c = 0; c < C; ++c) {
-      const int64_t col = c0 + c * kLanes;
-      const Vec b = E::load(bt + j * out + col, out - col);
-      for (int r = 0; r < R; ++r) acc[r][c] = fma(hv[r], b, acc[r][c]);
+    for (int j = 0; j < J; ++j) hv[r][j] = broadcast(h[r * w + j0 + j]);
+  for (int64_t c = 0; c < out; c += kLanes) {
+    const int64_t n = out - c;
+    Vec b[J];
+    for (int j = 0; j < J; ++j) b[j] = E::load(bt + (j0 + j) * out + c, n);
+    for (int r = 0; r < R; ++r) {
+      Vec a = load_f32(acc + r * out + c, n);
+      for (int j = 0; j < J; ++j) a = fma(hv[r][j], b[j], a);
+      store_f32(acc + r * out + c, a, n);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      const int64_t col = c0 + c * kLanes, n = out - col;
-      E::store(y[r] + col, add(E::load(y[r] + col, n), acc[r][c]), n);
-    }
 }
 
-// One block: R rows of one slot (its A [w, in] and B^T [w, out]); h: room for R * w floats.
-template <typename E, int R, int C>
+// One block: R rows of one slot (its A [w, in] and B^T [w, out]); h: room for R * w floats, acc for R * out.
+// y[r] = round(y[r] + sum_j h[r][j] bt[j]): the sum over j in order from +0, in fp32, then added to y once.
+template <typename E, int R>
 void block(const typename E::T* const x[R], typename E::T* const y[R], const typename E::T* a,
-           const typename E::T* bt, int64_t in, int64_t out, int64_t w, float* h) {
+           const typename E::T* bt, int64_t in, int64_t out, int64_t w, float* h, float* acc) {
   int64_t j = 0;
   for (; j + 4 <= w; j += 4) project<E, R, 4>(x, a, in, w, j, h);
   for (; j < w; ++j) project<E, R, 1>(x, a, in, w, j, h);
-  for (int64_t c = 0; c < out; c += C * kLanes) expand<E, R, C>(y, h, bt, out, w, c);  // the last pass masked
+  std::fill(acc, acc + R * out, 0.0f);
+  for (j = 0; j + 4 <= w; j += 4) expand<E, R, 4>(h, bt, out, w, j, acc);
+  for (; j < w; ++j) expand<E, R, 1>(h, bt, out, w, j, acc);
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < out; c += kLanes) {
+      const int64_t n = out - c;
+      E::store(y[r] + c, add(E::load(y[r] + c, n), load_f32(acc + r * out + c, n)), n);
+    }
 }
 
 struct Block {
@@ -235,7 +241,7 @@ void run(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a,
   const T* btp = reinterpret_cast<const T*>(bt.data_ptr());
   T* yp = reinterpret_cast<T*>(y.data_ptr());
   const auto body = [&](int64_t begin, int64_t end) {
-    std::vector<float> h(kMaxBlockRows * width);
+    std::vector<float> h(kMaxBlockRows * width), acc(kMaxBlockRows * out);
     for (int64_t b = begin; b < end; ++b) {
       const Block& blk = blocks[b];
       const int64_t w = widths[blk.slot];
@@ -248,11 +254,11 @@ void run(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a,
       }
       const T* as = ap + blk.slot * width * in;
       const T* bts = btp + blk.slot * width * out;
-      switch (blk.rows) {  // 8 to 16 accumulators: enough chains in flight to hide the FMA latency
-        case 1: block<E, 1, 8>(xs, ys, as, bts, in, out, w, h.data()); break;
-        case 2: block<E, 2, 4>(xs, ys, as, bts, in, out, w, h.data()); break;
-        case 3: block<E, 3, 4>(xs, ys, as, bts, in, out, w, h.data()); break;
-        default: block<E, 4, 4>(xs, ys, as, bts, in, out, w, h.data()); break;
+      switch (blk.rows) {
+        case 1: block<E, 1>(xs, ys, as, bts, in, out, w, h.data(), acc.data()); break;
+        case 2: block<E, 2>(xs, ys, as, bts, in, out, w, h.data(), acc.data()); break;
+        case 3: block<E, 3>(xs, ys, as, bts, in, out, w, h.data(), acc.data()); break;
+        default: block<E, 4>(xs, ys, as, bts, in, out, w, h.data(), acc.data()); break;
       }
     }
   };
