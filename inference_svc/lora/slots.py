@@ -133,6 +133,9 @@ class LoraProjection(nn.Module):
         self.register_buffer("slot_widths", torch.zeros(owner.max_loras, dtype=torch.int32, device=device))
         # slot_widths: int32 [S], `widths` as the fused operator reads it
         self._owner = owner
+        self._base_forward = base.forward
+        """The base projection's forward, called directly: a step calls each projection once per layer, and the
+        wrapper's own module call already ran the hook machinery (the base carries no hooks of its own)."""
 
     def method(self) -> tuple[str, str]:
         """The base projection's method (the load plan's record), plus the adapters' delta."""
@@ -166,14 +169,15 @@ class LoraProjection(nn.Module):
         self.lora_bt[slot].zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)  # [..., out]: the base projection, all rows at once
+        y = self._base_forward(x)  # [..., out]: the base projection, all rows at once
         step = self._owner.step
         if step is None:
             return y
         if not y.is_contiguous():
             y = y.contiguous()
-        if isinstance(step, FusedRows):  # one call: y [.., out] += each adapter row's delta, in place
-            step.op(y, x, self.lora_a, self.lora_bt, step.slots, self.slot_widths)
+        if type(step) is FusedRows:  # one call: y [.., out] += each adapter row's delta, in place
+            held = self._buffers  # the buffers by name, without nn.Module.__getattr__'s lookups on every call
+            step.op(y, x, held["lora_a"], held["lora_bt"], step.slots, held["slot_widths"])
             return y
         x2 = x.reshape(-1, self.in_features)  # [T, in]
         y2 = y.view(-1, self.out_features)  # [T, out], the same storage as y

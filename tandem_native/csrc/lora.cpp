@@ -23,7 +23,7 @@
 //
 // Layout of the work: rows are grouped by slot (a counting sort, rows in order within a slot) into blocks of up to
 // four rows of one slot, so each block reads its adapter's A and B^T once for all its rows. Both are read row after
-// row, four rows side by side, so they stream from memory in order: in a served step the adapters' weights are not
+// row, four rows side by side while the next four are prefetched, so they stream from memory in order: in a served step the adapters' weights are not
 // in cache (the base weights pass through it between two layers), and a column-blocked walk down B^T's rows ran at
 // about half the bandwidth (docs/benchmarks.md §25). The sums of a block's rows live in an fp32 buffer (R x out)
 // that stays in L1/L2. Blocks are split over torch's intra-op threads only when the call's multiply-adds pay for
@@ -174,8 +174,10 @@ inline void project(const typename E::T* const x[R], const typename E::T* a, int
   Vec acc[R][J];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) acc[r][j] = zero();
+  const int64_t ahead = std::min<int64_t>(J, w - j0 - J);  // the next pass's rows, fetched while this one runs
   for (int64_t k = 0; k < in; k += kLanes) {
     const int64_t n = in - k;
+    for (int64_t j = 0; j < ahead; ++j) __builtin_prefetch(a + (j0 + J + j) * in + k, 0, 3);
     Vec xv[R];
     for (int r = 0; r < R; ++r) xv[r] = E::load(x[r] + k, n);
     for (int j = 0; j < J; ++j) {
@@ -195,8 +197,10 @@ inline void expand(const float* h, const typename E::T* bt, int64_t out, int64_t
   Vec hv[R][J];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) hv[r][j] = broadcast(h[r * w + j0 + j]);
+  const int64_t ahead = std::min<int64_t>(J, w - j0 - J);  // the next pass's rows, fetched while this one runs
   for (int64_t c = 0; c < out; c += kLanes) {
     const int64_t n = out - c;
+    for (int64_t j = 0; j < ahead; ++j) __builtin_prefetch(bt + (j0 + J + j) * out + c, 0, 3);
     Vec b[J];
     for (int j = 0; j < J; ++j) b[j] = E::load(bt + (j0 + j) * out + c, n);
     for (int r = 0; r < R; ++r) {
