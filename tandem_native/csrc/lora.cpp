@@ -24,8 +24,8 @@
 // Layout of the work: rows are grouped by slot (a counting sort, rows in order within a slot) into blocks of up to
 // four rows of one slot, so each block reads its adapter's A and B^T once for all its rows. Both are read row after
 // row, four rows side by side while the next four are prefetched, so they stream from memory in order: in a served step the adapters' weights are not
-// in cache (the base weights pass through it between two layers), and a column-blocked walk down B^T's rows ran at
-// about half the bandwidth (docs/benchmarks.md §25). The sums of a block's rows live in an fp32 buffer (R x out)
+// in cache (the base weights pass through it between two layers), and a first, column-blocked walk down B^T's rows
+// cost a served step as much as torch's small matmuls did (docs/benchmarks.md §25). The sums of a block's rows live in an fp32 buffer (R x out)
 // that stays in L1/L2. Blocks are split over torch's intra-op threads only when the call's multiply-adds pay for
 // waking them (`kParallelWork`); a decode step's few rows run on the calling thread.
 //
