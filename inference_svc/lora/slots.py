@@ -2,7 +2,7 @@
 per-row LoRA deltas of a step.
 
 Contract:
-- `LoraSlots(model, max_loras, max_rank, dtype)` wraps each decoder layer's four projections of the
+- `LoraSlots(model, max_loras, max_rank, dtype, native)` wraps each decoder layer's four projections of the
   `ServingDecoder` (`qkv`, `o_proj`, `gate_up`, `down_proj`, quantized or not) in a `LoraProjection` and is the one
   owner of the adapter weights they hold: per projection, A stacked [max_loras, P·max_rank, in] and Bᵀ stacked
   [max_loras, P·max_rank, out] in the compute dtype, P the parts a merged projection joins (3 for q/k/v, 2 for
@@ -17,18 +17,18 @@ Contract:
 - `with slots.rows(row_slots)` sets a step's rows' slots (-1: the base model) for the forward inside it; a
   `LoraProjection` then returns the base projection's output unchanged, the same tensor and bits, for every base
   row, and adds scale·(x·Aᵀ)·Bᵀ to the rows of each adapter, in place: one base matmul for the whole step, plus
-  the adapters' small products. A row's delta depends on its own input and adapter only, so a mixed batch gives
-  each request the bits it gets alone. Outside `rows` (embeddings, warm-up) no delta is added. Two ways, chosen
+  the adapters' small products. Outside `rows` (embeddings, warm-up) no delta is added. Two ways, chosen
   once at load (`LoraSlots(..., native=)`, the load plan's `lora` choice and each projection's `method()` name it):
   - fused (CPU, Tandem's native library loaded, a dtype of `FUSED_DTYPES`): `rows` turns the slots into one int32
     [T] tensor per step (`FusedRows`), and each projection makes one call, `tandem_native`'s `lora_delta_`
-    (tandem_native/csrc/lora.cpp: per row h = A[s]·x, then y += h·Bᵀ[s], in fp32, rounded once);
+    (tandem_native/csrc/lora.cpp: per row h = A[s]·x, then y += h·Bᵀ[s], in fp32, rounded once). A row's delta
+    depends on its own input and adapter only, bit for bit, whatever else the step holds;
   - torch (any other device, or no native library): the adapter rows are grouped by slot once per step
     (`StepRows`): when they already form one run in slot order (one stream, or one adapter's rows side by side)
     each group's product is added in place into its slice of the output; one adapter's rows apart are gathered,
     multiplied and added back (`index_add_`); several adapters' rows apart are gathered in groups padded to one
     size (`Batched`: a padding row repeats its group's first row and its product is zeroed), so two `torch.bmm`
-    serve every adapter at once.
+    serve every adapter at once (torch's kernels may round a row differently with the batch's shape).
 """
 
 from __future__ import annotations
