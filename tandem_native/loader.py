@@ -10,10 +10,10 @@ Contract:
 - Once loaded, the operators exist (`torch.ops.tandem.*`), each with a fake kernel for tracing registered here, so
   a compiled step calls them through the dispatcher with no Python wrapper: `int8_gemv` (`shared_model.int8_gemv`),
   `int4_gemv` and `int4_dequantize` (`shared_model.int4_gemv`), `row_gemm` and `tile_gemm`
-  (`shared_model.serving_model`), `tile_gemm_int8` (`shared_model.quantize`) and `paged_attention`
-  (`inference_svc.attention.native_cpu`). The module's own functions (`decode_attention`, `store_kv`,
-  `decode_step`, `truncation_thresholds`, `sample_rows`, `int8_gemv`, `tile_gemm_ready`) are called from Python
-  directly.
+  (`shared_model.serving_model`), `tile_gemm_int8` (`shared_model.quantize`), `paged_attention`
+  (`inference_svc.attention.native_cpu`) and `lora_delta_` (`inference_svc.lora.slots`, in place). The module's own
+  functions (`decode_attention`, `store_kv`, `decode_step`, `truncation_thresholds`, `sample_rows`, `int8_gemv`,
+  `lora_delta_`, `tile_gemm_ready`) are called from Python directly.
 - The build: torch's extension builder compiles `SOURCES` with `FLAGS` in `~/.cache/tandem/native/<hash>/`, the
   hash covering the sources' and `HEADERS`' names and text, the flags, torch's and Python's versions and the
   compiler. The sources are copied there first and built from the copies, so every clone of the same commit
@@ -211,6 +211,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tandem::int4_dequantize")
     def _(codes: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
         return scales_and_zeros.new_empty((codes.shape[0], 2 * codes.shape[1]))
+
+    @torch.library.register_fake("tandem::lora_delta_")
+    def _(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, slots: torch.Tensor, w: torch.Tensor):
+        del y, x, a, bt, slots, w  # writes y in place, returns nothing
 
     @torch.library.register_fake("tandem::paged_attention")
     def _(

@@ -12,7 +12,9 @@ Contract:
   3. `quantization` (`EngineConfig.quantization`, `int4_kernel`): the weight format (`shared_model.quantize`).
   3b. `lora`: with `--enable-lora` or `--lora-modules`, each layer's projections get `max_loras` adapter slots
      (`inference_svc.lora.slots.LoraSlots`) and the `--lora-modules` adapters are checked and loaded into them (one
-     that cannot be served is a `ModelLoadError` naming `lora_modules` and the adapter's field).
+     that cannot be served is a `ModelLoadError` naming `lora_modules` and the adapter's field). With the C++
+     kernels of transform 1 the adapters' deltas run as one fused call per projection (`tandem::lora_delta_`),
+     else as torch's small matmuls; the choice's reason says which.
   4. `linear.<projection>`: the method each projection runs, with its row-count table (the module's own
      `method()`): recorded from the modules themselves, so the record cannot drift from what runs. A compiled
      step's dense projections take the table `choose_row_table` picks by a rule (`serving_model.compiled_row_table`:
@@ -100,25 +102,29 @@ def prepare(bundle: Bundle, config: EngineConfig, native: bool) -> Prepared:
     except QuantizationError as exc:
         raise ModelLoadError(f"{bundle.path}: quantization {kind}: {exc}") from exc
     choices.append(_quantization_choice(config))
-    lora, lora_choice = apply_lora(model, config, bundle.dtype)
+    lora, lora_choice = apply_lora(model, config, bundle.dtype, native)
     choices.append(lora_choice)
     return Prepared(model, tuple(choices), lora)
 
 
-def apply_lora(model: ServingDecoder, config: EngineConfig, dtype: torch.dtype) -> tuple[LoraSlots | None, Choice]:
-    """Transform 3b: the adapter slots with the `--lora-modules` adapters loaded, and the choice."""
+def apply_lora(
+    model: ServingDecoder, config: EngineConfig, dtype: torch.dtype, native: bool
+) -> tuple[LoraSlots | None, Choice]:
+    """Transform 3b: the adapter slots with the `--lora-modules` adapters loaded, and the choice (`native`:
+    transform 1's; the deltas then run in one fused C++ call per projection where the slots' dtype allows)."""
     if not config.lora_enabled:
         return None, Choice("lora", "off", "no --enable-lora and no --lora-modules")
-    slots = LoraSlots(model, config.max_loras, config.max_lora_rank, dtype)
+    slots = LoraSlots(model, config.max_loras, config.max_lora_rank, dtype, native)
     for name, folder in config.lora_module_dirs:
         try:
             slots.load(load_adapter(name, folder, model.config, config.max_lora_rank))
         except AdapterError as exc:
             raise ModelLoadError(f"lora_modules: {name}={folder}: {exc}") from exc
     loaded = ", ".join(f"{n} (rank {a.rank})" for n, a in slots.loaded.items()) or "none yet"
-    reason = (
-        f"{config.max_loras} slot(s) of rank <= {config.max_lora_rank}, loaded: {loaded}; each row adds its "
-        "adapter's delta (one small batched matmul pair per projection)"
+    reason = f"{config.max_loras} slot(s) of rank <= {config.max_lora_rank}, loaded: {loaded}; each row adds its " + (
+        "adapter's delta (fused: one tandem::lora_delta_ call per projection)"
+        if slots.fused is not None
+        else "adapter's delta (torch: one small batched matmul pair per projection)"
     )
     return slots, Choice("lora", f"{len(slots.loaded)}/{config.max_loras}", reason)
 

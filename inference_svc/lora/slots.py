@@ -2,7 +2,7 @@
 per-row LoRA deltas of a step.
 
 Contract:
-- `LoraSlots(model, max_loras, max_rank, dtype)` wraps each decoder layer's four projections of the
+- `LoraSlots(model, max_loras, max_rank, dtype, native)` wraps each decoder layer's four projections of the
   `ServingDecoder` (`qkv`, `o_proj`, `gate_up`, `down_proj`, quantized or not) in a `LoraProjection` and is the one
   owner of the adapter weights they hold: per projection, A stacked [max_loras, P·max_rank, in] and Bᵀ stacked
   [max_loras, P·max_rank, out] in the compute dtype, P the parts a merged projection joins (3 for q/k/v, 2 for
@@ -16,25 +16,32 @@ Contract:
   never reused under another adapter, the base, or a reload of the same name.
 - `with slots.rows(row_slots)` sets a step's rows' slots (-1: the base model) for the forward inside it; a
   `LoraProjection` then returns the base projection's output unchanged, the same tensor and bits, for every base
-  row, and adds scale·(x·Aᵀ)·Bᵀ to the rows of each adapter: one base matmul for the whole step, plus small
-  ones for the adapters present in it. The adapter rows are grouped by slot once per step (`StepRows`): when they
-  already form one run in slot order (one stream, or one adapter's rows side by side) each group's product is
-  added in place into its slice of the output; one adapter's rows apart are gathered, multiplied and added back
-  (`index_add_`); several adapters' rows apart are gathered in groups padded to one size (`Batched`: a padding
-  row repeats its group's first row and its product is zeroed), so two `torch.bmm` serve every adapter at once.
-  Outside `rows` (embeddings, warm-up) no delta is added.
+  row, and adds scale·(x·Aᵀ)·Bᵀ to the rows of each adapter, in place: one base matmul for the whole step, plus
+  the adapters' small products. Outside `rows` (embeddings, warm-up) no delta is added. Two ways, chosen
+  once at load (`LoraSlots(..., native=)`, the load plan's `lora` choice and each projection's `method()` name it):
+  - fused (CPU, Tandem's native library loaded, a dtype of `FUSED_DTYPES`): `rows` turns the slots into one int32
+    [T] tensor per step (`FusedRows`), and each projection makes one call, `tandem_native`'s `lora_delta_`
+    (tandem_native/csrc/lora.cpp: per row h = A[s]·x, then y += h·Bᵀ[s], in fp32, rounded once). A row's delta
+    depends on its own input and adapter only, bit for bit, whatever else the step holds;
+  - torch (any other device, or no native library): the adapter rows are grouped by slot once per step
+    (`StepRows`): when they already form one run in slot order (one stream, or one adapter's rows side by side)
+    each group's product is added in place into its slice of the output; one adapter's rows apart are gathered,
+    multiplied and added back (`index_add_`); several adapters' rows apart are gathered in groups padded to one
+    size (`Batched`: a padding row repeats its group's first row and its product is zeroed), so two `torch.bmm`
+    serve every adapter at once (torch's kernels may round a row differently with the batch's shape).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+import tandem_native
 from inference_svc.errors import ModelNotFoundError
 from inference_svc.lora.adapter import AdapterError, LoraAdapter, projection_shapes
 from shared_model.serving_model import ServingDecoder
@@ -48,9 +55,23 @@ MERGED = {
 """A `ServingLayer`'s projection → the Hugging Face projections it joins, in the order of its output."""
 
 
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The compute dtypes the fused operator serves."""
+
+
+@dataclass(frozen=True)
+class FusedRows:
+    """A step's rows for the fused operator (see the module docstring)."""
+
+    slots: torch.Tensor
+    """int32 [T]: each row's slot in the flat layout, -1 for a base row."""
+    op: Callable[..., None]
+    """`tandem_native`'s `lora_delta_` (y, x, a, bt, slots, widths)."""
+
+
 @dataclass(frozen=True)
 class StepRows:
-    """A step's rows that have an adapter, grouped by slot (see the module docstring)."""
+    """A step's rows that have an adapter, grouped by slot, for the torch path (see the module docstring)."""
 
     span: slice
     """Without `gather`: the rows of the flat [T] layout the groups cover, one run, groups in order within it."""
@@ -109,14 +130,21 @@ class LoraProjection(nn.Module):
         # lora_a: [S, P*R, in]; lora_bt: [S, P*R, out]
         self.widths = [0] * owner.max_loras
         """Rows of `lora_a` / `lora_bt` each slot uses (0: its adapter does not adapt this projection)."""
+        self.register_buffer("slot_widths", torch.zeros(owner.max_loras, dtype=torch.int32, device=device))
+        # slot_widths: int32 [S], `widths` as the fused operator reads it
         self._owner = owner
+        self._base_forward = base.forward
+        """The base projection's forward, called directly: a step calls each projection once per layer, and the
+        wrapper's own module call already ran the hook machinery (the base carries no hooks of its own)."""
 
     def method(self) -> tuple[str, str]:
         """The base projection's method (the load plan's record), plus the adapters' delta."""
         base = self.base.method() if hasattr(self.base, "method") else ("F.linear", "F.linear")
-        return base[
-            0
-        ], f"{base[1]}; plus each adapter row's LoRA delta (one small matmul pair, batched over the adapters present)"
+        if self._owner.fused is not None:
+            delta = "one fused call per projection, tandem::lora_delta_"
+        else:
+            delta = "torch: one small matmul pair, batched over the adapters present"
+        return base[0], f"{base[1]}; plus each adapter row's LoRA delta ({delta})"
 
     def write(self, slot: int, pieces: Sequence[tuple[torch.Tensor, torch.Tensor] | None], scaling: float) -> None:
         """Fill `slot` from one (A [r, in], B [out_p, r]) per part (None: the part is not adapted)."""
@@ -132,20 +160,26 @@ class LoraProjection(nn.Module):
                 row += r
             col += out_p
         self.widths[slot] = row
+        self.slot_widths[slot] = row
 
     def clear(self, slot: int) -> None:
         self.widths[slot] = 0
+        self.slot_widths[slot] = 0
         self.lora_a[slot].zero_()
         self.lora_bt[slot].zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)  # [..., out]: the base projection, all rows at once
+        y = self._base_forward(x)  # [..., out]: the base projection, all rows at once
         step = self._owner.step
         if step is None:
             return y
-        x2 = x.reshape(-1, self.in_features)  # [T, in]
         if not y.is_contiguous():
             y = y.contiguous()
+        if type(step) is FusedRows:  # one call: y [.., out] += each adapter row's delta, in place
+            held = self._buffers  # the buffers by name, without nn.Module.__getattr__'s lookups on every call
+            step.op(y, x, held["lora_a"], held["lora_bt"], step.slots, held["slot_widths"])
+            return y
+        x2 = x.reshape(-1, self.in_features)  # [T, in]
         y2 = y.view(-1, self.out_features)  # [T, out], the same storage as y
         if step.batched is not None:
             return self._batched(step.batched, x2, y, y2)
@@ -189,11 +223,17 @@ class LoraProjection(nn.Module):
 class LoraSlots:
     """The one owner of a served model's adapter slots (see the module docstring)."""
 
-    def __init__(self, model: ServingDecoder, max_loras: int, max_rank: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model: ServingDecoder, max_loras: int, max_rank: int, dtype: torch.dtype, native: bool = False
+    ) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.model = model
-        self.step: StepRows | None = None
-        """The current step's adapter rows (None: no delta anywhere)."""
+        self.step: FusedRows | StepRows | None = None
+        """The current step's rows: `FusedRows` or `StepRows` (None: no delta anywhere)."""
+        device = next(itertools.chain(model.parameters(), model.buffers())).device
+        library = tandem_native.library() if native and device.type == "cpu" and dtype in FUSED_DTYPES else None
+        self.fused: Callable[..., None] | None = None if library is None else library.lora_delta_
+        """The fused operator (`native`: the load plan's choice to run Tandem's kernels), or None: the torch path."""
         self.loaded: dict[str, LoadedAdapter] = {}
         self._salts = itertools.count(1)
         self.projections: list[dict[str, LoraProjection]] = []
@@ -260,7 +300,10 @@ class LoraSlots:
     @contextmanager
     def rows(self, row_slots: Sequence[int], device: torch.device) -> Iterator[None]:
         """Serve the step's rows (their slots in the flat [T] layout, -1: base) from their adapters inside."""
-        self.step = group_rows(row_slots, device)
+        if self.fused is not None:
+            self.step = FusedRows(torch.tensor(row_slots, dtype=torch.int32), self.fused)  # [T], once a step
+        else:
+            self.step = group_rows(row_slots, device)
         try:
             yield
         finally:

@@ -4,12 +4,14 @@
 #include <torch/extension.h>
 
 void register_int8_gemv(pybind11::module_& m);
+void register_lora(pybind11::module_& m);
 void register_paged_attention(pybind11::module_& m);
 void register_row_gemm(pybind11::module_& m);
 void register_sampling(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_int8_gemv(m);
+  register_lora(m);
   register_paged_attention(m);
   register_row_gemm(m);
   register_sampling(m);

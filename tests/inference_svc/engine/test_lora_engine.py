@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import tandem_native
 from inference_svc.engine import EngineConfig
 from inference_svc.engine.config import EngineConfigError
 from inference_svc.engine.types import SamplingParams
@@ -64,6 +65,22 @@ def test_each_adapter_matches_peft_greedy(qwen3_dir, adapters, make_engine):
     plan = engine.load_plan
     assert plan.value("lora") == "2/3"
     assert plan.value("compile") == "off" and "LoRA" in next(c.reason for c in plan if c.lever == "compile")
+    fused = tandem_native.available()  # the C++ kernels are on by default where they run
+    assert ("fused" in next(c.reason for c in plan if c.lever == "lora")) == fused
+    assert ("tandem::lora_delta_" in next(c.reason for c in plan if c.lever == "linear.qkv_proj")) == fused
+
+
+def test_the_torch_path_without_the_native_kernels(qwen3_dir, adapters, make_engine):
+    """--cpu-kernels off (as on a GPU, or a CPU the library does not run on): the deltas run as torch's matmuls,
+    recorded so, with the same PEFT parity and mixed-batch equality as the fused operator."""
+    engine = _lora_engine(make_engine, qwen3_dir, adapters, cpu_kernels="off", enable_prefix_caching=False)
+    assert engine.lora.fused is None
+    assert "torch: one small batched matmul pair" in next(c.reason for c in engine.load_plan if c.lever == "lora")
+    for name in ("a", "b"):
+        assert [engine.generate([p], _params(name))[0].token_ids for p in PROMPTS] == adapters[name], name
+    names = ["b", None, "a", "b"]  # two adapters' rows apart: the padded bmm pair
+    together = engine.generate(PROMPTS, [_params(n) for n in names])
+    assert [r.token_ids for r in together] == [adapters[n or "base"][i] for i, n in enumerate(names)]
 
 
 def test_prompt_logprobs_under_an_adapter_equal_peft_forward(qwen3_dir, adapters, make_engine):
@@ -78,7 +95,7 @@ def test_prompt_logprobs_under_an_adapter_equal_peft_forward(qwen3_dir, adapters
 
 def test_mixed_batch_gives_each_request_what_it_gets_alone(qwen3_dir, adapters, make_engine):
     engine = _lora_engine(make_engine, qwen3_dir, adapters, enable_prefix_caching=False)
-    names = [None, "a", "b", "a"]  # slots 0 and 1: two groups padded to 2 rows, one pair of bmm's
+    names = [None, "a", "b", "a"]  # slots 0 and 1, rows apart (torch path: two groups padded to 2 rows)
     together = engine.generate(PROMPTS, [_params(n) for n in names])
     for i, (res, name) in enumerate(zip(together, names, strict=True)):
         assert res.token_ids == (adapters["base"] if name is None else adapters[name])[i]
