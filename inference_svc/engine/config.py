@@ -138,9 +138,9 @@ class EngineConfig:
     its cgroup CPU quota: `inference_svc.executor.threads`) or a number."""
     omp_wait: str = "auto"
     """How OpenMP's idle worker threads wait between parallel regions: 'passive' (sleep at once: leaves the CPU to
-    others), 'bounded' (spin about ten microseconds, then sleep: the gaps inside a step stay hot, a worker whose
-    partner was descheduled yields soon), 'active' (spin) or 'auto' (passive where a CPU quota or the thread count
-    oversubscribes the CPUs, else bounded: `inference_svc.executor.threads`). Takes effect when set before torch
+    others), 'bounded' (spin about ten microseconds, then sleep: for a machine shared with busy processes), 'active'
+    (spin) or 'auto' (passive where a CPU quota or the thread count oversubscribes the CPUs, else the runtime's
+    default: `inference_svc.executor.threads`). Takes effect when set before torch
     starts, as `tandem serve` does."""
     compile_cache: str = DEFAULT_COMPILE_CACHE
     """Folder of compiled decode steps (torch's compile artifacts) keyed by model, graph flags, torch and CPU: a

@@ -17,14 +17,15 @@ Contract:
   - omp_wait 'auto': 'passive' (OpenMP's idle workers sleep at once instead of spinning) where the threads can
     outnumber the CPU time the process gets: a cgroup quota below the allowed CPUs, more threads than
     min(CPUs, quota) (spinning workers then take time slices from each other, and every parallel op waits for a
-    descheduled worker). Otherwise 'bounded': an idle worker spins for `BOUNDED_SPINS` iterations (libgomp's
-    `GOMP_SPINCOUNT`; about ten microseconds at libgomp's own estimate of 100,000 a millisecond) and then sleeps.
-    The gaps between a step's parallel regions are shorter than that, so a quiet machine's step keeps its workers
-    hot; a worker whose partner was descheduled by another process stops spinning soon and gives the CPU back,
-    where the runtime's default spins about 3 ms and 'active' for minutes, and a shared machine's step collapses
-    (docs/benchmarks.md §26 has both machines' figures). Other processes' load at start is measured and reported,
-    never chosen from: the rule holds on a quiet and on a busy machine, so nothing depends on a moment's load.
-    One thread: no worker ever waits, nothing to choose. 'passive' / 'bounded' / 'active' as given.
+    descheduled worker). Otherwise the runtime's default (libgomp spins about 3 ms, then sleeps): the fastest on
+    CPUs of its own. 'bounded' spins `BOUNDED_SPINS` iterations (libgomp's `GOMP_SPINCOUNT`, about ten microseconds
+    at libgomp's own estimate of 100,000 a millisecond) and then sleeps: beside busy processes a served step then
+    keeps most of its speed where the default collapses (a worker whose partner was descheduled spins for
+    milliseconds), but a quiet machine's step pays for waking its workers (docs/benchmarks.md §26 has both
+    machines' figures), so it is a flag for machines shared for good, not the rule. Other processes' load at start
+    is measured and reported, never chosen from: one 0.1 s sample is not the machine's life, and a start that
+    followed a busy moment must not serve slowly for good. One thread: no worker ever waits, nothing to choose.
+    'passive' / 'bounded' / 'active' as given.
 - The wait policy only takes effect when it is in the environment before the OpenMP runtime starts (torch's import
   loads it): `omp_environment(policy)` is the variables to set, and `tandem serve` sets them after parsing its flags
   and before it imports torch (`inference_svc.cli`). `wait_choice(policy, environ)` records what is in effect: the
@@ -267,9 +268,9 @@ def _choose_wait(asked: str, threads: int, n_cpus: int, quota: float | None, bus
     if threads > budget:
         return "passive", f"--omp-wait auto: {threads} threads for {budget:g} CPUs"
     seen = "" if busy is None else f"; other processes kept {busy:.1f} CPUs busy at start (reported, not chosen from)"
-    return "bounded", (
-        f"--omp-wait auto: {threads} threads on {n_cpus} CPUs, each its own: idle workers spin {BOUNDED_SPINS} "
-        f"iterations, then sleep{seen}"
+    return "default", (
+        f"--omp-wait auto: {threads} threads on {n_cpus} CPUs, each its own: the runtime's default wait{seen} (a "
+        "machine shared for good wants --omp-wait bounded or passive)"
     )
 
 
@@ -293,10 +294,10 @@ def omp_environment(policy: ThreadPolicy) -> dict[str, str]:
 
 def wait_choice(policy: ThreadPolicy, environ: Mapping[str, str]) -> Choice:
     """The `omp_wait` choice as in effect: `environ` is the environment the OpenMP runtime started with."""
-    wanted = _ENVIRONMENTS.get(policy.wait, {})
-    if all(environ.get(k, "").strip().upper() == v.upper() for k, v in wanted.items() if k != "KMP_BLOCKTIME"):
-        return Choice("omp_wait", policy.wait, policy.wait_reason)
+    wanted = {k: v for k, v in _ENVIRONMENTS.get(policy.wait, {}).items() if k != "KMP_BLOCKTIME"}
     found = {k: environ[k].strip() for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if environ.get(k, "").strip()}
+    if {k: v.upper() for k, v in found.items()} == {k: v.upper() for k, v in wanted.items()}:
+        return Choice("omp_wait", policy.wait, policy.wait_reason)
     if found:
         shown = " ".join(f"{k}={v}" for k, v in found.items())
         in_effect = found.get("OMP_WAIT_POLICY", "default").lower()

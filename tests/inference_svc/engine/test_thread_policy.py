@@ -68,9 +68,11 @@ def test_cgroup_v1_quota_and_no_quota(tmp_path: Path) -> None:
     facts = read_cpu_facts(free)
     assert facts.quota is None and facts.cpus == (0, 2, 3)
     policy = choose_threads("auto", "auto", facts)
-    assert (policy.threads, policy.wait) == (3, "bounded")  # each thread its own CPU: spin briefly, then sleep
+    assert (policy.threads, policy.wait) == (3, "default")  # each thread its own CPU: the runtime's own wait
     assert "3 CPUs allowed (0,2-3; not pinned), no cgroup CPU quota" in policy.threads_reason
-    assert omp_environment(policy) == {"GOMP_SPINCOUNT": str(threads.BOUNDED_SPINS), "KMP_BLOCKTIME": "1"}
+    assert omp_environment(policy) == {}
+    bounded = choose_threads("auto", "bounded", facts)  # the flag for a machine shared for good
+    assert omp_environment(bounded) == {"GOMP_SPINCOUNT": str(threads.BOUNDED_SPINS), "KMP_BLOCKTIME": "1"}
 
 
 def test_a_malformed_cgroup_file_counts_as_no_limit_and_is_noted(tmp_path: Path) -> None:
@@ -93,8 +95,9 @@ def test_cpus_busy_at_start_are_reported_not_chosen_from(tmp_path: Path) -> None
     busy = threads.others_busy(before, after, (0, 1), own_seconds=0.0)
     assert busy == pytest.approx(1.02)
     policy = choose_threads("auto", "auto", CpuFacts((0, 1), busy=busy))
-    assert (policy.threads, policy.wait) == (2, "bounded")  # neither follows one sample of the load
+    assert (policy.threads, policy.wait) == (2, "default")  # neither follows one sample of the load
     assert "other processes kept 1.0 CPUs busy at start (reported, not chosen from)" in policy.wait_reason
+    assert "--omp-wait bounded or passive" in policy.wait_reason  # the levers, named
     # this process's own time is not another's load: the same ticks, all of them ours, are no load at all
     hz = os.sysconf("SC_CLK_TCK")
     ours = threads.others_busy(before, after, (0, 1), own_seconds=102 / hz)
@@ -123,7 +126,7 @@ def test_the_wait_choice_reports_what_the_runtime_started_with() -> None:
     assert late.value == "default" and "not in effect" in late.reason
     user = wait_choice(choose_threads("auto", "auto", CpuFacts((0, 1))), {"OMP_WAIT_POLICY": "active"})
     assert user.value == "active" and "from the environment" in user.reason
-    bounded = choose_threads("auto", "auto", CpuFacts((0, 1)))
+    bounded = choose_threads("auto", "bounded", CpuFacts((0, 1)))
     assert wait_choice(bounded, omp_environment(bounded)).value == "bounded"
     spun = wait_choice(bounded, {"GOMP_SPINCOUNT": "50000"})  # the user's own spin count, reported as such
     assert spun.value == "spin 50000" and "GOMP_SPINCOUNT=50000 from the environment" in spun.reason
