@@ -46,6 +46,7 @@ class TorchOps:
         self._decode_plan: _DecodePlan | None = None
         self._prefill_key: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._prefill_plans: list[_PrefillPlan] = []
+        self._prefill_batches: list[_PrefillBatch] = []
 
     def _kernels(self, cache: torch.Tensor) -> Any:
         """The C++ kernels for a cache on the CPU (built on first use), else None."""
@@ -156,12 +157,23 @@ class TorchOps:
         key = self._prefill_key
         if key is None or key[0] is not cu_seqlens_q or key[1] is not context_lens or key[2] is not block_tables:
             self._prefill_plans = _plan_prefills(cu_seqlens_q, context_lens, block_tables, k_cache.shape[1], q.device)
+            self._prefill_batches = _batch_prefills(self._prefill_plans, k_cache.shape[1], q.device)
             self._prefill_key = (cu_seqlens_q, context_lens, block_tables)
-        parts = [
-            _prefill_one(plan, q[plan.start : plan.end], k_cache, v_cache, k_scales, v_scales, scale)
-            for plan in self._prefill_plans
-        ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        plans, batches = self._prefill_plans, self._prefill_batches
+        if len(plans) == 1:
+            return _prefill_one(plans[0], q, k_cache, v_cache, k_scales, v_scales, scale)
+        if not batches or k_scales is not None or k_cache.dtype != q.dtype:
+            parts = [_prefill_one(p, q[p.start : p.end], k_cache, v_cache, k_scales, v_scales, scale) for p in plans]
+            return torch.cat(parts, dim=0)
+        out = torch.empty_like(q)  # [T_prefill, Hq, D]
+        batched = set()
+        for batch in batches:
+            out.index_copy_(0, batch.rows, _prefill_batch(batch, q, k_cache, v_cache, scale))
+            batched.update(batch.members)
+        for i, p in enumerate(plans):
+            if i not in batched:
+                out[p.start : p.end] = _prefill_one(p, q[p.start : p.end], k_cache, v_cache, None, None, scale)
+        return out
 
 
 _UNBUILT = object()
@@ -235,6 +247,59 @@ def _plan_prefills(
             mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
         plans.append(_PrefillPlan(start, end, ctx, contiguous, index, mask))
     return plans
+
+
+@dataclass
+class _PrefillBatch:
+    """Chunks of one length with nothing cached before them: one SDPA call over `[G, H, n, D]` instead of G calls
+    (each chunk's rows are computed alone, as a call of its own computes them: the same bits)."""
+
+    members: tuple[int, ...]  # the chunks' indices in the step's plans
+    rows: torch.Tensor  # [G * n] int64, their query rows in the step's prefill queries, chunk after chunk
+    slots: torch.Tensor  # [G * n] int64, the cache slots of their K/V, in the same order
+    length: int  # n
+
+
+BATCH_PREFILL_MAX_TOKENS = 256
+"""Chunks of at most this many tokens are batched with the step's other chunks of their length (`_PrefillBatch`):
+a short chunk's attention is a call's fixed cost more than its arithmetic; a long one's is arithmetic."""
+
+
+def _batch_prefills(plans: list[_PrefillPlan], bs: int, device: torch.device) -> list[_PrefillBatch]:
+    """The step's short fresh chunks (no cached prefix) grouped by length, groups of two or more."""
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(plans):
+        n = p.end - p.start
+        if p.mask is None and n <= BATCH_PREFILL_MAX_TOKENS:
+            by_length.setdefault(n, []).append(i)
+    batches = []
+    for n, members in by_length.items():
+        if len(members) < 2:
+            continue
+        rows, slots = [], []
+        for i in members:
+            p = plans[i]
+            rows.extend(range(p.start, p.end))
+            if p.contiguous is not None:
+                slots.extend(range(*p.contiguous))
+            else:  # the context is the chunk: its first n slots over its blocks
+                assert p.block_index is not None
+                slots.extend([b * bs + j for b in p.block_index.tolist() for j in range(bs)][:n])
+        to = {"dtype": torch.int64, "device": device}
+        batches.append(_PrefillBatch(tuple(members), torch.tensor(rows, **to), torch.tensor(slots, **to), n))  # type: ignore[arg-type]
+    return batches
+
+
+def _prefill_batch(
+    batch: _PrefillBatch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`[G * n, Hq, D]`: causal attention of each of the batch's chunks over itself, in one call."""
+    hq, hkv, dim, n = q.shape[1], k_cache.shape[2], k_cache.shape[3], batch.length
+    queries = q.index_select(0, batch.rows).view(-1, n, hq, dim).transpose(1, 2)  # [G, Hq, n, D]
+    keys = k_cache.view(-1, hkv, dim).index_select(0, batch.slots).view(-1, n, hkv, dim).transpose(1, 2)
+    values = v_cache.view(-1, hkv, dim).index_select(0, batch.slots).view(-1, n, hkv, dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=hq != hkv)
+    return out.transpose(1, 2).reshape(-1, hq, dim)  # [G * n, Hq, D]
 
 
 def _prefill_one(
