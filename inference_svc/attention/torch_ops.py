@@ -33,7 +33,9 @@ class TorchOps:
     Decode gathers each sequence's blocks (`index_select`) into a padded `[D, Lmax]` tensor and runs SDPA with a
     length mask; a single sequence whose blocks are consecutive is read as a slice of the cache, without a copy,
     and a single sequence over scattered blocks by one gather cut to its length. Prefill reads the chunk's context
-    (cached prefix + the chunk, stored first) as a view where its blocks are consecutive, else by one gather.
+    (cached prefix + the chunk, stored first) as a view where its blocks are consecutive, else by one gather; a
+    step's fresh chunks (nothing cached before them) of one length up to `BATCH_PREFILL_MAX_TOKENS` run as one
+    batched call (many short prompts admitted together: one call instead of one per prompt, the same bits).
     """
 
     name = "torch"
