@@ -20,6 +20,10 @@ What it does, in one run:
      per rep): decode tok/s = tokens after the first / (arrival of the last - arrival of the first), the first
      token being prefill; and `--reps` requests with a fresh random 512-token id prompt (max_new_tokens 1):
      prefill tok/s = 512 / client-side time to first token. Means over reps, like llama-bench's;
+   - Tandem in-process (`--in-process`, the default): the same flags' engine with no server
+     (`benchmarks/engine_decode.py` in a fresh interpreter, `--reps` greedy requests after a warm-up): llama-bench
+     times its steps in one process too, so this ratio compares the two step for step, the served one adds what
+     a server costs (gRPC, the stream, the client on the same cores);
    - ratios Tandem / llama.cpp for tg and pp, and each side's decode as GB/s of weight bytes read per token
      (llama.cpp: the GGUF's tensor bytes less the token embedding unless it doubles as the LM head; Tandem:
      computed from the config and shared_model/quantize.py's formats, the embedding gather left out, the LM head
@@ -404,6 +408,28 @@ def tandem_case(
             server.close()
 
 
+def in_process_tg(
+    bundle: Path, precision: str, threads: int, args, compile_mode: str | None, tree: Path = REPO
+) -> dict:
+    """Tandem's batch-1 decode with no server (`benchmarks/engine_decode.py` in a fresh interpreter, `tree`'s code,
+    the served case's flags): llama-bench's own setting, so the ratio compares the two step for step."""
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(precision, args.quant_dtype)
+    quant = precision if precision in ("int8", "int4") else "none"
+    cmd = [sys.executable, str(tree / "benchmarks" / "engine_decode.py"), str(bundle), "--dtype", dtype,
+           "--quantization", quant, "--threads", str(threads), "--compile", compile_mode or "auto",
+           "--n-gen", str(args.n_gen), "--reps", str(args.reps)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.server_timeout + 600, env=env, cwd=tree)
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "error": f"engine_decode.py did not finish in {args.server_timeout + 600:.0f} s"}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"status": "error", "error": f"engine_decode.py exited {done.returncode}: {tail[0]}"}
+    return {"status": "ok", "command": shlex.join(cmd), **json.loads(lines[-1])}
+
+
 # ------------------------------------------------------------------------------------------------ report
 def fmt(x: float | None, digits: int = 1) -> str:
     return "–" if x is None else f"{x:,.{digits}f}"
@@ -423,10 +449,10 @@ def markdown(results: dict[str, Any]) -> str:
         "7): " + ", ".join(f"{v:.1f} GB/s ({t}T)" for t, v in results["bandwidth_gbs"].items()) + ".",
         f"Command: `{results['command']}`",
         "",
-        f"| precision (Tandem / GGUF) | threads | {tg} llama.cpp | {tg} Tandem{first} | tg ratio | {pp} llama.cpp "
-        f"| {pp} Tandem | pp ratio | decode GB/s llama.cpp | decode GB/s Tandem |"
-        + "".join(f" {tg} Tandem --compile {mode} | tg ratio |" for mode in others),
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|" + "--:|--:|" * len(others),
+        f"| precision (Tandem / GGUF) | threads | {tg} llama.cpp | {tg} Tandem{first} | tg ratio | {tg} Tandem "
+        f"in-process | in-process ratio | {pp} llama.cpp | {pp} Tandem | pp ratio | decode GB/s llama.cpp "
+        "| decode GB/s Tandem |" + "".join(f" {tg} Tandem --compile {mode} | tg ratio |" for mode in others),
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|" + "--:|--:|" * len(others),
     ]
     for c in results["cases"]:
         lc, td = c["llama_cpp"], c["tandem"]
@@ -436,13 +462,14 @@ def markdown(results: dict[str, Any]) -> str:
         if td.get("status") != "ok":
             status = td.get("status", "error")
             lines.append(
-                f"| {name} | {c['threads']} | {fmt(lc.get('tg'))} | {status} | – | {fmt(lc.get('pp'))} | {status} "
-                f"| – | {lgbs} | – |" + _other_compile_cells(c, others)
+                f"| {name} | {c['threads']} | {fmt(lc.get('tg'))} | {status} | – | – | – | {fmt(lc.get('pp'))} "
+                f"| {status} | – | {lgbs} | – |" + _other_compile_cells(c, others)
             )
             continue
         tgbs = f"{td['tg_gbs']:.1f} ({td['tg_gbs'] / bw:.0%})"
         lines.append(
             f"| {name} | {c['threads']} | {fmt(lc.get('tg'))} | {fmt(td['tg'])} | {fmt(c['ratio'].get('tg'), 2)} "
+            f"| {fmt(td.get('tg_in_process'))} | {fmt(c['ratio'].get('tg_in_process'), 2)} "
             f"| {fmt(lc.get('pp'))} | {fmt(td['pp'])} | {fmt(c['ratio'].get('pp'), 2)} | {lgbs} | {tgbs} |"
             + _other_compile_cells(c, others)
         )
@@ -450,7 +477,8 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"tok/s, means over reps (llama-bench: its 5 reps after its warm-up; Tandem: {results['reps']} streamed "
         f"requests after a warm-up, {tg} = tokens after the first / their arrival span, {pp} = prompt tokens / "
-        "client-side time to first token, gRPC and the first sampling included). Ratio = Tandem / llama.cpp. "
+        "client-side time to first token, gRPC and the first sampling included; in-process: the same flags' "
+        "engine with no server, `benchmarks/engine_decode.py`, llama-bench's own setting). Ratio = Tandem / llama.cpp. "
         f"Tandem int8/int4 run with --dtype {results['quant_dtype']}. Decode GB/s = weight bytes read per token × "
         f"{tg} tok/s (share of the measured bandwidth in brackets); {results['weight_bytes_estimate']}",
     ]
@@ -599,6 +627,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--llama-amx", action="store_true", help="build llama.cpp with AMX (off by default, see llama_cpp.py)"
     )
+    p.add_argument(
+        "--in-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time Tandem's decode with no server (benchmarks/engine_decode.py), llama-bench's own setting",
+    )
     args = p.parse_args(argv)
     small = {"hidden": 256, "layers": 4, "vocab": 2048, "reps": 3}
     full = {"hidden": 768, "layers": 12, "vocab": 8192, "reps": 5}
@@ -664,6 +698,17 @@ def one_round(
                     f"pp{args.n_prompt} {td['pp']:.1f} tok/s{ratio}")  # fmt: skip
             elif td.get("status") == "not offered":
                 log(f"  Tandem {label}--compile {mode}: not offered ({td['reason']})")
+            if args.in_process and mode == args.compile_modes[0] and td.get("status") == "ok":
+                ip = in_process_tg(bundle, precision, threads, args, mode, tree)
+                td["in_process"] = ip
+                if ip["status"] == "ok":
+                    td["tg_in_process"] = ip["tg"]
+                    if "tg" in lc:
+                        td["ratio"]["tg_in_process"] = ip["tg"] / lc["tg"]
+                    log(f"  Tandem {label}in-process (no server): tg{args.n_gen} {ip['tg']:.1f} tok/s")
+                else:
+                    results["errors"].append(f"{where} in-process: {ip['error']}")
+                    print(f"error: {where} in-process: {ip['error']}", file=sys.stderr)
             if label:
                 out["baseline"] = td
             elif mode == args.compile_modes[0]:
@@ -681,12 +726,13 @@ def mean_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if not ok:
         return runs[0]
     merged = dict(ok[0])
-    for key in ("tg", "pp", "tg_gbs"):
+    for key in ("tg", "pp", "tg_gbs", "tg_in_process"):
         if all(key in r for r in ok):
             merged[key] = statistics.mean(r[key] for r in ok)
             merged[f"{key}_rounds"] = [r[key] for r in ok]
     if all("ratio" in r for r in ok):
-        merged["ratio_rounds"] = {k: [r["ratio"][k] for r in ok if k in r["ratio"]] for k in ("tg", "pp")}
+        keys = ("tg", "pp", "tg_in_process")
+        merged["ratio_rounds"] = {k: [r["ratio"][k] for r in ok if k in r["ratio"]] for k in keys}
     return merged
 
 
@@ -784,9 +830,9 @@ def main(argv: list[str] | None = None) -> int:
             lc, td = mean_run([r["llama_cpp"] for r in rounds]), mean_run([r["tandem"] for r in rounds])
             case["llama_cpp"], case["tandem"], case["rounds"] = lc, td, rounds
             case["tandem_other_compile"] = rounds[0]["other_compile"]
-            for k in ("tg", "pp"):
-                if k in lc and td.get("status") == "ok":
-                    case["ratio"][k] = td[k] / lc[k]
+            for k, peer in (("tg", "tg"), ("pp", "pp"), ("tg_in_process", "tg")):
+                if peer in lc and td.get("status") == "ok" and k in td:
+                    case["ratio"][k] = td[k] / lc[peer]
             if args.baseline is not None:
                 case["baseline"] = mean_run([r["baseline"] for r in rounds])
             results["cases"].append(case)
