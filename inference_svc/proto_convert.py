@@ -130,14 +130,14 @@ def _set_stop(msg: Any, stop_reason: str | int | None) -> None:
 
 def stream_message(out: RequestOutput) -> pb.GenerateStreamResponse:
     msg = pb.GenerateStreamResponse(
-        request_id=out.request_id,
-        text=out.text_delta,
-        token_ids=out.new_token_ids,
-        logprobs=out.logprobs or [],
-        top_logprobs=[position_to_proto(e) for e in out.top_logprobs or ()],
-        prompt_logprobs=_prompt_positions(out.prompt_logprobs),
-        index=out.index,
-    )
+        request_id=out.request_id, text=out.text_delta, token_ids=out.new_token_ids, index=out.index
+    )  # one per streamed token: the repeated fields below are set only when the request asked for them
+    if out.logprobs:
+        msg.logprobs.extend(out.logprobs)
+    if out.top_logprobs:
+        msg.top_logprobs.extend(position_to_proto(e) for e in out.top_logprobs)
+    if out.prompt_logprobs:
+        msg.prompt_logprobs.extend(_prompt_positions(out.prompt_logprobs))
     if out.finished:
         msg.finish_reason = FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
         msg.usage.CopyFrom(usage_to_proto(out.usage))
