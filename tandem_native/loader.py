@@ -200,6 +200,10 @@ def _register_fakes() -> None:
     def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], w.shape[0]))
 
+    @torch.library.register_fake("tandem::table_gemm")
+    def _(x: torch.Tensor, w: torch.Tensor, row_max: int, tile_max: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], w.shape[0]))
+
     @torch.library.register_fake("tandem::tile_gemm_int8")
     def _(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], q.shape[0]))
