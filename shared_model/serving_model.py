@@ -22,8 +22,12 @@ Contract:
   they are built (`tandem_native`): `tandem::row_gemm` (fused multiply-adds; streams the weight fastest for one
   or two rows) and, for bf16 on a CPU with AMX, `tandem::tile_gemm` (the weight read once for up to 64 rows). Each
   kernel gives a row the same bits at any row count (another summation order than `F.linear`'s, and the two
-  kernels' orders differ from each other). `method()` names what a projection runs, for the serving executor's
-  record.
+  kernels' orders differ from each other). A compiled table of those kernels (`row_gemm` up to some rows, then
+  `tile_gemm`, then `F.linear`: `RowTable.gemm_bounds`) runs as one `tandem::table_gemm` call that picks the same
+  kernel by the same row count inside the operator, so a compiled graph has no branch on the row count there (one
+  graph for every T >= 2 instead of one per step of the table: a cold start compiles fewer; `row_bounds()` says
+  where a projection still branches in Python). `method()` names what a projection runs, for the serving
+  executor's record.
 - Inference only: the merged parameters do not require grad and ZeRO never sees this module; training keeps the
   plain `CausalLM`. Build it after the model has its final device and dtype.
 """
@@ -71,6 +75,16 @@ class RowTable:
             if rows <= most:
                 return name
         return self.more
+
+    def gemm_bounds(self) -> tuple[int, int] | None:
+        """(row_max, tile_max) of `tandem::table_gemm` when this table is one it runs (row_gemm up to some rows,
+        then optionally tile_gemm, then `F.linear`): the kernel is then chosen inside that one operator, at run time,
+        not by a branch a compiled graph traces (one graph for every row count); None for any other table."""
+        names = tuple(name for _, name in self.steps)
+        if self.more != "linear" or names not in (("row_gemm",), ("row_gemm", "tile_gemm")):
+            return None
+        row_max = self.steps[0][0]
+        return row_max, self.steps[1][0] if len(self.steps) > 1 else row_max
 
     @property
     def largest_step(self) -> int:
@@ -148,8 +162,21 @@ class ServingLinear(nn.Linear):
         kernels = [name for _, name in table.steps] + [table.more]
         return "+".join(dict.fromkeys(kernels)), table.describe()
 
+    def row_bounds(self) -> tuple[int, ...]:
+        """The row counts at which `forward` branches in Python (a compiled step traces a graph per branch, as for
+        `QuantizedLinear.row_bounds`): none where one `tandem::table_gemm` call chooses the kernel at run time."""
+        table = self.table
+        if self.row_table is not None and table.gemm_bounds() is not None:
+            return ()
+        return tuple(most for most, _ in table.steps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
+        if self.row_table is not None and x.dtype == self.weight.dtype:
+            bounds = self.row_table.gemm_bounds()
+            if bounds is not None:  # the kernel by `rows`, chosen in the operator: no branch for a graph to trace
+                y = torch.ops.tandem.table_gemm(x.reshape(rows, x.shape[-1]), self.weight, *bounds)  # [rows, out]
+                return y.view(*x.shape[:-1], self.out_features)  # [..., out]
         kernel = self.table.kernel(rows)
         if kernel == "linear" or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)

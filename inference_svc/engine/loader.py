@@ -39,7 +39,7 @@ from shared_model import ledger
 from shared_model.bundle import Bundle, load_bundle, parse_dtype
 from shared_model.config import ModelConfig
 from shared_model.quantize import QuantizedLinear
-from shared_model.serving_model import ROW_KERNEL_MAX_ROWS
+from shared_model.serving_model import ROW_KERNEL_MAX_ROWS, ServingLinear
 from shared_model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -140,9 +140,11 @@ def warm_up(
 ) -> float:
     """Compile `runner`'s graphs on throwaway sequences over free blocks, then zero those blocks; seconds.
 
-    The compile runs a prefill chunk longer than the projections' row table's last bound (and the quantized layers'
-    `row_bounds`) where the pool allows, a lone decode, a decode of two sequences and chunks on each side of each
-    bound of those tables and of 5 rows (T == 1 and every T >= 2 branch a model takes), and decode-only steps of as
+    The compile runs a prefill chunk longer than the last row count a projection branches at in Python (its
+    `row_bounds()`: a quantized layer's kernels; a dense projection whose row table `tandem::table_gemm` runs
+    branches nowhere, its kernel chosen inside that operator, so one graph serves every T >= 2) where the pool
+    allows, a lone decode, a decode of two sequences and chunks on each side of each such bound and of 5 rows
+    (T == 1 and every T >= 2 branch a model takes), and decode-only steps of as
     many rows as each bound, one more and the last bound's next, above `QUERY_CHUNK_MAX` (verify items of several
     sequences: a decode-only step attends through graphs of its own, `shared_model.compiled`); a 5-row chunk (a
     verify step's shape) must then be covered (were it not, `CompiledDecoder` logs it and runs it eagerly). A
@@ -154,10 +156,8 @@ def warm_up(
     timing decides anything here (`inference_svc.executor.prepare`)."""
     assert runner.compiled is not None
     bs = config.block_size
-    table = runner.compiled.row_table
-    bounds = [most for most, _ in table.steps if most >= 2] if table is not None else []
-    bounds += sorted({b for m in runner.model.modules() if isinstance(m, QuantizedLinear) for b in m.row_bounds()
-                      if b >= 2})  # fmt: skip
+    bounds = sorted({b for m in runner.model.modules() if isinstance(m, (QuantizedLinear, ServingLinear))
+                     for b in m.row_bounds() if b >= 2})  # fmt: skip
     longest = max([ROW_KERNEL_MAX_ROWS, *bounds])
     n = min(max(2 * bs, longest + 1), (num_blocks // 2) * bs - 1)  # 2 x (n + 1) fit
     if n < 6:

@@ -132,6 +132,19 @@ torch::Tensor tile_gemm(const torch::Tensor& x, const torch::Tensor& w) {
   return y;
 }
 
+// The compiled step's projection (shared_model/serving_model.py's row table): the kernel chosen here, by the row
+// count of the call, at run time: M <= row_max rows row_gemm, M <= tile_max tile_gemm (none when tile_max <=
+// row_max), more at::mm(x, w^T) (F.linear's product without a bias, the same call). A graph that branched on M in
+// Python traced one graph per branch; this call is one node for every M, each row's bits those of the kernel
+// its row count picks, as before.
+torch::Tensor table_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t row_max, int64_t tile_max) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "table_gemm: x must be [M, K] and w [N, K]");
+  const int64_t m = x.size(0);
+  if (m <= row_max) return row_gemm(x, w);
+  if (m <= tile_max) return tile_gemm(x, w);
+  return at::mm(x, w.t());
+}
+
 // x [M, K] bf16 times an int8 weight q [N, K] (one scale per row, `scales` [N] of any float dtype) on AMX tiles:
 // y [M, N] bf16 = (x q^T) * scales, the int8 codes widened to bf16 exactly and the products summed in fp32, the row
 // scale applied once to each sum (the same maths as torch's _weight_int8pack_mm). N a multiple of 16, K of 32.
@@ -159,11 +172,13 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("row_gemm(Tensor x, Tensor w) -> Tensor");
   m.def("tile_gemm(Tensor x, Tensor w) -> Tensor");
   m.def("tile_gemm_int8(Tensor x, Tensor q, Tensor scales) -> Tensor");
+  m.def("table_gemm(Tensor x, Tensor w, int row_max, int tile_max) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("row_gemm", &row_gemm);
   m.impl("tile_gemm", &tile_gemm);
   m.impl("tile_gemm_int8", &tile_gemm_int8);
+  m.impl("table_gemm", &table_gemm);
 }
 
 void register_row_gemm(pybind11::module_& m) {

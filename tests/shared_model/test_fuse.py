@@ -123,6 +123,38 @@ def test_row_kernels_are_the_compiled_steps_choice_and_give_each_row_the_same_bi
         assert torch.equal(head(x[:1]), F.linear(x[:1], head.weight))  # the eager path's bit-equality is back
 
 
+@pytest.mark.skipif(not tandem_native.available(), reason="needs AVX-512 VNNI and a C++ compiler")
+@pytest.mark.parametrize(("dtype", "table"), [t[1:] for t in _tables()], ids=[t[0] for t in _tables()])
+def test_a_compiled_row_table_is_one_graph_for_every_row_count_with_each_kernels_bits(
+    dtype: torch.dtype, table: RowTable
+) -> None:
+    """The table's kernel is chosen inside `tandem::table_gemm`, not by a Python branch a graph traces: a projection
+    traced with a dynamic row count compiles once for every T >= 2 (a cold start compiles fewer graphs), and each
+    row count still gets the bits of the kernel the table names for it."""
+    from torch._dynamo.testing import CompileCounter
+
+    model = fuse_projections(build_model(tiny_config(), dtype=dtype, seed=0))
+    set_row_kernels(model, table)
+    head = model.lm_head
+    assert head.row_bounds() == () and table.gemm_bounds() is not None
+    kernels = {"row_gemm": torch.ops.tandem.row_gemm, "tile_gemm": torch.ops.tandem.tile_gemm}
+    most = table.largest_step
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(head, backend=counter, fullgraph=True)
+    with torch.inference_mode():
+        x = torch.randn(most + 3, 1, model.config.hidden_size, dtype=dtype)  # [rows, 1, hidden]
+        for rows in sorted({2, 3, most, most + 1, most + 3}):
+            xs = x[:rows].clone()
+            torch._dynamo.maybe_mark_dynamic(xs, 0)
+            kernel = table.kernel(rows)
+            want = F.linear(xs, head.weight) if kernel == "linear" else kernels[kernel](xs[:, 0], head.weight)[:, None]
+            assert torch.equal(compiled(xs), want), (rows, kernel)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs: a row count branched in the graph"
+    set_row_kernels(model, None)
+    assert head.row_bounds() == ((1,) if dtype == torch.bfloat16 else ())  # eager: torch.mv for one bf16 row
+
+
 @pytest.mark.skipif(not tandem_native.tiles(), reason="needs a CPU with AMX-BF16 tiles this process may use")
 @pytest.mark.parametrize(("n", "k"), [(256, 64), (200, 96), (40, 32)], ids=["tiles", "tail-rows", "one-tile"])
 def test_tile_gemm_matches_the_exact_product_and_each_row_keeps_its_bits_at_any_row_count(n: int, k: int) -> None:
