@@ -1,8 +1,8 @@
 // AMX-BF16 tile products for the kernels that multiply activation rows by a weight on tiles (row_gemm.cpp's tile_gemm
-// and tile_gemm_int8): y[m, n] = sum_k x[m, k] * w[n, k], x bf16.
+// and tile_gemm_int8, int4_tiles.cpp's tile_gemm_int4): y[m, n] = sum_k x[m, k] * w[n, k], x bf16.
 //
 // 16 weight rows x 32 columns are one tile (bf16; int8 codes are widened exactly on their way in; a `source` may also
-// make a tile's rows in a scratch buffer), up to 64 activation rows four more, and the products accumulate in
+// make a tile's rows in a scratch buffer, as int4's unpacking does), up to 64 activation rows four more, and the products accumulate in
 // fp32 tiles, 32 columns per instruction in the hardware's fixed order. Each output comes from its own weight row
 // and activation row alone, in the same order at any row count, so a row's bits never depend on how many rows share
 // the call. The weight is read once for all the rows. `amx_bf16_ready()` says whether this process may use the tiles
