@@ -1,10 +1,11 @@
 """The compiled decode step of an in-process engine, timed step by step (no server, no HTTP).
 
 Contract: builds (once, cached under --folder) `benchmarks/cpu_peer.py`'s random Qwen3 of the given size, starts
-`Engine.from_bundle(folder, EngineConfig(dtype=..., compile="on", threads=...))`, and for each stream count adds that
-many greedy requests (32-token prompts), steps past their prefill, then times `engine.step()` over `--steps` decode
-steps; prints one line per stream count (median and best ms per step, the engine's `eager_calls`), then aborts the
-requests. To compare two trees, run it alternately with PYTHONPATH set to each (figures: docs/benchmarks.md).
+`Engine.from_bundle(folder, EngineConfig(dtype=..., compile="on", threads=..., quantization=...))`, and for each
+stream count adds that many greedy requests (32-token prompts), steps past their prefill, then times `engine.step()`
+over `--steps` decode steps; prints one line per stream count (median and best ms per step, the engine's
+`eager_calls`), then aborts the requests. To compare two trees, run it alternately with PYTHONPATH set to each
+(figures: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--quantization", default="none", help="none, int8 or int4 (EngineConfig.quantization)")
     p.add_argument("--streams", default="1,16,1,16", help="comma-separated stream counts, run in this order")
     p.add_argument("--steps", type=int, default=60, help="timed decode steps per stream count")
     args = p.parse_args()
@@ -34,7 +36,9 @@ def main() -> None:
         hidden=args.hidden, layers=args.layers, vocab=args.vocab, heads=None, kv_heads=None, intermediate=None
     )
     folder = cpu_peer.make_bundle(args.folder, cpu_peer.model_config(shape), 0)
-    engine = Engine.from_bundle(folder, EngineConfig(dtype=args.dtype, compile="on", threads=args.threads))
+    engine = Engine.from_bundle(
+        folder, EngineConfig(dtype=args.dtype, compile="on", threads=args.threads, quantization=args.quantization)
+    )
     print(args.label, "compile_seconds", round(engine.info().compile_seconds, 1), flush=True)
     params = SamplingParams(max_new_tokens=args.steps + 16, temperature=0.0, ignore_eos=True)
     for streams in (int(s) for s in args.streams.split(",")):

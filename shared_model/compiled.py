@@ -31,8 +31,9 @@ Contract:
 - Shapes: the token axis is dynamic, so one graph serves every T >= 2 (prefill chunks, verify steps, batched decodes)
   and one T == 1 (a lone decode; torch specialises size 1). A model that branches on T has one graph per branch: a
   quantized projection branches at its `row_bounds()` (an int4 one takes its row kernel up to `int4_gemv.MAX_ROWS`
-  rows, so T in 2..16 and T >= 17 are two graphs); a dense one's row table (below) is chosen inside one
-  `tandem::table_gemm` call, no branch for the graph (`ServingLinear.row_bounds()` is empty).
+  rows, so T in 2..16 and T >= 17 are two graphs; in bf16 with AMX tiles it branches at 8 and 64); a dense one's
+  row table (below) is chosen inside one `tandem::table_gemm` call, no branch for the graph
+  (`ServingLinear.row_bounds()` is empty).
   `warm_up(run, packages)` calls `run` (which must reach
   every kind of step), returns the seconds it took, and records them in `compile_seconds`. After warm-up the compiled
   code never compiles again: a call whose shapes or guards no graph covers is refused by dynamo at its guard check (the

@@ -41,7 +41,8 @@ from shared_model.int8_gemv import quantize_activation
 
 MAX_ROWS = 16
 """Activation rows per call, 4 at a time over the whole weight (a 16-stream decode step's projections; more rows,
-prefill chunks, take the dequantized weight and the dense GEMM: docs/benchmarks.md §16)."""
+prefill chunks, take the dequantized weight and the dense GEMM: docs/benchmarks.md §16). Where the AMX tiles run,
+an int4 layer in bf16 calls it for fewer rows (`shared_model.quantize.INT4_TILE_MIN_ROWS`)."""
 LANES = 16
 """Groups per tile of the layout: one 32-bit lane of an AVX-512 vector each."""
 

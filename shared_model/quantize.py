@@ -35,6 +35,11 @@ Contract:
     `shared_model.int4_gemv`, which rounds each row to int8 in the weight's groups and multiplies the 4-bit codes
     by those bytes on `vpdpbusd`, as llama.cpp's Q4_0 does. Such a layer keeps only that kernel's layout (codes
     `[N, K/2]`, scales and zeros `[2, N, G]`), the same bytes as torch's; its reference models the rounding too.
+  - From `INT4_TILE_MIN_ROWS` up to `TILE_MAX_ROWS` rows of int4 in bf16 on a CPU with AMX tiles as well
+    (`int4_tile_kernel`; `int4_gemv` then takes the calls below `INT4_TILE_MIN_ROWS`): `tandem::tile_gemm_int4`,
+    which unpacks each 16 weight rows of that layout into bf16 in L1/L2, each weight (q - 8)·s + z rounded to bf16
+    exactly as the dequantized path's weight (`int4_dequantize`), and multiplies them on the tiles: the codes are
+    read once for all the rows, and the activations are not rounded. `int4_gemv_rows` says where the split is.
   - Otherwise up to `PACKED_MAX_ROWS` rows (decode steps): torch's packed weight-only kernels, which read the
     quantized bytes and nothing else: `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` on CPU,
     `_weight_int4pack_mm` on CUDA. Their cost grows with every row, so
@@ -70,6 +75,11 @@ PACKED_MAX_ROWS = 4
 """Rows up to which torch's packed kernels beat dequantize-then-GEMM: their time grows with every row, the GEMM's
 hardly (docs/benchmarks-archive.md, "Figures moved out of docstrings"). Where the AMX tiles run, int8 takes them
 from 2 rows instead."""
+INT4_TILE_MIN_ROWS = 9
+"""Rows from which an int4 layer in bf16 on a CPU with AMX tiles runs `tandem::tile_gemm_int4` rather than
+`int4_gemv` (a rule from the CPU's features: AMX-BF16 and AVX-512 VNNI; the bound measured on such a machine,
+docs/benchmarks.md, "int4 on the AMX tiles"): `int4_gemv` streams 0.5 bytes a weight and wins for a few rows; from
+here on it re-reads the codes for every 4 rows and the tiles, which read them once, are faster."""
 _INT4_ROWS_MULTIPLE = 16  # the CPU packing tiles output rows by 16
 
 
@@ -149,18 +159,55 @@ def int4_row_kernel(group_size: int, device: torch.device) -> bool:
     return device.type == "cpu" and int4_gemv.available(group_size)
 
 
+def int4_tile_kernel(group_size: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether an int4 layer in groups of `group_size` computing in `dtype` on `device` (with the row kernels on)
+    runs `INT4_TILE_MIN_ROWS`..`TILE_MAX_ROWS` rows on `tandem::tile_gemm_int4`: bf16 on a CPU where `int4_gemv`
+    runs and the AMX tiles too."""
+    return dtype == torch.bfloat16 and int4_row_kernel(group_size, device) and tandem_native.tiles()
+
+
+def int4_gemv_rows(group_size: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The most rows a call of such an int4 layer (row kernels on, `int4_row_kernel`) runs through `int4_gemv`."""
+    return INT4_TILE_MIN_ROWS - 1 if int4_tile_kernel(group_size, dtype, device) else int4_gemv.MAX_ROWS
+
+
 def activation_rounding(
-    kind: str, in_features: int, group_size: int, device: torch.device, row_kernels: bool = True
+    kind: str,
+    in_features: int,
+    group_size: int,
+    device: torch.device,
+    row_kernels: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[int, int]:
-    """(inputs per activation scale, most rows) of the calls whose activations a `kind` layer's row kernel
-    rounds to int8 on `device`; (0, 0) where no row kernel runs (or `row_kernels` is False)."""
+    """(inputs per activation scale, most rows) of the calls whose activations a `kind` layer computing in `dtype`
+    rounds to int8 on `device` (its row kernel's); (0, 0) where no row kernel runs (or `row_kernels` is False)."""
     if not row_kernels:
         return 0, 0
     if kind == "int8" and int8_row_kernel(in_features, device):
         return int8_gemv.activation_group(in_features) or 0, 1
     if kind == "int4" and int4_row_kernel(group_size, device):
-        return group_size, int4_gemv.MAX_ROWS
+        return group_size, int4_gemv_rows(group_size, dtype, device)
     return 0, 0
+
+
+def exact_weight_rows(
+    kind: str,
+    shape: tuple[int, int],
+    group_size: int,
+    device: torch.device,
+    row_kernels: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+) -> int:
+    """The most rows of a call whose product a `kind` layer of `shape` ([N, K]) computing in `dtype` on `device`
+    takes with its weight as dequantized in fp32 (the packed and row kernels, and int8's tiles, which scale each
+    fp32 sum); calls of more rows multiply the weight rounded to `dtype` (the dequantized path, and int4's tiles,
+    which round each weight to bf16 as it does)."""
+    if kind == "int8":
+        tiles = row_kernels and int8_tile_kernel(shape, dtype, device)
+        return TILE_MAX_ROWS if tiles else PACKED_MAX_ROWS
+    if row_kernels and int4_row_kernel(group_size, device):
+        return int4_gemv_rows(group_size, dtype, device)
+    return PACKED_MAX_ROWS
 
 
 def _has_kernel(op: str, device: torch.device) -> bool:
@@ -191,7 +238,8 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self._int4_block_rows = 0  # int4 on CPU: rows per block of torch's packed layout, 0 when not recognized
         self._row_kernel = False  # a VNNI CPU: int8's single row, int4's decode batches run Tandem's kernels
-        self._tile_kernel = False  # int8 in bf16 on an AMX CPU: 2..TILE_MAX_ROWS rows on tandem::tile_gemm_int8
+        self._tile_kernel = False  # bf16 on an AMX CPU: int8's 2.., int4's INT4_TILE_MIN_ROWS.. up to TILE_MAX_ROWS
+        self._gemv_rows = 0  # int4 with the row kernel: the most rows of a call to tandem::int4_gemv
         if kind == "int8":
             q, scales = quantize_int8(weight)
             self.register_buffer("qweight", q)  # [N, K] int8
@@ -205,7 +253,9 @@ class QuantizedLinear(nn.Module):
             # [G, N, 2]: each group's scale and zero for every output row, as torch's kernels take them
             sz = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
             self._row_kernel = row_kernels and int4_row_kernel(group_size, device)
+            self._tile_kernel = row_kernels and int4_tile_kernel(group_size, self.dtype, device)
             if self._row_kernel:  # Tandem's layout only: [N, K/2] codes, [2, N, G] scales and zeros
+                self._gemv_rows = int4_gemv_rows(group_size, self.dtype, device)
                 packed = int4_gemv.pack(q, group_size)
                 sz = torch.stack([scales, zeros]).contiguous()  # [2, N, G]
             elif device.type == "cuda":  # tinygemm: bf16 only; two codes per byte, high nibble first
@@ -226,10 +276,13 @@ class QuantizedLinear(nn.Module):
         rows = x2.shape[0]
         if self._row_kernel and self.kind == "int8" and rows == 1:
             y = torch.ops.tandem.int8_gemv(x2[0], self.qweight, self.scales, self._group)[None]  # [1, N]
-        elif self._row_kernel and self.kind == "int4" and rows <= int4_gemv.MAX_ROWS:
+        elif self._row_kernel and self.kind == "int4" and rows <= self._gemv_rows:
             y = torch.ops.tandem.int4_gemv(x2, self.qweight, self.scales_and_zeros, self.group_size)  # [M, N]
         elif self._tile_kernel and rows <= TILE_MAX_ROWS:
-            y = torch.ops.tandem.tile_gemm_int8(x2, self.qweight, self.scales)  # [M, N]
+            if self.kind == "int8":
+                y = torch.ops.tandem.tile_gemm_int8(x2, self.qweight, self.scales)  # [M, N]
+            else:
+                y = torch.ops.tandem.tile_gemm_int4(x2, self.qweight, self.scales_and_zeros, self.group_size)  # [M, N]
         elif rows <= PACKED_MAX_ROWS and not (self._row_kernel and self.kind == "int4"):  # no torch layout then
             y = self._packed(x2)
         elif self.kind == "int8" or self._int4_block_rows or self._row_kernel or self.qweight.device.type == "cuda":
@@ -259,8 +312,13 @@ class QuantizedLinear(nn.Module):
             if not self._packed_kernel:
                 return "int8_dequantize", "every call: dequantize + GEMM (no packed int8 kernel for this device)"
             return "int8_packed", f"1-{m} rows: _weight_int8pack_mm; more: dequantize + GEMM"
+        if self._row_kernel and self._tile_kernel:
+            gemv = f"{_span(1, self._gemv_rows)}: tandem::int4_gemv (int8 activations); " if self._gemv_rows else ""
+            tiles = f"{_span(self._gemv_rows + 1, TILE_MAX_ROWS)}: tandem::tile_gemm_int4"
+            name = "int4_gemv+tile_gemm_int4" if self._gemv_rows else "int4_tiles"
+            return name, f"{gemv}{tiles}; more: C++ dequantize + GEMM"
         if self._row_kernel:
-            rows = int4_gemv.MAX_ROWS
+            rows = self._gemv_rows
             return "int4_gemv", f"1-{rows} rows: tandem::int4_gemv (int8 activations); more: C++ dequantize + GEMM"
         if cuda:
             return "int4_tinygemm", f"1-{m} rows: _weight_int4pack_mm; more: dequantize + GEMM"
@@ -275,7 +333,9 @@ class QuantizedLinear(nn.Module):
             if self._tile_kernel:
                 return (1, TILE_MAX_ROWS) if self._row_kernel else (TILE_MAX_ROWS,)
             return (1, PACKED_MAX_ROWS) if self._row_kernel else (PACKED_MAX_ROWS,)
-        return (int4_gemv.MAX_ROWS,) if self._row_kernel else (PACKED_MAX_ROWS,)
+        if self._tile_kernel:
+            return (self._gemv_rows, TILE_MAX_ROWS) if self._gemv_rows else (TILE_MAX_ROWS,)
+        return (self._gemv_rows,) if self._row_kernel else (PACKED_MAX_ROWS,)
 
     def _packed(self, x2: torch.Tensor) -> torch.Tensor:
         if self.kind == "int8":
@@ -308,6 +368,11 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.kind == "int4" else ""
         return f"in={self.in_features}, out={self.out_features}, {self.kind}{group}, dtype={self.dtype}"
+
+
+def _span(low: int, high: int) -> str:
+    """'1 row', '9-64 rows': a row-count span for `method`'s table."""
+    return f"{low} row{'s' if low > 1 else ''}" if low == high else f"{low}-{high} rows"
 
 
 def _unpack_cpu_int4(packed: torch.Tensor, n: int, k: int, block_rows: int) -> torch.Tensor:
@@ -386,9 +451,10 @@ def _check_model(model: CausalLM | ServingDecoder, kind: str, group_size: int) -
 
 class DequantizedLinear(nn.Module):
     """The reference of a `QuantizedLinear`: its dequantized weight in fp32, applied with the same roundings (the
-    input and output rounded to the compute dtype; past `PACKED_MAX_ROWS` rows and the row kernel's rows the weight
-    too, as the dequantized path multiplies in that dtype; with `rounding` from `activation_rounding`, the
-    activations of the calls a row kernel runs) around a plain fp32 matmul. Only the order of the sums differs."""
+    input and output rounded to the compute dtype; past `exact_rows` rows (`exact_weight_rows`: the dequantized
+    path's calls and int4's tiles') the weight too, as those multiply it in that dtype; with `rounding` from
+    `activation_rounding`, the activations of the calls a row kernel runs) around a plain fp32 matmul. Only the
+    order of the sums differs."""
 
     def __init__(
         self,
@@ -396,6 +462,7 @@ class DequantizedLinear(nn.Module):
         bias: torch.Tensor | None,
         compute: torch.dtype,
         rounding: tuple[int, int] = (0, 0),
+        exact_rows: int = PACKED_MAX_ROWS,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.float(), requires_grad=False)  # [N, K]
@@ -404,10 +471,11 @@ class DequantizedLinear(nn.Module):
         # (group, most rows): calls of at most that many rows get their activations rounded to int8 in groups, as
         # the row kernels do (`activation_rounding`); (0, 0): never
         self.act_group, self.act_rows = rounding
+        self.exact_rows = exact_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        exact = rows <= max(PACKED_MAX_ROWS, self.act_rows)  # the packed and row kernels' weights are not rounded
+        exact = rows <= self.exact_rows  # the packed and row kernels' (and int8 tiles') weights are not rounded
         weight = self.weight if exact else self.weight.to(self.compute).float()
         xc = x.to(self.compute).float()
         if self.act_group and rows <= self.act_rows:  # groups never span rows
@@ -434,12 +502,14 @@ def fake_quantized(
 
     def reference(linear: nn.Linear, as_kind: str) -> DequantizedLinear:
         allowed = row_kernels and (as_kind != "int4" or int4_row_kernels)
-        rounding = activation_rounding(as_kind, linear.in_features, group_size, linear.weight.device, allowed)
+        device = linear.weight.device
+        rounding = activation_rounding(as_kind, linear.in_features, group_size, device, allowed, stored)
+        exact = exact_weight_rows(as_kind, tuple(linear.weight.shape), group_size, device, allowed, stored)
         if as_kind == "int8":
             w = dequantize_int8(*quantize_int8(linear.weight), stored)
-            return DequantizedLinear(w, linear.bias, stored, rounding)
+            return DequantizedLinear(w, linear.bias, stored, rounding, exact)
         w = dequantize_int4(*quantize_int4(linear.weight, group_size), group_size, stored)
-        return DequantizedLinear(w, linear.bias, stored, rounding)
+        return DequantizedLinear(w, linear.bias, stored, rounding, exact)
 
     with torch.no_grad():
         for layer in ref.model.layers:

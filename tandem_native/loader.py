@@ -10,10 +10,11 @@ Contract:
 - Once loaded, the operators exist (`torch.ops.tandem.*`), each with a fake kernel for tracing registered here, so
   a compiled step calls them through the dispatcher with no Python wrapper: `int8_gemv` (`shared_model.int8_gemv`),
   `int4_gemv` and `int4_dequantize` (`shared_model.int4_gemv`), `row_gemm`, `tile_gemm` and `table_gemm` (one of
-  the two or `at::mm` by the row count: `shared_model.serving_model`), `tile_gemm_int8` (`shared_model.quantize`),
-  `paged_attention` (`inference_svc.attention.native_cpu`) and `lora_delta_` (`inference_svc.lora.slots`, in
-  place). The module's own functions (`decode_attention`, `store_kv`, `decode_step`, `truncation_thresholds`,
-  `sample_rows`, `greedy_rows`, `int8_gemv`, `lora_delta_`, `tile_gemm_ready`) are called from Python directly.
+  the two or `at::mm` by the row count: `shared_model.serving_model`), `tile_gemm_int8` and `tile_gemm_int4`
+  (`shared_model.quantize`), `paged_attention` (`inference_svc.attention.native_cpu`) and `lora_delta_`
+  (`inference_svc.lora.slots`, in place). The module's own functions (`decode_attention`, `store_kv`, `decode_step`,
+  `truncation_thresholds`, `sample_rows`, `greedy_rows`, `int8_gemv`, `lora_delta_`, `tile_gemm_ready`) are called
+  from Python directly.
 - The build: torch's extension builder compiles `SOURCES` with `FLAGS` in `~/.cache/tandem/native/<hash>/`, the
   hash covering the sources' and `HEADERS`' names and text, the flags, torch's and Python's versions and the
   compiler. The sources are copied there first and built from the copies, so every clone of the same commit
@@ -207,6 +208,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tandem::tile_gemm_int8")
     def _(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], q.shape[0]))
+
+    @torch.library.register_fake("tandem::tile_gemm_int4")
+    def _(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], codes.shape[0]))
 
     @torch.library.register_fake("tandem::int4_gemv")
     def _(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:

@@ -33,19 +33,16 @@
 #include <numeric>
 #include <vector>
 
+#include "int4_layout.h"
+
 namespace {
 
 constexpr int64_t kMaxRows = 16;   // activation rows per call: decode batches (more rows take the dense path)
 constexpr int64_t kChunkRows = 4;  // rows a kernel pass multiplies at once (2 * R * M accumulators in registers)
-constexpr int64_t kLanes = 16;     // groups per tile: one 32-bit lane each
 
-// Where a row's groups and a block's bytes lie.
-struct Shape {
-  int64_t k, group, groups;  // G = groups per row
-  int64_t block_rows;        // P = 16 / gcd(G, 16)
-  int64_t tiles;             // per block: P * G / 16
-  int64_t steps;             // per tile: group / 8
-};
+using tandem_int4::checked_layout;
+using tandem_int4::kLanes;
+using tandem_int4::Shape;
 
 // One call's activation rows, laid out as a block's codes are.
 struct Activations {
@@ -235,22 +232,6 @@ void dispatch_rows(const Activations& a, int64_t m, const uint8_t* codes, const 
     case 3: return blocks_kernel<3, 2>(a, codes, sz, y, n, sh);
     default: return blocks_kernel<4, 1>(a, codes, sz, y, n, sh);
   }
-}
-
-// The layout of codes uint8 [N, K / 2] and scales_and_zeros [2, N, K / group] for `op`, every shape rule checked.
-Shape checked_layout(const char* op, const torch::Tensor& codes, const torch::Tensor& scales_and_zeros, int64_t group) {
-  TORCH_CHECK(codes.is_cpu() && scales_and_zeros.is_cpu(), op, ": CPU tensors only");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(), op,
-              ": codes must be uint8 [N, K / 2], contiguous");
-  const int64_t n = codes.size(0), k = codes.size(1) * 2;
-  TORCH_CHECK(group > 0 && group % 32 == 0 && k % group == 0, op, ": group must be a multiple of 32 dividing K");
-  const int64_t groups = k / group, block_rows = kLanes / std::gcd(groups, kLanes);
-  TORCH_CHECK(scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) == 2 && scales_and_zeros.size(1) == n &&
-                  scales_and_zeros.size(2) == groups && scales_and_zeros.is_contiguous(),
-              op, ": scales_and_zeros must be [2, N, K / group], contiguous");
-  TORCH_CHECK(n % block_rows == 0, op, ": N (", n, ") must be a multiple of ", block_rows,
-              " = 16 / gcd(groups per row, 16)");
-  return Shape{k, group, groups, block_rows, block_rows * groups / kLanes, group / 8};
 }
 
 // The operator: x [M, K] (M <= kMaxRows) in fp32 or a 16-bit float, codes uint8 [N, K / 2] in the blocked layout,

@@ -1,8 +1,8 @@
 // AMX-BF16 tile products for the kernels that multiply activation rows by a weight on tiles (row_gemm.cpp's tile_gemm
-// and tile_gemm_int8): y[m, n] = sum_k x[m, k] * w[n, k], x bf16.
+// and tile_gemm_int8, int4_tiles.cpp's tile_gemm_int4): y[m, n] = sum_k x[m, k] * w[n, k], x bf16.
 //
 // 16 weight rows x 32 columns are one tile (bf16; int8 codes are widened exactly on their way in; a `source` may also
-// make a tile's rows in a scratch buffer), up to 64 activation rows four more, and the products accumulate in
+// make a tile's rows in a scratch buffer, as int4's unpacking does), up to 64 activation rows four more, and the products accumulate in
 // fp32 tiles, 32 columns per instruction in the hardware's fixed order. Each output comes from its own weight row
 // and activation row alone, in the same order at any row count, so a row's bits never depend on how many rows share
 // the call. The weight is read once for all the rows. `amx_bf16_ready()` says whether this process may use the tiles
@@ -127,15 +127,19 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) inline void tile_p
   }
 }
 
-// y[0..16) = column j of a [16, 16] fp32 accumulator (acc points at its element [0, j]), times the weight rows'
-// scales where given, rounded to bf16 (nearest even).
-__attribute__((target("avx512f,avx512bf16"))) inline void store_column(const float* acc, const float* scale,
-                                                                        uint16_t* y) {
+// y[0..valid) = column j of a [16, 16] fp32 accumulator (acc points at its element [0, j]), times the weight rows'
+// scales where given, rounded to bf16 (nearest even); valid < 16 for the last tile of a weight whose rows are not a
+// multiple of 16 (nothing past it is read or written).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void store_column(const float* acc,
+                                                                                          const float* scale,
+                                                                                          uint16_t* y,
+                                                                                          int64_t valid) {
   const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                           _mm512_set1_epi32(kTile));
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
   __m512 v = _mm512_i32gather_ps(rows, acc, 4);
-  if (scale != nullptr) v = _mm512_mul_ps(v, _mm512_loadu_ps(scale));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+  if (scale != nullptr) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, scale));
+  _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
 // A weight stored as [N, K] rows of W (bf16 bits or int8): tile t is rows 16t..16t+15, read in place.
@@ -148,17 +152,19 @@ struct StoredRows {
 };
 
 // Weight tiles [begin, end) of run_amx, on this thread's tiles. `source.rows(t, scratch)` gives tile t's 16 rows
-// (scratch: room for 16 x K of W, for sources that make them); `source.next(t, end)` the next tile's rows to
-// prefetch, or nullptr.
+// (scratch: room for 16 x K of W, 64-byte aligned, for sources that make them); `source.next(t, end)` the next tile's rows to prefetch, or nullptr. The last tile may hold fewer than 16
+// rows (n not a multiple of 16): its other outputs are not stored.
 template <typename W, typename Source>
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void amx_tiles(
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void amx_tiles(
     const uint16_t* xv, const Source& source, const float* scales, uint16_t* yp, int64_t m, int64_t n, int64_t k,
     int64_t blocks, int64_t block_stride, int64_t begin, int64_t end) {
   configure_tiles();
   alignas(64) float acc[kMaxBlocks * 256];
-  std::vector<W> scratch(kTile * k);
+  std::vector<W> room(kTile * k + 64 / sizeof(W));
+  W* scratch = reinterpret_cast<W*>((reinterpret_cast<uintptr_t>(room.data()) + 63) & ~uintptr_t(63));
   for (int64_t t = begin; t < end; ++t) {
-    const W* w = source.rows(t, scratch.data());
+    const W* w = source.rows(t, scratch);
+    const int64_t valid = std::min(kTile, n - t * kTile);
     for (int64_t b0 = 0; b0 < blocks; b0 += kMaxBlocks) {
       const int64_t nb = std::min(kMaxBlocks, blocks - b0);
       const uint16_t* x = xv + b0 * block_stride;
@@ -172,15 +178,15 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16"))) void am
       const float* scale = scales == nullptr ? nullptr : scales + t * kTile;
       for (int64_t b = 0; b < nb; ++b)
         for (int64_t j = 0; j < kTile && (b0 + b) * kTile + j < m; ++j)
-          store_column(acc + b * 256 + j, scale, yp + ((b0 + b) * kTile + j) * n + t * kTile);
+          store_column(acc + b * 256 + j, scale, yp + ((b0 + b) * kTile + j) * n + t * kTile, valid);
     }
   }
   _tile_release();
 }
 
-// y[:, :n_tiles * 16] = x [M, K] W[:n_tiles * 16]^T (times `scales`, where given), bf16 bits; K a multiple of 32. W's
-// tiles come from `source` (see amx_tiles); rows past n_tiles * 16 are not touched. Tiles are split over torch's
-// intra-op threads.
+// y[:, :min(n_tiles * 16, n)] = x [M, K] W[:n_tiles * 16]^T (times `scales`, where given), bf16 bits; K a multiple
+// of 32. W's tiles come from `source` (see amx_tiles); rows past n_tiles * 16 are not touched. Tiles are split over
+// torch's intra-op threads.
 template <typename Source>
 void run_amx(const uint16_t* xp, const Source& source, const float* scales, uint16_t* yp, int64_t m, int64_t n,
              int64_t k, int64_t n_tiles) {

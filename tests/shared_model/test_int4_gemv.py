@@ -10,11 +10,14 @@ import torch
 import tandem_native
 from shared_model import int4_gemv
 from shared_model.quantize import (
+    INT4_TILE_MIN_ROWS,
     PACKED_MAX_ROWS,
     DequantizedLinear,
     QuantizedLinear,
     activation_rounding,
     dequantize_int4,
+    exact_weight_rows,
+    int4_gemv_rows,
     quantize_int4,
 )
 
@@ -128,20 +131,29 @@ def test_int4_layers_keep_torchs_kernel_when_turned_off() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_int4_layer_runs_decode_batches_through_the_kernel(compiled: bool) -> None:
+def test_int4_layer_runs_decode_batches_through_the_kernel(compiled: bool, dtype: torch.dtype) -> None:
+    """Up to `int4_gemv_rows` rows (16; fewer in bf16 where the AMX tiles take over, test_int4_tiles.py): the
+    kernel, with the reference rounding the activations there and the weight above."""
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 256, generator=g)
-    layer = QuantizedLinear(weight, None, "int4", 64, torch.bfloat16)
+    layer = QuantizedLinear(weight, None, "int4", 64, dtype)
     assert layer._row_kernel and layer.qweight.shape == (96, 128)  # only the kernel's layout is kept
-    assert layer.method()[0] == "int4_gemv"
-    rounding = activation_rounding("int4", 256, 64, weight.device)
-    assert rounding == (64, int4_gemv.MAX_ROWS)
-    ref = DequantizedLinear(dequantize_int4(*quantize_int4(weight, 64), 64, torch.bfloat16), None, torch.bfloat16,
-                            rounding)  # fmt: skip
+    gemv_rows = int4_gemv_rows(64, dtype, weight.device)
+    tiles = dtype == torch.bfloat16 and tandem_native.tiles()
+    assert gemv_rows == (INT4_TILE_MIN_ROWS - 1 if tiles else int4_gemv.MAX_ROWS)
+    assert layer.method()[0] == ("int4_gemv" if gemv_rows == int4_gemv.MAX_ROWS else "int4_gemv+tile_gemm_int4")
+    rounding = activation_rounding("int4", 256, 64, weight.device, dtype=dtype)
+    exact = exact_weight_rows("int4", (96, 256), 64, weight.device, dtype=dtype)
+    assert rounding == (64, gemv_rows) and exact == gemv_rows
+    ref = DequantizedLinear(dequantize_int4(*quantize_int4(weight, 64), 64, dtype), None, dtype, rounding, exact)
+    torch._dynamo.reset()  # earlier tests' graphs of QuantizedLinear.forward count towards its recompile limit
     fn = torch.compile(layer, fullgraph=True) if compiled else layer  # fullgraph: the custom op does not break it
-    for rows in (1, 3, PACKED_MAX_ROWS, 9, int4_gemv.MAX_ROWS, int4_gemv.MAX_ROWS + 1):  # the last: dense path
-        x = torch.randn(rows, 256, generator=g, dtype=torch.bfloat16)
+    for rows in (1, 3, PACKED_MAX_ROWS, 9, int4_gemv.MAX_ROWS, int4_gemv.MAX_ROWS + 1):
+        x = torch.randn(rows, 256, generator=g, dtype=dtype)
         y, expected = fn(x).float(), ref(x).float()
         assert (y - expected).abs().max() <= 1e-2 * expected.abs().max(), rows
-    assert torch.equal(layer.dequantize().float(), ref.weight.to(torch.bfloat16).float())
+        if rows <= gemv_rows:
+            assert torch.equal(fn(x), torch.ops.tandem.int4_gemv(x, layer.qweight, layer.scales_and_zeros, 64))
+    assert torch.equal(layer.dequantize().float(), ref.weight.to(dtype).float())

@@ -50,7 +50,7 @@ def test_one_module_and_one_op_namespace() -> None:
     module = tandem_native.library()
     for fn in ("decode_attention", "store_kv", "decode_step", "truncation_thresholds", "sample_rows", "int8_gemv"):
         assert callable(getattr(module, fn)), fn
-    for op in ("int8_gemv", "int4_gemv", "int4_dequantize", "row_gemm", "paged_attention"):
+    for op in ("int8_gemv", "int4_gemv", "int4_dequantize", "row_gemm", "tile_gemm_int4", "paged_attention"):
         assert isinstance(getattr(torch.ops.tandem, op), torch._ops.OpOverloadPacket), op
     ok, why = tandem_native.status()
     assert ok and why.startswith("built for this CPU")

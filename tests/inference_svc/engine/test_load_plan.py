@@ -9,11 +9,12 @@ import tandem_native
 from inference_svc.engine import EngineConfig, EngineConfigError, SamplingParams
 from inference_svc.executor.plan import Choice, LoadPlan
 from inference_svc.executor.prepare import TRANSFORMS
-from shared_model.quantize import QuantizedLinear
+from shared_model.quantize import INT4_TILE_MIN_ROWS, QuantizedLinear
+from shared_model.serving_model import TILE_MAX_ROWS
 
 NATIVE, WHY_NOT = tandem_native.status()
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"Tandem's CPU kernels do not run here: {WHY_NOT}")
-TANDEM_METHODS = {"row_gemm", "int8_gemv", "int4_gemv"}
+TANDEM_METHODS = {"row_gemm", "int8_gemv", "int4_gemv", "int4_gemv+tile_gemm_int4", "int4_tiles"}
 
 
 def _levers(plan: LoadPlan) -> list[str]:
@@ -63,7 +64,11 @@ def test_int4_kernel_torch_keeps_the_int8_head_on_tandems_kernel(qwen3_dir, make
     head = "int8_gemv+tile_gemm_int8" if tandem_native.tiles() else "int8_gemv"  # bf16 on an AMX CPU: the tiles
     assert plan.value("linear.lm_head") == head and plan.value("cpu_kernels") == "tandem"
     default = make_engine(qwen3_dir, quantization="int4").info().load_plan
-    assert default.value("linear.qkv_proj") == "int4_gemv" and default.value("sampler") == "tandem"
+    int4 = "int4_gemv+tile_gemm_int4" if tandem_native.tiles() else "int4_gemv"  # bf16 with AMX: tiles for more rows
+    assert default.value("linear.qkv_proj") == int4 and default.value("sampler") == "tandem"
+    reason = next(c.reason for c in default if c.lever == "linear.qkv_proj")
+    tiles = f"{INT4_TILE_MIN_ROWS}-{TILE_MAX_ROWS} rows: tandem::tile_gemm_int4"
+    assert (tiles in reason) == tandem_native.tiles(), reason
 
 
 def test_the_levers_are_validated_fields() -> None:
