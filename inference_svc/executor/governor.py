@@ -26,7 +26,11 @@ Contract:
 - Disabled (`enabled` False: `--thread-governor off`, one thread, or not a CPU device), `due` is infinity and the
   count stays the ceiling. A /proc file that cannot be read or parsed disables it too, logged once, count restored
   to the ceiling, never an exception into the step.
-- `choice(flag, ...)` (`resolve`) is the load plan's `thread_governor` choice and whether it is on: 'auto' is on
+- Bits: a reduction that OpenMP splits by thread (oneDNN's GEMMs, some of inductor's kernels) rounds differently at
+  another count, so a step's logits can differ in their last bits between one and two threads (greedy tokens did
+  not, on the 82M model: docs/benchmarks.md §29). With the governor on, the thread count, and so the bits, follow
+  other processes' load; bit-for-bit repeatable serving on a shared machine is `--thread-governor off`.
+- `resolve(flag, ceiling, cpu)` is the load plan's `thread_governor` choice and whether it is on: 'auto' is on
   for a CPU engine of more than one thread; 'off' keeps the count fixed.
 
 Thresholds: beside one busy process, a step on every CPU shares one of them with it, so the other process gets
