@@ -14,9 +14,11 @@ Contract:
   server's engine loop polls while idle too, so the count is already right when a request arrives.
 - A poll reads `root/proc/stat` (the lines of `cpus`, this process's affinity) and `root/proc/self/stat` (this
   process's utime + stime, all its threads) and computes `others`: CPUs' worth of time that other processes (and
-  the kernel, and a hypervisor's steal) kept busy on `cpus` since the previous reading. `decide` is the rule, pure:
-  for the k-th thread given up, others >= (k - 1) + `DROP` takes it away; it comes back once others < (k - 1) +
-  `RESTORE`; never below one thread. Polls are `interval` (`INTERVAL`) seconds apart; a reading `idle_gap`
+  the kernel, and a hypervisor's steal) kept busy on `cpus` since the previous reading. The CPUs the ceiling leaves
+  unused (a cgroup quota of 2 CPUs on a 4-CPU cpuset: 2) absorb that load first: what is left over (`excess`) is
+  what competes with this process's threads. `decide` is the rule, pure: for the k-th thread given up,
+  excess >= (k - 1) + `DROP` takes it away; it comes back once excess < (k - 1) + `RESTORE`; never below one
+  thread. Polls are `interval` (`INTERVAL`) seconds apart; a reading `idle_gap`
   (`IDLE_GAP`) seconds or more after the previous one (an engine stepped by hand, with pauses) is a new baseline,
   not a decision: an average over a long gap says little about now, and the next poll, an interval later,
   decides. A reading in which no clock tick passed on these CPUs decides nothing either.
@@ -66,7 +68,8 @@ def given_up(others: float, threshold: float) -> int:
 
 def decide(ceiling: int, active: int, others: float) -> int:
     """The thread count for the next interval: `ceiling` the most, `active` the count now, `others` the CPUs' worth
-    of load other processes kept on this process's CPUs over the last interval (the module docstring's rule)."""
+    of load other processes kept over the last interval beyond the CPUs the ceiling leaves unused (the module
+    docstring's `excess`)."""
     held = ceiling - active
     drop, keep = given_up(others, DROP), given_up(others, RESTORE)
     held = max(drop, min(held, keep))  # more given up at once; given back only below RESTORE
@@ -118,7 +121,8 @@ class ThreadGovernor:
         if not any(ticks.get(c, (0, 0))[1] > last[1].get(c, (0, 0))[1] for c in self.cpus):
             return  # no clock tick on these CPUs since the last reading: nothing measured
         self.others = others_ticks(last[1], ticks, self.cpus, own - last[2])
-        active = decide(self.ceiling, self.active, self.others)
+        spare = max(0, len(self.cpus) - self.ceiling)  # CPUs this process's threads never need
+        active = decide(self.ceiling, self.active, max(0.0, self.others - spare))
         if active != self.active:
             self._apply(active)
             log.info("thread governor: other processes kept %.2f CPUs busy on this process's %d over %.1f s: %d "

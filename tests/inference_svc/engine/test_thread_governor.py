@@ -115,6 +115,19 @@ def test_only_the_cpus_of_this_process_affinity_count(tmp_path: Path, monkeypatc
     assert gov.others == pytest.approx(1.0) and gov.active == 1
 
 
+def test_cpus_the_ceiling_leaves_unused_absorb_others_load_first(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    proc = Proc(tmp_path, 4)
+    gov = ThreadGovernor(2, (0, 1, 2, 3), root=tmp_path)  # a quota of 2 CPUs on a 4-CPU cpuset
+    gov.poll(0.0)
+    proc.advance(busy={2: 1.0, 3: 1.0}, own=2.0)  # two busy neighbours on the CPUs we do not need
+    gov.poll(1.0)
+    assert gov.others == pytest.approx(2.0) and gov.active == 2
+    proc.advance(busy={1: 0.5, 2: 1.0, 3: 1.0}, own=1.5)  # a third shares a CPU with one of our threads
+    gov.poll(2.0)
+    assert gov.others == pytest.approx(2.5) and gov.active == 1
+
+
 def test_stolen_time_counts_as_others_load(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     proc = Proc(tmp_path, 2)
