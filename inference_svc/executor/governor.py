@@ -3,7 +3,7 @@ and takes them back when they leave, so a step never waits for a worker the OS h
 
 Why: a parallel region ends at a barrier. When another process holds one of the CPUs, the worker placed there runs
 only in the time slices it gets, and every region of a step waits for it: a served decode step beside one busy core
-ran about 80x slower than alone (docs/benchmarks.md §24), the same collapse llama.cpp shows. One thread fewer is
+ran many times slower than alone (docs/benchmarks.md §24), the same collapse llama.cpp shows. One thread fewer is
 then faster than the thread count chosen for an idle machine, which is still the fastest once the others leave.
 
 Contract:
@@ -18,10 +18,10 @@ Contract:
   unused (a cgroup quota of 2 CPUs on a 4-CPU cpuset: 2) absorb that load first: what is left over (`excess`) is
   what competes with this process's threads. `decide` is the rule, pure: for the k-th thread given up,
   excess >= (k - 1) + `DROP` takes it away; it comes back once excess < (k - 1) + `RESTORE`; never below one
-  thread. Polls are `interval` (`INTERVAL`) seconds apart; a reading `idle_gap`
-  (`IDLE_GAP`) seconds or more after the previous one (an engine stepped by hand, with pauses) is a new baseline,
-  not a decision: an average over a long gap says little about now, and the next poll, an interval later,
-  decides. A reading in which no clock tick passed on these CPUs decides nothing either.
+  thread. Polls are `interval` (`INTERVAL`) seconds apart; a reading `idle_gap` (`IDLE_GAP`) seconds or more after
+  the previous one (an engine stepped by hand, with pauses) is a new baseline, not a decision: an average over a
+  long gap says little about now, and the next poll, an interval later, decides. A reading in which no clock tick
+  passed on these CPUs decides nothing either.
 - Each change calls `torch.set_num_threads(active)` on the polling thread and is logged once at INFO with the load
   that caused it; `changes` counts them. Tandem's kernels (`at::parallel_for`), oneDNN's and inductor's kernels
   compiled with `dynamic_threads` (`shared_model.compiled`) read the count at each call: the next step runs on it.
@@ -29,16 +29,16 @@ Contract:
   count stays the ceiling. A /proc file that cannot be read or parsed disables it too, logged once, count restored
   to the ceiling, never an exception into the step.
 - Bits: a reduction that OpenMP splits by thread (oneDNN's GEMMs, some of inductor's kernels) rounds differently at
-  another count, so a step's logits can differ in their last bits between one and two threads (greedy tokens did
-  not, on the 82M model: docs/benchmarks.md §29). With the governor on, the thread count, and so the bits, follow
+  another count, so a step's logits can differ in their last bits between one and two threads (docs/benchmarks.md
+  §29). With the governor on, the thread count, and so the bits, follow
   other processes' load; bit-for-bit repeatable serving on a shared machine is `--thread-governor off`.
 - `resolve(flag, ceiling, cpu)` is the load plan's `thread_governor` choice and whether it is on: 'auto' is on
   for a CPU engine of more than one thread; 'off' keeps the count fixed.
 
 Thresholds: beside one busy process, a step on every CPU shares one of them with it, so the other process gets
 about half of that CPU while Tandem's threads run (more while they wait between steps): `DROP` sits below half a
-CPU. A benchmark client or a metrics scraper on the same machine keeps well under it (docs/operations.md has the
-measured figures). `RESTORE` below `DROP` keeps a load near the edge from flipping the count every second.
+CPU. A benchmark client or a metrics scraper on the same machine keeps well under it (docs/benchmarks.md §29).
+`RESTORE` below `DROP` keeps a load near the edge from flipping the count every second.
 """
 
 from __future__ import annotations
