@@ -36,9 +36,10 @@ Contract:
   for a CPU engine of more than one thread; 'off' keeps the count fixed.
 
 Thresholds: beside one busy process, a step on every CPU shares one of them with it, so the other process gets
-about half of that CPU while Tandem's threads run (more while they wait between steps): `DROP` sits below half a
-CPU. A benchmark client or a metrics scraper on the same machine keeps well under it (docs/benchmarks.md §29).
-`RESTORE` below `DROP` keeps a load near the edge from flipping the count every second.
+about half of that CPU while Tandem's threads run (less when the engine thread lands there too, more while the
+workers sleep between requests): `DROP` sits well below half a CPU. A benchmark client or a metrics scraper on the
+same machine keeps well under it (docs/benchmarks.md §29). `RESTORE` below `DROP` keeps a load near the edge from
+flipping the count every second.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ INTERVAL = 1.0
 """Seconds between two readings (and so between two decisions)."""
 IDLE_GAP = 3.0
 """A reading this many seconds or more after the previous one starts a new baseline instead of deciding."""
-DROP = 0.4
+DROP = 0.3
 """CPUs' worth of other processes' load that takes one thread away (k-1 + DROP takes the k-th)."""
-RESTORE = 0.2
+RESTORE = 0.15
 """The k-th thread given up comes back once other processes' load is below k-1 + RESTORE CPUs."""
 log = logging.getLogger(__name__)
 
