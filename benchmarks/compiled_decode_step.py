@@ -1,11 +1,13 @@
 """The compiled decode step of an in-process engine, timed step by step (no server, no HTTP).
 
 Contract: builds (once, cached under --folder) `benchmarks/cpu_peer.py`'s random Qwen3 of the given size, starts
-`Engine.from_bundle(folder, EngineConfig(dtype=..., compile="on", threads=..., quantization=...))`, and for each
-stream count adds that many greedy requests (32-token prompts), steps past their prefill, then times `engine.step()`
-over `--steps` decode steps; prints one line per stream count (median and best ms per step, the engine's
-`eager_calls`), then aborts the requests. To compare two trees, run it alternately with PYTHONPATH set to each
-(figures: docs/benchmarks.md).
+`Engine.from_bundle(folder, EngineConfig(dtype=..., compile="on", threads=...))`, and for each stream count adds that
+many greedy requests (32-token prompts), steps past their prefill, then times `engine.step()` over `--steps` decode
+steps; prints one line per stream count (median and best ms per step, the engine's `eager_calls`), then aborts the
+requests. To compare two trees, run it alternately with PYTHONPATH set to each (figures: docs/benchmarks.md).
+`--thread-governor auto` compiles the step as the thread governor needs it (inductor's dynamic threads); with
+`--hold-threads` the governor is then stopped at its ceiling, so an A/B against 'off' times the kernels alone, not
+the governor's reaction to the machine's load. `--quantization int8|int4` serves quantized weights.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from benchmarks import cpu_peer
 from inference_svc.engine import Engine, EngineConfig, SamplingParams
+from inference_svc.executor.governor import ThreadGovernor
 
 
 def main() -> None:
@@ -28,7 +31,9 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--quantization", default="none", help="none, int8 or int4 (EngineConfig.quantization)")
+    p.add_argument("--quantization", default="none")
+    p.add_argument("--thread-governor", default="off", choices=("auto", "off"))
+    p.add_argument("--hold-threads", action="store_true", help="keep the governor's count at its ceiling")
     p.add_argument("--streams", default="1,16,1,16", help="comma-separated stream counts, run in this order")
     p.add_argument("--steps", type=int, default=60, help="timed decode steps per stream count")
     args = p.parse_args()
@@ -36,9 +41,12 @@ def main() -> None:
         hidden=args.hidden, layers=args.layers, vocab=args.vocab, heads=None, kv_heads=None, intermediate=None
     )
     folder = cpu_peer.make_bundle(args.folder, cpu_peer.model_config(shape), 0)
-    engine = Engine.from_bundle(
-        folder, EngineConfig(dtype=args.dtype, compile="on", threads=args.threads, quantization=args.quantization)
-    )
+    config = EngineConfig(dtype=args.dtype, compile="on", threads=args.threads, quantization=args.quantization,
+                          thread_governor=args.thread_governor)  # fmt: skip
+    engine = Engine.from_bundle(folder, config)
+    if args.hold_threads:
+        gov = engine.thread_governor
+        engine.thread_governor = ThreadGovernor(gov.ceiling, gov.cpus, enabled=False)
     print(args.label, "compile_seconds", round(engine.info().compile_seconds, 1), flush=True)
     params = SamplingParams(max_new_tokens=args.steps + 16, temperature=0.0, ignore_eos=True)
     for streams in (int(s) for s in args.streams.split(",")):
@@ -54,7 +62,7 @@ def main() -> None:
             times.append((time.perf_counter() - start) * 1e3)
         eager = engine.runner.compiled.eager_calls if engine.runner.compiled is not None else None
         print(f"{args.label} streams={streams} median_ms={statistics.median(times):.3f} best_ms={min(times):.3f} "
-              f"eager_calls={eager}", flush=True)  # fmt: skip
+              f"eager_calls={eager} threads={engine.thread_governor.active}", flush=True)  # fmt: skip
         for rid in ids:
             engine.abort_request(rid)
         while engine.has_unfinished_requests():

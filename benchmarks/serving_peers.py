@@ -22,8 +22,9 @@ What it does, in one run:
    Per cell: aggregate output tok/s (all output tokens / the span from the first request sent to the last one
    finished), TTFT p50/p90 (client side: request sent to the first token event), time per output token p50 (per
    request, as vLLM's benchmark defines TPOT: (end-to-end - TTFT) / (tokens - 1); not the token events' span,
-   since llama-server delivers a stream's first tokens together), end-to-end latency p50; and per precision and C
-   the ratios Tandem / peer (aggregate tok/s: > 1 is Tandem faster; TTFT: < 1 is Tandem faster).
+   since llama-server delivers a stream's first tokens together), end-to-end latency p50, the client's own CPU
+   share (`client_cpu`: its CPU seconds / the span, a neighbour of the server's on a small machine); and per
+   precision and C the ratios Tandem / peer (aggregate tok/s: > 1 is Tandem faster; TTFT: < 1 is Tandem faster).
 4. `--busy-core [CORE]` (issue 33 goal 3): for each server, at concurrency 1, time per output token p50 quiet, with
    one busy-looping process pinned to CORE (`os.sched_setaffinity`; default the last core this process may use),
    and quiet again; slowdown = busy / mean(quiet); prints Tandem's slowdown / llama-server's (the ratio of ratios:
@@ -304,8 +305,12 @@ def measure(server: PeerServer, prompt_list, concurrency: int, args, warm_prompt
     url, timeout = server.base_url, args.request_timeout
     if warm_prompts:
         asyncio.run(run_load(url, warm_prompts, concurrency, args.warmup_tokens, timeout))
+    before = os.times()
     outcomes, wall = asyncio.run(run_load(url, prompt_list, concurrency, args.tokens, timeout))
-    return summarize(outcomes, wall)
+    after = os.times()
+    cpu = (after.user + after.system) - (before.user + before.system)
+    # the client's own CPU share: a neighbour to the server on a small machine (Tandem's thread governor counts it)
+    return {**summarize(outcomes, wall), "client_cpu": cpu / wall if wall > 0 else None}
 
 
 # ------------------------------------------------------------------------------------------------ busy core

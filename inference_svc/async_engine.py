@@ -486,6 +486,8 @@ class AsyncEngine:
                 self._expire_deadlines()
                 if self.engine.has_unfinished_requests():
                     self._step()
+                else:
+                    self.engine.poll_threads()  # the thread count is right when the next request comes
         except BaseException:  # pragma: no cover - a bug in this bridge (or a SystemExit): fail loudly, stop serving
             log.exception("engine thread crashed")
             self._mark_broken()

@@ -39,6 +39,7 @@ from inference_svc.engine.config import (
     INT4_KERNELS,
     KV_CACHE_DTYPES,
     OMP_WAIT_POLICIES,
+    THREAD_GOVERNOR_MODES,
     EngineConfig,
 )
 from inference_svc.errors import InferenceError
@@ -72,6 +73,7 @@ ENGINE_FLAGS = FlagSpec(
         "cpu_kernels": CPU_KERNEL_MODES,
         "int4_kernel": INT4_KERNELS,
         "omp_wait": OMP_WAIT_POLICIES,
+        "thread_governor": THREAD_GOVERNOR_MODES,
         "quantization": QUANTIZATIONS,
         "quantization_group_size": INT4_GROUP_SIZES,
     },

@@ -33,6 +33,9 @@ Contract:
   pool). Speculative decoding is four counters in the same spirit: the draft acceptance rate over a window is
   `rate(tandem_spec_decode_accepted_tokens_total) / rate(tandem_spec_decode_draft_tokens_total)`, and the tokens
   per verify step `rate(..._emitted_tokens_total) / rate(..._verify_steps_total)`.
+- `tandem_cpu_threads_active` is the intra-op thread count the engine's steps run on now (the thread governor's,
+  `inference_svc.executor.governor`: the load plan's `threads` unless other processes keep the CPUs busy), and
+  `tandem_cpu_others_busy` the CPUs' worth of other processes' load it last measured (0 until it has).
 - Requests are counted once at their end: by finish reason when they finish, by gRPC status code when they fail.
 - `names` chooses the families exported: "tandem" (the `tandem_*` series), "vllm" (vLLM's names, from
   `inference_svc.metrics_vllm`, fed from the same observations) or "both" (the default). With "vllm" the `tandem_*`
@@ -244,6 +247,17 @@ class ServiceMetrics:
         self.kv_usage = one(
             Gauge("tandem_kv_cache_usage_ratio", "KV-cache blocks in use / blocks in the pool (0 to 1).", m, registry=r)
         )
+        self.threads_active = one(
+            Gauge("tandem_cpu_threads_active", "Intra-op CPU threads the engine's steps run on now.", m, registry=r)
+        )
+        self.others_cpu_busy = one(
+            Gauge(
+                "tandem_cpu_others_busy",
+                "CPUs' worth of other processes' load on this process's CPUs (the thread governor's last reading).",
+                m,
+                registry=r,
+            )
+        )
         self.prefix_hits = one(
             Counter("tandem_prefix_cache_hits", "Prompt tokens found in the prefix cache.", m, registry=r)
         )
@@ -326,6 +340,9 @@ class ServiceMetrics:
         self.kv_total.set(stats.kv_blocks_total)
         self.kv_cached.set(stats.kv_blocks_cached)
         self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total > 0 else 0.0)
+        self.threads_active.set(stats.threads_active)
+        if stats.others_cpu_busy is not None:
+            self.others_cpu_busy.set(stats.others_cpu_busy)
         for name, counter in (
             ("num_preemptions", self.preemptions),
             ("prompt_tokens_total", self.prompt_tokens),

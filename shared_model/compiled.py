@@ -39,6 +39,15 @@ Contract:
   code never compiles again: a call whose shapes or guards no graph covers is refused by dynamo at its guard check (the
   'fail_on_recompile' stance), before anything ran, and runs the same decoder eagerly instead; `eager_calls` counts
   those calls and the first is logged. So serving never stalls on a compile.
+- Threads: by default inductor writes each CPU kernel's thread count into its code (`#pragma omp parallel
+  num_threads(N)`, N the count at compile time, unless N is every CPU of the machine) and dynamo guards the count
+  (its global-state guard): a call on another count would run the old count's threads or miss every graph.
+  `CompiledDecoder(model, dynamic_threads=True)` (the engine's, when its thread governor runs:
+  `inference_svc.executor.governor`) compiles with inductor's `cpp.dynamic_threads` (the kernels read OpenMP's count
+  at each call) and drops the global-state guard, checking that state itself at each call, the thread count aside
+  (`_GlobalState`: the first call's state, a step's under `torch.inference_mode()`); a call in another state runs
+  eagerly, counted in `eager_calls`. Tandem's C++ kernels (`at::parallel_for`) and oneDNN's read the count at each
+  call anyway. The compile cache keys the graphs by the option (`inference_svc.executor.compile_cache`).
 - Wrapper: no size, stride or alignment asserts (`_OPTIONS`), and on the CPU a C++ wrapper around the generated
   kernels of the traced backends' graphs (`_CPU_OPTIONS`): each kernel and operator call of the graph no longer
   pays for Python (docs/benchmarks.md has the measurements).
@@ -115,6 +124,12 @@ def _guard_filter(entries: list) -> list[bool]:
     return [a and b for a, b in zip(modules, portable, strict=True)]
 
 
+def _guard_filter_dynamic_threads(entries: list) -> list[bool]:
+    """`_guard_filter` less torch's global-state guard, which holds the intra-op thread count: graphs compiled with
+    dynamic threads serve any count, and `CompiledDecoder` checks the rest of that state itself (`_GlobalState`)."""
+    return [keep and g.guard_type != "GLOBAL_STATE" for keep, g in zip(_guard_filter(entries), entries, strict=True)]
+
+
 _OPTIONS = {
     "guard_filter_fn": _guard_filter,
     "emulate_precision_casts": True,
@@ -133,6 +148,11 @@ _CPU_OPTIONS = {"cpp_wrapper": True}
 """On the CPU, a C++ wrapper around a traced backend's graphs instead of a Python one: each kernel and operator call
 of the graph no longer pays for Python, for a longer cold compile (docs/benchmarks.md). Not for the opaque
 backends' graphs (it cannot pass a Python object to an operator), and not on CUDA (not measured there)."""
+_DYNAMIC_THREADS_OPTIONS = {"cpp.dynamic_threads": True}
+"""Inductor's CPU kernels read OpenMP's thread count at each call (`#pragma omp parallel` without a
+`num_threads(N)` fixed at compile time, per-thread reduction buffers sized at run time), so the thread governor's
+count (`inference_svc.executor.governor`) reaches them. An inductor option of this compile only (its config is
+patched while the graphs compile, and the FX graph cache keys by it), never the process-wide environment switch."""
 _KINDS = ("opaque", "traced")
 PACKAGE_FILE = "entry"
 """A kind's saved graphs: `<packages>/<kind>/entry` (torch's `DiskDynamoStore` layout)."""
@@ -241,11 +261,16 @@ def compiler_available(device: torch.device) -> tuple[bool, str]:
 class CompiledDecoder:
     """`ServingDecoder.hidden_states` compiled by inductor, attention by the caller's backend (module doc)."""
 
-    def __init__(self, model: ServingDecoder, row_table: RowTable | None = None) -> None:
+    def __init__(self, model: ServingDecoder, row_table: RowTable | None = None, dynamic_threads: bool = False) -> None:
         """`row_table`: the projections' kernels by row count (`serving_model.compiled_row_table`); None keeps
-        `torch.mv` / `F.linear` (the caller's choice of kernels)."""
+        `torch.mv` / `F.linear` (the caller's choice of kernels). `dynamic_threads`: the graphs run on the intra-op
+        thread count of each call (module docstring, Threads); False: on the count they were compiled at."""
         self.model = model
         self.row_table = row_table
+        self.dynamic_threads = dynamic_threads
+        self._state: _GlobalState | None = None
+        """Torch's global state of the first call (the warm-up's, which the graphs were compiled or loaded in), the
+        thread count aside (dynamic threads only)."""
         self.row_kernels = set_row_kernels(model, row_table)
         """Projections that run Tandem's row kernels by `row_table` (`serving_model.set_row_kernels`)."""
         # room for the graphs of each kind of backend and each branch of T (every decoder has its own code objects)
@@ -280,6 +305,8 @@ class CompiledDecoder:
             # while compiling: a graph compiled with the mark takes calls without it, and a loaded one wants none
             torch._dynamo.maybe_mark_dynamic(input_ids, 1)
             torch._dynamo.maybe_mark_dynamic(positions, positions.dim() - 1)
+        if self.dynamic_threads and self._state is None:
+            self._state = _GlobalState()
         if is_traced(backend):
             compiled, graph_backend = self._compiled["traced"], backend
             if self._traced_type is None:
@@ -292,6 +319,8 @@ class CompiledDecoder:
             return compiled(self.model, input_ids, positions, graph_backend)
         if graph_backend is backend and type(backend) is not self._traced_type:
             reason = f"a traced backend of another class ({type(backend).__name__})"
+        elif self._state is not None and (changed := self._state.changed()):
+            reason = f"torch's global state changed ({changed})"
         else:
             try:
                 with torch.compiler.set_stance("fail_on_recompile"):
@@ -316,6 +345,8 @@ class CompiledDecoder:
         options = dict(_OPTIONS)
         if kind == "traced" and self._cpu:
             options.update(_CPU_OPTIONS)
+        if self.dynamic_threads:
+            options.update(_DYNAMIC_THREADS_OPTIONS, guard_filter_fn=_guard_filter_dynamic_threads)
         guards = options.pop("guard_filter_fn")
         backend = torch._TorchCompileInductorWrapper(None, options, None)  # what torch.compile builds
         return torch._dynamo.optimize(backend=backend, nopython=True, dynamic=None, guard_filter_fn=guards,
@@ -397,6 +428,28 @@ class CompiledDecoder:
             graphs = sum(len(code.guarded_codes) for p in self._packages.values() for code in p.cache_entry().codes)
             done = f"traced {graphs} graphs and saved them"
         self.precompiled = f"{self.precompiled}; {done}" if self.precompiled else done
+
+
+class _GlobalState:
+    """Torch's global state (grad mode, autocast, default dtype, deterministic algorithms, ...) as dynamo's
+    global-state guard checks it, less the intra-op thread count: the check `_guard_filter_dynamic_threads` leaves
+    out of the graphs' guards. One reference per thread count seen, each made when the state differs from the
+    first one in the count alone; a check costs a dictionary lookup and dynamo's own comparison."""
+
+    def __init__(self) -> None:
+        self._guards = {torch.get_num_threads(): torch._C._dynamo.guards.GlobalStateGuard()}
+        self._first = next(iter(self._guards.values()))
+
+    def changed(self) -> str:
+        """'' when the state is the reference's but for the thread count; else what changed (dynamo's names)."""
+        guard = self._guards.get(torch.get_num_threads())
+        if guard is not None:
+            return "" if guard.check() else guard.reason().strip()
+        differ = self._first.reason().split()
+        if differ != ["num_threads"]:
+            return " ".join(n for n in differ if n != "num_threads")
+        self._guards[torch.get_num_threads()] = torch._C._dynamo.guards.GlobalStateGuard()
+        return ""
 
 
 def _reason(exc: BaseException) -> str:

@@ -31,6 +31,8 @@ CPU_KERNEL_MODES = ("auto", "off")
 INT4_KERNELS = ("auto", "torch")
 OMP_WAIT_POLICIES = ("auto", "passive", "bounded", "active")
 """`omp_wait` values (`inference_svc.executor.threads` applies them)."""
+THREAD_GOVERNOR_MODES = ("auto", "off")
+"""`thread_governor` values (`inference_svc.executor.governor`)."""
 DEFAULT_COMPILE_CACHE = "~/.cache/tandem/compile"
 
 _UNITS = {
@@ -142,6 +144,11 @@ class EngineConfig:
     (spin) or 'auto' (passive where a CPU quota or the thread count oversubscribes the CPUs, else the runtime's
     default: `inference_svc.executor.threads`). Takes effect when set before torch
     starts, as `tandem serve` does."""
+    thread_governor: str = "auto"
+    """Between steps, give intra-op threads up while other processes keep this process's CPUs busy and take them
+    back when they leave (`threads` is the most): 'auto' (on for a CPU engine of more than one thread; the compiled
+    step's kernels then follow the count at each call) or 'off' (`threads` at every step:
+    `inference_svc.executor.governor`)."""
     compile_cache: str = DEFAULT_COMPILE_CACHE
     """Folder of compiled decode steps (torch's compile artifacts) keyed by model, graph flags, torch and CPU: a
     second start of the same model loads them instead of compiling; a bundle's own `compile_cache/` folder (written
@@ -273,6 +280,10 @@ class EngineConfig:
             raise EngineConfigError("threads", f"must be 'auto' or a positive integer, got {self.threads!r}")
         if self.omp_wait not in OMP_WAIT_POLICIES:
             raise EngineConfigError("omp_wait", f"must be one of {OMP_WAIT_POLICIES}, got {self.omp_wait!r}")
+        if self.thread_governor not in THREAD_GOVERNOR_MODES:
+            raise EngineConfigError(
+                "thread_governor", f"must be one of {THREAD_GOVERNOR_MODES}, got {self.thread_governor!r}"
+            )
         if not isinstance(self.compile_cache, str) or not self.compile_cache.strip():
             raise EngineConfigError("compile_cache", f"must be a folder or 'off', got {self.compile_cache!r}")
 

@@ -33,7 +33,10 @@ Contract:
   kernels, merged projections, the quantization (a model that cannot take it is refused, `ModelLoadError` naming
   the weight), each projection's linear method, the attention backend, the sampler, the compiled step.
   First of all, `config.threads` and `config.omp_wait` size torch's intra-op thread pool and record the OpenMP wait
-  policy in effect (`inference_svc.executor.threads`).
+  policy in effect (`inference_svc.executor.threads`), and `config.thread_governor` decides whether
+  `thread_governor` (`inference_svc.executor.governor`) moves the count under that ceiling with other processes'
+  load: `step()` polls it when due (one float compared per step; `poll_threads()` between steps while idle), on
+  the engine's thread, and a compiled step then follows the count (`shared_model.compiled`, dynamic threads).
 - LoRA (`config.lora_enabled`): `lora` holds the adapter slots (`inference_svc.lora`); a request's
   `SamplingParams.lora_name` picks its slot when it is queued (NOT_FOUND for one not loaded), its prefix-cache
   blocks are keyed by that adapter's loading, and `unload_lora_adapter` refuses (409) while a request uses it.
@@ -72,8 +75,9 @@ from inference_svc.engine.sequence import ScheduledSeq, Sequence
 from inference_svc.engine.types import Completion, EngineInfo, EngineStats, FinishReason, RequestOutput, SamplingParams
 from inference_svc.engine.validation import RequestValidator
 from inference_svc.errors import InvalidRequestError, ModelLoadError, RequestFailedError
-from inference_svc.executor import compile_cache
+from inference_svc.executor import compile_cache, governor
 from inference_svc.executor import prepare as executor  # a module: it imports the engine's config in turn
+from inference_svc.executor.governor import ThreadGovernor
 from inference_svc.executor.plan import LoadPlan
 from inference_svc.executor.threads import settle as settle_threads
 from inference_svc.lora import requests as lora_requests
@@ -101,7 +105,10 @@ class Engine:
         self.dtype = bundle.dtype
         self.model_path = bundle.path
         # the load-time transforms, in order, each choice recorded (inference_svc.executor.prepare)
-        thread_choices = settle_threads(config.threads, config.omp_wait)
+        settled = settle_threads(config.threads, config.omp_wait)
+        governed, governor_choice = governor.resolve(config.thread_governor, settled.threads, device.type == "cpu")
+        self.thread_governor = ThreadGovernor(settled.threads, settled.cpus, governed)
+        """The intra-op thread count of the steps, polled between them (`inference_svc.executor.governor`)."""
         native, cpu_choice = executor.choose_cpu_kernels(config, device)
         prepared = executor.prepare(bundle, config, native)
         model = prepared.model
@@ -131,14 +138,15 @@ class Engine:
         self.runner = ModelRunner(
             model, self.model_config, num_blocks, bs, self.dtype, device, backend, kv_dtype=self.kv_dtype,
             compiled=compile_step, native=native, row_table=row_table,
-            lora=self.lora,
+            lora=self.lora, dynamic_threads=governed,
         )  # fmt: skip
         self.draft_runner = None
         if draft is not None and draft_model is not None:
             draft_table = executor.choose_row_table(config, native, draft.dtype) if compile_step else None
             self.draft_runner = ModelRunner(draft_model, draft.config, num_blocks, bs, draft.dtype, device, backend,
                                             prompt_logprobs=False, kv_dtype=self.kv_dtype,
-                                            compiled=compile_step, native=native, row_table=draft_table)  # fmt: skip
+                                            compiled=compile_step, native=native, row_table=draft_table,
+                                            dynamic_threads=governed)  # fmt: skip
         self.sampler = Sampler(native=native)
         self._eos_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_id} if self.tokenizer.eos_id is not None else set()
@@ -165,7 +173,7 @@ class Engine:
         """Seconds the start-up compile took, target and draft together (0 when nothing was compiled)."""
         cache_choice = compile_cache.unused()
         if compile_step:
-            key = compile_cache.cache_key(bundle.path, config, native, self.dtype)
+            key = compile_cache.cache_key(bundle.path, config, native, self.dtype, dynamic_threads=governed)
             cache = compile_cache.open_cache(config.compile_cache, bundle.path, key)
             try:
                 with cache.compiling():
@@ -182,8 +190,8 @@ class Engine:
                         r.drop_compiled()
             cache_choice = cache.finish(self.compiled)
         self.load_plan = LoadPlan((
-            *thread_choices, cpu_choice, *prepared.choices, *executor.linear_choices(model), attention_choice,
-            executor.sampler_choice(native, device), compile_choice, cache_choice,
+            *settled.choices, governor_choice, cpu_choice, *prepared.choices, *executor.linear_choices(model),
+            attention_choice, executor.sampler_choice(native, device), compile_choice, cache_choice,
         ))  # fmt: skip
         """Every lever's choice and reason, in the order made (`inference_svc.executor`); fixed from here on."""
 
@@ -283,12 +291,20 @@ class Engine:
         self._pending_aborts[request_id] = None
         return True
 
+    def poll_threads(self) -> None:
+        """Between steps while idle (the server's engine loop): the thread governor's poll, when due."""
+        now = time.monotonic()
+        if now >= self.thread_governor.due:
+            self.thread_governor.poll(now)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()
+        if now >= self.thread_governor.due:  # at most once a second: other processes' load -> this step's threads
+            self.thread_governor.poll(now)
         events: list[StepEvent] = []
         if self._pending_aborts:
             events = self.scheduler.abort_all([self._requests[r] for r in self._pending_aborts], now)
@@ -401,6 +417,8 @@ class Engine:
             running_lora_adapters=lora_requests.adapter_names(self.lora, self.scheduler.running),
             waiting_lora_adapters=lora_requests.adapter_names(self.lora, self.scheduler.waiting),
             max_lora=0 if self.lora is None else self.lora.max_loras,
+            threads_active=self.thread_governor.active,
+            others_cpu_busy=self.thread_governor.others,
         )
 
     def unload_lora_adapter(self, name: str) -> None:

@@ -93,10 +93,13 @@ class ModelRunner:
         native: bool = True,
         row_table: RowTable | None = None,
         lora: LoraSlots | None = None,
+        dynamic_threads: bool = False,
     ) -> None:
         """`native`: the load plan's `cpu_kernels` choice (Tandem's C++ kernels: the compiled step's in-graph decode
         attention); False keeps torch's. `row_table`: the compiled step's projections' kernels by row count (the
-        load plan's `linear` choice, `inference_svc.executor.choose_row_table`); None keeps torch's."""
+        load plan's `linear` choice, `inference_svc.executor.choose_row_table`); None keeps torch's.
+        `dynamic_threads`: the compiled step follows the intra-op thread count of each call (the thread governor's:
+        `shared_model.compiled`)."""
         self.model = model
         self.lora = lora
         """The adapter slots of `model`'s projections (None: no LoRA)."""
@@ -115,7 +118,7 @@ class ModelRunner:
         # the torch ops' compiled decode steps attend in C++ from inside the graph, where they can
         factory = self.backend_factory
         torch_backend = isinstance(factory, PagedAttentionFactory) and is_torch_ops(factory.ops)
-        self.compiled = CompiledDecoder(model, row_table=row_table) if compiled else None
+        self.compiled = CompiledDecoder(model, row_table, dynamic_threads) if compiled else None
         """The compiled forward (None: eager); the engine warms it up before serving."""
         self._hidden_states = model.hidden_states if self.compiled is None else self.compiled.hidden_states
         self.graph_decode = compiled and torch_backend and native and GraphDecode.serves(self.cache)

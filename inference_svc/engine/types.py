@@ -448,6 +448,11 @@ class EngineStats:
     """LoRA adapters the waiting requests use."""
     max_lora: int = 0
     """Adapter slots (`max_loras`; 0: LoRA off)."""
+    threads_active: int = 0
+    """Intra-op threads the steps run on now (the thread governor's count, `inference_svc.executor.governor`)."""
+    others_cpu_busy: float | None = None
+    """CPUs' worth of other processes' load on this process's CPUs over the governor's last interval (None: not
+    measured: the governor is off or has not read twice yet)."""
 
     @property
     def spec_acceptance_rate(self) -> float:

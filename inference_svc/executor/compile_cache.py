@@ -5,7 +5,8 @@ Contract:
 - `cache_key(bundle_path, config, native, dtype)` is the dict of what a compiled step depends on: the model and any
   draft model (config.json and the weights' checksums, or names and sizes without a Tandem manifest), the served
   dtype, the flags that change the graph (quantization, group size, int4 kernel, Tandem's CPU kernels on or
-  off), torch's intra-op thread count (inductor generates its CPU kernels for it), Tandem's graph code (a hash of
+  off), torch's intra-op thread count (inductor generates its CPU kernels for it) and whether the kernels read the
+  count at each call instead (`dynamic_threads`: the thread governor's steps), Tandem's graph code (a hash of
   the decoder's and the compiled wrapper's source), torch's and Python's versions, and the CPU (model name and
   instruction-set flags from /proc/cpuinfo). `digest(key)` names its entry.
 - An entry is a folder `<cache dir>/<digest>/` holding `torch/`, a torch inductor cache folder (the FX graphs,
@@ -70,8 +71,11 @@ _GRAPH_SOURCES = (
 log = logging.getLogger(__name__)
 
 
-def cache_key(bundle_path: str | Path, config: object, native: bool, dtype: torch.dtype) -> dict[str, str]:
-    """What a compiled step depends on (see the module docstring); every value a string."""
+def cache_key(
+    bundle_path: str | Path, config: object, native: bool, dtype: torch.dtype, dynamic_threads: bool = False
+) -> dict[str, str]:
+    """What a compiled step depends on (see the module docstring); every value a string. `dynamic_threads`: the
+    graphs follow the thread count of each call (`shared_model.compiled`; the thread governor's steps)."""
     draft = getattr(config, "draft_model_path", None)
     return {
         "format": str(FORMAT),
@@ -83,6 +87,7 @@ def cache_key(bundle_path: str | Path, config: object, native: bool, dtype: torc
         "native_build": tandem_native.build_dir().name if native else "none",  # the custom ops the graphs call
         "speculative": str(getattr(config, "speculative", "off")),  # picks the projections' row table
         "threads": str(torch.get_num_threads()),  # inductor's CPU kernels are generated for this many threads
+        "dynamic_threads": "on" if dynamic_threads else "off",  # ... or read the count at each call, unguarded
         "graph_code": _code_hash(),
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -7,9 +7,9 @@ Contract:
 - A `LoadPlan` is the ordered tuple of an engine's choices, fixed when the engine is built (`Engine.info()`):
   `tandem serve`'s start-up line (`summary()`), `GetModelInfo.load_plan`, `GET /v1/models`'s `tandem_load_plan`
   and the `tandem_load_choice` metric all read this one record, so they cannot disagree.
-- The same machine, model and flags give the same plan: no choice is made from a timing taken at start. One
-  reading of the machine's state enters it, and the choice says so: `tandem serve --omp-wait auto` makes OpenMP's
-  workers wait passively where other processes keep the CPUs busy at start (`inference_svc.executor.threads`).
+- The same machine, model and flags give the same plan: no choice is made from a timing taken at start, nor
+  from other processes' load: the thread governor follows that load between steps, under the plan's `threads`
+  ceiling, and its count is a metric (`tandem_cpu_threads_active`), not a choice (`inference_svc.executor.governor`).
 """
 
 from __future__ import annotations

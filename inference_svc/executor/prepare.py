@@ -2,8 +2,9 @@
 
 Contract:
 - The transforms run once, when the engine is built, in this order (`TRANSFORMS`), and never again while it serves:
-  0. `threads` and `omp_wait`: torch's intra-op threads and OpenMP's wait policy, from the CPUs, cgroup quota and
-     load this process finds (`inference_svc.executor.threads`).
+  0. `threads` and `omp_wait`: torch's intra-op threads and OpenMP's wait policy, from the CPUs and cgroup quota
+     this process finds (`inference_svc.executor.threads`); `thread_governor`: whether the steps give threads up
+     to other processes' load between steps, that count being the most (`inference_svc.executor.governor`).
   1. `cpu_kernels`: whether Tandem's C++ kernels (row GEMM, int8/int4 GEMV, decode attention, sampling) run,
      from `EngineConfig.cpu_kernels` and what this machine allows (`tandem_native`: x86-64 Linux,
      AVX-512 BW/VL/VNNI, a C++ compiler and ninja). Everything below that could use them is told this one answer;
@@ -56,6 +57,7 @@ and the warm-up compile (tens of seconds) is not paid back by a short-lived serv
 TRANSFORMS = (
     "threads",
     "omp_wait",
+    "thread_governor",
     "cpu_kernels",
     "merge_projections",
     "quantization",

@@ -11,9 +11,10 @@ Contract:
   Unreadable or malformed files count as "no limit" and say so in the facts' `notes`, never an exception.
 - `choose_threads(threads, omp_wait, facts)` is pure (the same facts and flags give the same `ThreadPolicy`):
   - threads 'auto': min(allowed CPUs, ceil(quota)); an integer is taken as given. Never the load: the count is
-    fixed into the compiled step's kernels (and so into the compile cache's key), which must not change with what
-    else ran at start. Affinity is inherited, never narrowed: the OS scheduler places the threads, so a thread is
-    not pinned to a CPU that another process may later take.
+    the most threads a step runs on (the compile cache's key holds it), and it must not change with what else ran
+    at start; the thread governor follows the load from there (`inference_svc.executor.governor`). Affinity is
+    inherited, never narrowed: the OS scheduler places the threads, so a thread is not pinned to a CPU that
+    another process may later take.
   - omp_wait 'auto': 'passive' (OpenMP's idle workers sleep at once instead of spinning) where the threads can
     outnumber the CPU time the process gets: a cgroup quota below the allowed CPUs, more threads than
     min(CPUs, quota) (spinning workers then take time slices from each other, and every parallel op waits for a
@@ -30,8 +31,13 @@ Contract:
   loads it): `omp_environment(policy)` is the variables to set, and `tandem serve` sets them after parsing its flags
   and before it imports torch (`inference_svc.cli`). `wait_choice(policy, environ)` records what is in effect: the
   chosen policy where the environment carries it, otherwise what the environment (or the runtime's default) gave.
-- `settle(config)` is the engine's one call at load: it reads the facts (no load sample: the wait policy was fixed
-  when the runtime started), sets torch's intra-op threads, and returns the `threads` and `omp_wait` choices.
+- `settle(threads, omp_wait, root)` is the engine's one call at load: it reads the facts (no load sample: the wait
+  policy was fixed when the runtime started), sets torch's intra-op threads, and returns the `threads` and
+  `omp_wait` choices with the count and the CPUs (`Settled`). The count is the ceiling of the thread governor
+  (`inference_svc.executor.governor`), which gives threads up while other processes keep these CPUs busy and takes
+  them back when they leave: the start's choice never follows the load, the governor does, between steps.
+- The /proc readers `cpu_ticks` (/proc/stat's per-CPU lines), `own_ticks` (/proc/<pid>/stat's utime + stime) and
+  `others_ticks` (other processes' load between two readings) are shared with the governor.
 """
 
 from __future__ import annotations
@@ -203,9 +209,9 @@ def _own_cpu_seconds() -> float:
     return t.user + t.system
 
 
-def _cpu_ticks(text: str) -> dict[int, tuple[int, int]]:
+def cpu_ticks(text: str) -> dict[int, tuple[int, int]]:
     """{cpu: (busy ticks, total ticks)} from /proc/stat's `cpuN` lines (busy: all but idle and iowait; stolen time
-    counts as busy: the CPU was not ours)."""
+    counts as busy: the CPU was not ours). ValueError when the text has no per-CPU line."""
     out = {}
     for line in text.splitlines():
         if line.startswith("cpu") and line[3:4].isdigit():
@@ -218,22 +224,36 @@ def _cpu_ticks(text: str) -> dict[int, tuple[int, int]]:
     return out
 
 
+def own_ticks(text: str) -> int:
+    """This process's CPU time in clock ticks (utime + stime, all its threads) from a /proc/<pid>/stat text;
+    ValueError on anything else."""
+    fields = text[text.rindex(")") + 1 :].split()  # after the command name, which may hold spaces and ')'
+    if len(fields) < 13:
+        raise ValueError(f"a /proc/<pid>/stat line of {len(fields)} fields after the name")
+    return int(fields[11]) + int(fields[12])
+
+
+def others_ticks(
+    before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], cpus: tuple[int, ...], own: float
+) -> float:
+    """CPUs' worth of load on `cpus` between two `cpu_ticks` readings, less this process's own CPU time over the same
+    window (`own`, in ticks); 0.0 when no tick passed on those CPUs."""
+    busy = total = seen = 0
+    for cpu in cpus:
+        if cpu in before and cpu in after:
+            busy += after[cpu][0] - before[cpu][0]
+            total += after[cpu][1] - before[cpu][1]
+            seen += 1
+    if total <= 0:
+        return 0.0
+    return max(0.0, (busy - own) / (total / seen))  # total / seen: ticks per CPU over the window
+
+
 def others_busy(before: str, after: str, cpus: tuple[int, ...], own_seconds: float) -> float:
     """CPUs' worth of load on `cpus` between two /proc/stat texts, less this process's own CPU time (`own_seconds`,
     in CPU-seconds) over the same window."""
-    a, b = _cpu_ticks(before), _cpu_ticks(after)
-    busy = total = 0
-    for cpu in cpus:
-        if cpu in a and cpu in b:
-            busy += b[cpu][0] - a[cpu][0]
-            total += b[cpu][1] - a[cpu][1]
-    if total <= 0:
-        return 0.0
-    seen = [c for c in cpus if c in a and c in b]
-    wall_ticks = total / len(seen)  # ticks per CPU over the window
     hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    own = own_seconds * hz
-    return max(0.0, (busy - own) / wall_ticks)
+    return others_ticks(cpu_ticks(before), cpu_ticks(after), cpus, own_seconds * hz)
 
 
 # ---------------------------------------------------------------------------------------------------- choosing
@@ -312,12 +332,22 @@ def wait_choice(policy: ThreadPolicy, environ: Mapping[str, str]) -> Choice:
     return Choice("omp_wait", "default", why)
 
 
-def settle(threads: int | str, omp_wait: str, root: str | Path = "/") -> tuple[Choice, Choice]:
-    """The engine's call at load: read the facts, set torch's intra-op threads, return the two choices."""
+@dataclass(frozen=True)
+class Settled:
+    """What `settle` chose: the two choices for the load plan, the thread count set and the CPUs it was chosen for."""
+
+    choices: tuple[Choice, Choice]
+    threads: int
+    cpus: tuple[int, ...]
+
+
+def settle(threads: int | str, omp_wait: str, root: str | Path = "/") -> Settled:
+    """The engine's call at load: read the facts, set torch's intra-op threads, return the choices."""
     import torch
 
     facts = read_cpu_facts(root)
     policy = choose_threads(threads, omp_wait, facts)
     torch.set_num_threads(policy.threads)
     reason = policy.threads_reason + (f" (unread: {'; '.join(facts.notes)})" if facts.notes else "")
-    return Choice("threads", str(policy.threads), reason), wait_choice(policy, os.environ)
+    choices = (Choice("threads", str(policy.threads), reason), wait_choice(policy, os.environ))
+    return Settled(choices, policy.threads, facts.cpus)

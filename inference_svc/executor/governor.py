@@ -1,0 +1,159 @@
+"""The thread governor: between steps, the engine gives intra-op threads up while other processes keep its CPUs busy,
+and takes them back when they leave, so a step never waits for a worker the OS has descheduled.
+
+Why: a parallel region ends at a barrier. When another process holds one of the CPUs, the worker placed there runs
+only in the time slices it gets, and every region of a step waits for it: a served decode step beside one busy core
+ran many times slower than alone (docs/benchmarks.md §24), the same collapse llama.cpp shows. One thread fewer is
+then faster than the thread count chosen for an idle machine, which is still the fastest once the others leave.
+
+Contract:
+- `ThreadGovernor(ceiling, cpus, enabled, root)` owns the count of torch intra-op threads the engine's steps run on
+  (`active`, from `ceiling`: the count `inference_svc.executor.threads.settle` chose at load, never exceeded). The
+  engine calls `poll(now)` on its own thread (torch's thread count is OpenMP's per-thread setting) when
+  `now >= due`: a step compares one float (the step's own `time.monotonic()`), nothing else on the hot path, and the
+  server's engine loop polls while idle too, so the count is already right when a request arrives.
+- A poll reads `root/proc/stat` (the lines of `cpus`, this process's affinity) and `root/proc/self/stat` (this
+  process's utime + stime, all its threads) and computes `others`: CPUs' worth of time that other processes (and
+  the kernel, and a hypervisor's steal) kept busy on `cpus` since the previous reading. The CPUs the ceiling leaves
+  unused (a cgroup quota of 2 CPUs on a 4-CPU cpuset: 2) absorb that load first: what is left over (`excess`) is
+  what competes with this process's threads. `decide` is the rule, pure: for the k-th thread given up,
+  excess >= (k - 1) + `DROP` takes it away; it comes back once excess < (k - 1) + `RESTORE`; never below one
+  thread. Polls are `interval` (`INTERVAL`) seconds apart; a reading `idle_gap` (`IDLE_GAP`) seconds or more after
+  the previous one (an engine stepped by hand, with pauses) is a new baseline, not a decision: an average over a
+  long gap says little about now, and the next poll, an interval later, decides. A reading in which no clock tick
+  passed on these CPUs decides nothing either.
+- Each change calls `torch.set_num_threads(active)` on the polling thread and is logged once at INFO with the load
+  that caused it; `changes` counts them. Tandem's kernels (`at::parallel_for`), oneDNN's and inductor's kernels
+  compiled with `dynamic_threads` (`shared_model.compiled`) read the count at each call: the next step runs on it.
+- Disabled (`enabled` False: `--thread-governor off`, one thread, or not a CPU device), `due` is infinity and the
+  count stays the ceiling. A /proc file that cannot be read or parsed disables it too, logged once, count restored
+  to the ceiling, never an exception into the step.
+- Bits: a reduction that OpenMP splits by thread (oneDNN's GEMMs, some of inductor's kernels) rounds differently at
+  another count, so a step's logits can differ in their last bits between one and two threads (docs/benchmarks.md
+  §30). With the governor on, the thread count, and so the bits, follow
+  other processes' load; bit-for-bit repeatable serving on a shared machine is `--thread-governor off`.
+- `resolve(flag, ceiling, cpu)` is the load plan's `thread_governor` choice and whether it is on: 'auto' is on
+  for a CPU engine of more than one thread; 'off' keeps the count fixed.
+
+Thresholds: beside one busy process, a step on every CPU shares one of them with it, so the other process gets
+about half of that CPU while Tandem's threads run (less when the engine thread lands there too, more while the
+workers sleep between requests): `DROP` sits well below half a CPU. A benchmark client or a metrics scraper on the
+same machine keeps well under it (docs/benchmarks.md §30). `RESTORE` below `DROP` keeps a load near the edge from
+flipping the count every second.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from inference_svc.executor.plan import Choice
+from inference_svc.executor.threads import cpu_ticks, others_ticks, own_ticks
+
+INTERVAL = 1.0
+"""Seconds between two readings (and so between two decisions)."""
+IDLE_GAP = 3.0
+"""A reading this many seconds or more after the previous one starts a new baseline instead of deciding."""
+DROP = 0.3
+"""CPUs' worth of other processes' load that takes one thread away (k-1 + DROP takes the k-th)."""
+RESTORE = 0.15
+"""The k-th thread given up comes back once other processes' load is below k-1 + RESTORE CPUs."""
+log = logging.getLogger(__name__)
+
+
+def given_up(others: float, threshold: float) -> int:
+    """Threads `others` CPUs' worth of load asks for at `threshold`: 0 below it, then one more per whole CPU."""
+    return 0 if others < threshold else math.floor(others - threshold + 1e-9) + 1
+
+
+def decide(ceiling: int, active: int, others: float) -> int:
+    """The thread count for the next interval: `ceiling` the most, `active` the count now, `others` the CPUs' worth
+    of load other processes kept over the last interval beyond the CPUs the ceiling leaves unused (the module
+    docstring's `excess`)."""
+    held = ceiling - active
+    drop, keep = given_up(others, DROP), given_up(others, RESTORE)
+    held = max(drop, min(held, keep))  # more given up at once; given back only below RESTORE
+    return max(1, ceiling - held)
+
+
+class ThreadGovernor:
+    """The engine's intra-op thread count between `ceiling` and one (see the module docstring)."""
+
+    def __init__(
+        self,
+        ceiling: int,
+        cpus: tuple[int, ...],
+        enabled: bool = True,
+        root: str | Path = "/",
+        interval: float = INTERVAL,
+        idle_gap: float = IDLE_GAP,
+    ) -> None:
+        self.ceiling = ceiling
+        self.cpus = cpus
+        self.interval, self.idle_gap = interval, idle_gap
+        self.active = ceiling
+        """The count the steps run on now (set on the polling thread)."""
+        self.others: float | None = None
+        """Other processes' load on `cpus` over the last interval, in CPUs (None: not measured yet)."""
+        self.changes = 0
+        self.due = 0.0 if enabled and ceiling > 1 else math.inf
+        """When the next poll is due (`time.monotonic()` seconds); infinity when disabled."""
+        self._stat = Path(root) / "proc/stat"
+        self._self_stat = Path(root) / "proc/self/stat"
+        self._last: tuple[float, dict[int, tuple[int, int]], int] | None = None
+        """(when, per-CPU ticks, own ticks) of the previous reading."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.due != math.inf
+
+    def poll(self, now: float) -> None:
+        """Read, decide and apply (the engine's thread, `now >= due`); never raises."""
+        try:
+            ticks, own = cpu_ticks(self._stat.read_text()), own_ticks(self._self_stat.read_text())
+        except (OSError, ValueError) as exc:
+            self._disable(f"cannot read {self._stat} or {self._self_stat}: {exc}")
+            return
+        last, self._last = self._last, (now, ticks, own)
+        self.due = now + self.interval
+        if last is None or now - last[0] >= self.idle_gap:
+            return  # a new baseline
+        if not any(ticks.get(c, (0, 0))[1] > last[1].get(c, (0, 0))[1] for c in self.cpus):
+            return  # no clock tick on these CPUs since the last reading: nothing measured
+        self.others = others_ticks(last[1], ticks, self.cpus, own - last[2])
+        spare = max(0, len(self.cpus) - self.ceiling)  # CPUs this process's threads never need
+        active = decide(self.ceiling, self.active, max(0.0, self.others - spare))
+        if active != self.active:
+            self._apply(active)
+            log.info("thread governor: other processes kept %.2f CPUs busy on this process's %d over %.1f s: %d "
+                     "intra-op thread%s (of %d)", self.others, len(self.cpus), now - last[0], active,
+                     "" if active == 1 else "s", self.ceiling)  # fmt: skip
+
+    def _apply(self, active: int) -> None:
+        import torch
+
+        torch.set_num_threads(active)
+        self.active = active
+        self.changes += 1
+
+    def _disable(self, why: str) -> None:
+        log.warning("thread governor: off (%s); %d threads from here on", why, self.ceiling)
+        self.due = math.inf
+        if self.active != self.ceiling:
+            self._apply(self.ceiling)
+
+
+def resolve(flag: str, ceiling: int, cpu: bool) -> tuple[bool, Choice]:
+    """Whether the governor runs, and the load plan's `thread_governor` choice."""
+    if flag == "off":
+        return False, Choice("thread_governor", "off", f"--thread-governor off: {ceiling} threads at every step")
+    if not cpu:
+        return False, Choice("thread_governor", "off", "--thread-governor auto: not a CPU device")
+    if ceiling <= 1:
+        return False, Choice("thread_governor", "off", "--thread-governor auto: one thread, nothing to give up")
+    return True, Choice("thread_governor", "on", (
+        f"--thread-governor auto: up to {ceiling} threads, one fewer for each CPU other processes keep busy on this "
+        f"process's CPUs ({DROP:g} CPU takes one away, below {RESTORE:g} it comes back), read from /proc every "
+        f"{INTERVAL:g} s between steps"
+    ))  # fmt: skip
