@@ -3,10 +3,10 @@ the model's steps in one process), so the two are compared kernel for kernel; `c
 served figure, in a fresh interpreter per case.
 
 Builds `inference_svc.engine.Engine` from a model folder with the serve flags that shape the step (dtype,
-quantization, threads, compile), and per rep generates `--n-gen` tokens after a one-token prompt (greedy,
-`ignore_eos`): decode tok/s = the tokens after the first / the wall time of their `Engine.step()` calls (each
-step's scheduling, sampling and detokenization included, as a server's step pays them; the first token is the
-prefill's). One warm-up rep first. Prints one JSON line: {"tg": mean, "tg_samples": [...], "compiled": bool}.
+quantization, threads, compile, thread governor), and per rep generates `--n-gen` tokens after a one-token prompt
+(greedy, `ignore_eos`): decode tok/s = the tokens after the first / the wall time of their `Engine.step()` calls
+(each step's scheduling, sampling and detokenization included, as a server's step pays them; the first token is
+the prefill's). One warm-up rep first. Prints one JSON line: {"tg": mean, "tg_samples": [...], "compiled": bool}.
 
     .venv/bin/python benchmarks/engine_decode.py MODEL_DIR --dtype bfloat16 --quantization int4 --threads 2
 """
@@ -44,14 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--threads", default="auto")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--thread-governor", default="auto", choices=["auto", "off"])
     ap.add_argument("--n-gen", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
     if args.n_gen < 2 or args.reps < 1:
         ap.error("--n-gen must be at least 2 and --reps at least 1")
     config = EngineConfig(
-        dtype=args.dtype, quantization=args.quantization, threads=args.threads, compile=args.compile, device="cpu"
-    )
+        dtype=args.dtype, quantization=args.quantization, threads=args.threads, compile=args.compile, device="cpu",
+        thread_governor=args.thread_governor,
+    )  # fmt: skip
     engine = Engine.from_bundle(args.model, config)
     decode_rate(engine, args.n_gen, "warm-up", 3)
     samples = [decode_rate(engine, args.n_gen, f"rep-{i}", 3 + i) for i in range(args.reps)]
