@@ -166,11 +166,15 @@ def run_workload(engine: Engine, rng: random.Random, requests: int, prefix: str)
 
 
 def publisher_for(encoding: str = "map", **overrides: Any) -> tuple[KVEventPublisher, str]:
+    """A started publisher on loopback ports the OS picks (`*`: no port chosen beforehand that another socket could
+    take first), and its replay endpoint as bound."""
     config = KVEventsConfig(
         enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*", topic=TOPIC,
-        replay_endpoint=f"tcp://127.0.0.1:{free_port()}", event_encoding=encoding, **overrides,
+        replay_endpoint="tcp://127.0.0.1:*", event_encoding=encoding, **overrides,
     )  # fmt: skip
-    return KVEventPublisher(config), config.replay_endpoint or ""
+    publisher = KVEventPublisher(config)
+    publisher.start()
+    return publisher, publisher.replay_endpoint or ""
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +194,6 @@ def _attach(engine: Engine, publisher: KVEventPublisher) -> None:
 def test_subscriber_rebuilds_exactly_the_engines_cached_blocks(small_engine: Engine, encoding: str) -> None:
     engine = small_engine
     publisher, replay = publisher_for(encoding)
-    publisher.start()
     _attach(engine, publisher)
     sub = Subscriber(publisher.endpoint, replay)
     try:
@@ -222,7 +225,6 @@ def publisher_published(publisher: KVEventPublisher) -> int:
 def test_a_restarted_subscriber_catches_up_by_replay(small_engine: Engine) -> None:
     engine = small_engine
     publisher, replay = publisher_for()
-    publisher.start()
     _attach(engine, publisher)
     first = Subscriber(publisher.endpoint, replay)
     try:
@@ -259,14 +261,14 @@ def test_overflow_is_counted_never_blocks_and_is_healed_by_a_resync(small_engine
     engine = small_engine
     registry = CollectorRegistry()
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*", topic=TOPIC,
-                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}", max_queue_size=2)  # fmt: skip
+                            replay_endpoint="tcp://127.0.0.1:*", max_queue_size=2)  # fmt: skip
     publisher = KVEventPublisher(config, registry=registry)
     _attach(engine, publisher)  # not started yet: nothing drains the 2-batch queue, so steps overflow it
     run_workload(engine, random.Random(5), 20, "e")  # returns: a full queue never blocks a step
     assert publisher.dropped > 0
     assert registry.get_sample_value("tandem_kv_events_dropped_batches_total") == publisher.dropped
     publisher.start()
-    sub = Subscriber(publisher.endpoint, config.replay_endpoint or "")
+    sub = Subscriber(publisher.endpoint, publisher.replay_endpoint or "")
     try:
         run_workload(engine, random.Random(6), 5, "f")  # the next step sends the resync
         sub.follow(publisher_published(publisher))
