@@ -5,11 +5,15 @@
 // block tables int32 [S, max_blocks]; token slot = block * block_size + offset. Consecutive queries of one sequence
 // (same block table, context lengths growing by one: a speculative verify item's rows) form a run. Each (run, KV
 // head) is one work item: the run's queries times the G = Hq / Hkv query heads of the group score the cached
-// tokens, 16 at a time (fp32 dot products), each row over its own context; softmax in fp32 (max subtracted,
-// vectorized exp); the values, each read once for the run, are summed with those weights in fp32; the output is
-// rounded once to q's dtype. A row's arithmetic is the same in a run as alone, so results are bitwise independent
-// of the batch. Work items are split over torch's intra-op threads only when there is enough work to pay for
-// waking them.
+// tokens, 16 at a time (fp32 dot products: each block of 16 keys converted to fp32 once for all the rows, the 16
+// sums in registers), each row over its own context; softmax in fp32 (max subtracted, vectorized exp); the values,
+// each read and converted once for up to four rows, are summed with those weights in fp32 accumulators held in
+// registers (four rows by four 16-wide chunks of the head at a time); the output is rounded once to q's dtype. Every
+// sum runs in the same order whatever the blocking, and a row's arithmetic is the same in a run as alone, so
+// results are bitwise independent of the batch. The K and V rows of the next keys are prefetched: one head's rows
+// sit Hkv rows apart in blocks scattered over the pool, which the hardware prefetchers do not follow, and a step's
+// cache is mostly outside L2 (docs/benchmarks.md §31). Work items are split over torch's intra-op threads only when
+// there is enough work to pay for waking them.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -19,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -115,6 +120,84 @@ std::vector<Run> query_runs(const int32_t* lens, const int32_t* tables, int64_t 
   return runs;
 }
 
+// A block of 16 cached keys as fp32 rows for the scores: an fp32 cache's own rows, any other converted once into
+// `buffer` [16, d] (then read by every query row of the item from L1); rows past the `n` real keys read `zeros`.
+template <typename C>
+inline void keys_as_f32(const C* const* keys, int64_t n, int64_t d, float* buffer, const float* zeros,
+                        const float** rows) {
+  for (int64_t i = 0; i < 16; ++i) {
+    if (i >= n) {
+      rows[i] = zeros;
+    } else if constexpr (std::is_same_v<C, float>) {
+      rows[i] = keys[i];
+    } else {
+      for (int64_t c = 0; c < d / 16; ++c) _mm512_storeu_ps(buffer + i * d + c * 16, load16(keys[i] + c * 16));
+      rows[i] = buffer + i * d;
+    }
+  }
+}
+
+// Ask for a cached K or V row (`bytes` long) ahead of its use, into L2.
+inline void prefetch_row(const void* row, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(row) + b, _MM_HINT_T1);
+}
+
+// One query row's scores against a block of keys: out[i] = query . rows[i] for i < n. Sixteen independent dot
+// products in registers, each summed chunk by chunk in order, then reduced together (hsum16).
+inline void scores16(const float* query, const float* const* rows, int64_t chunks, int64_t n, float* out) {
+  __m512 dots[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m512 qc = _mm512_loadu_ps(query + c * 16);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) dots[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(rows[i] + c * 16), dots[i]);
+  }
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1), hsum16(dots));
+}
+
+// acc[r][c0 * 16 ...] += sum over keys j in [j0, j1) of w[r][j] * values[j][c0 * 16 ...], for R rows (stride ldw
+// and lda) and NC chunks of 16: R * NC accumulators stay in registers over the keys, each value chunk is converted
+// once for the R rows, and each row's sum runs over j in order.
+template <int R, int NC, typename C>
+void weighted_values(const float* w, int64_t ldw, const C* const* values, int64_t j0, int64_t j1, int64_t c0,
+                     float* acc, int64_t lda) {
+  __m512 a[R][NC];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int k = 0; k < NC; ++k) a[r][k] = _mm512_loadu_ps(acc + r * lda + (c0 + k) * 16);
+  for (int64_t j = j0; j < j1; ++j) {
+    __m512 v[NC];
+#pragma GCC unroll 4
+    for (int k = 0; k < NC; ++k) v[k] = load16(values[j] + (c0 + k) * 16);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(w[r * ldw + j]);
+#pragma GCC unroll 4
+      for (int k = 0; k < NC; ++k) a[r][k] = _mm512_fmadd_ps(s, v[k], a[r][k]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int k = 0; k < NC; ++k) _mm512_storeu_ps(acc + r * lda + (c0 + k) * 16, a[r][k]);
+}
+
+template <typename C>
+using WeightedValues = void (*)(const float*, int64_t, const C* const*, int64_t, int64_t, int64_t, float*, int64_t);
+
+// weighted_values for 1-4 rows and 1-4 chunks
+template <typename C>
+WeightedValues<C> weighted_values_for(int64_t rows, int64_t chunks) {
+  static constexpr WeightedValues<C> table[4][4] = {
+      {weighted_values<1, 1, C>, weighted_values<1, 2, C>, weighted_values<1, 3, C>, weighted_values<1, 4, C>},
+      {weighted_values<2, 1, C>, weighted_values<2, 2, C>, weighted_values<2, 3, C>, weighted_values<2, 4, C>},
+      {weighted_values<3, 1, C>, weighted_values<3, 2, C>, weighted_values<3, 3, C>, weighted_values<3, 4, C>},
+      {weighted_values<4, 1, C>, weighted_values<4, 2, C>, weighted_values<4, 3, C>, weighted_values<4, 4, C>}};
+  return table[rows - 1][chunks - 1];
+}
+
 template <typename Q, typename C>
 void decode_kernel(const Q* q, const C* kc, const C* vc, const int32_t* lens, const int32_t* tables, Q* out, int64_t s,
                    int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t max_blocks, float scale) {
@@ -124,22 +207,23 @@ void decode_kernel(const Q* q, const C* kc, const C* vc, const int32_t* lens, co
   for (const Run& run : runs) work = std::max<int64_t>(work, run.count * lens[run.row + run.count - 1] * group * d * 2);
   const int64_t grain = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(work, 1));
   at::parallel_for(0, static_cast<int64_t>(runs.size()) * hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<__m512> acc, query;
+    std::vector<float> scores, query, acc, key_block(16 * d), zeros(d, 0.f);
     std::vector<const C*> keys, values;  // [longest]: each cached token's K and V row of head h
+    const int64_t row_bytes = d * static_cast<int64_t>(sizeof(C));
     for (int64_t item = begin; item < end; ++item) {
       const Run run = runs[item / hkv];
       const int64_t h = item % hkv, first = lens[run.row], longest = lens[run.row + run.count - 1];
-      const int64_t rows = run.count * group;  // (query r, head g) -> row r * group + g
+      const int64_t rows = run.count * group;  // (query r, head g) -> row r * group + g, over first + r keys
       const int32_t* table = tables + run.row * max_blocks;
-      query.resize(rows * chunks);
-      acc.assign(rows * chunks, _mm512_setzero_ps());
+      query.resize(rows * d);  // [rows, d], scaled, fp32
+      acc.assign(rows * d, 0.f);  // [rows, d]
       scores.resize(rows * longest);  // [rows, longest]; row r * group + g holds lens[run.row + r] scores
       for (int64_t r = 0; r < run.count; ++r)
         for (int64_t g = 0; g < group; ++g)
           for (int64_t c = 0; c < chunks; ++c)
-            query[(r * group + g) * chunks + c] =
-                _mm512_mul_ps(load16(q + ((run.row + r) * hq + h * group + g) * d + c * 16), _mm512_set1_ps(scale));
+            _mm512_storeu_ps(query.data() + (r * group + g) * d + c * 16,
+                             _mm512_mul_ps(load16(q + ((run.row + r) * hq + h * group + g) * d + c * 16),
+                                           _mm512_set1_ps(scale)));
       keys.resize(longest);
       values.resize(longest);
       for (int64_t j0 = 0; j0 < longest; j0 += bs) {
@@ -149,36 +233,36 @@ void decode_kernel(const Q* q, const C* kc, const C* vc, const int32_t* lens, co
           values[j] = vc + offset + (j - j0) * hkv * d;
         }
       }
-      // scores 16 keys at a time, every row (a row's scores past its own context are computed and never read)
+      for (int64_t i = 0; i < std::min<int64_t>(longest, 32); ++i) prefetch_row(keys[i], row_bytes);
+      // scores, 16 keys at a time for every row (a row's scores past its own context are computed, never read)
       for (int64_t j = 0; j < longest; j += 16) {
         const int64_t n = std::min<int64_t>(16, longest - j);
-        for (int64_t row = 0; row < rows; ++row) {
-          __m512 dots[16];
-          for (int64_t i = 0; i < 16; ++i) {
-            dots[i] = _mm512_setzero_ps();
-            if (i < n)
-              for (int64_t c = 0; c < chunks; ++c)
-                dots[i] = _mm512_fmadd_ps(query[row * chunks + c], load16(keys[j + i] + c * 16), dots[i]);
-          }
-          _mm512_mask_storeu_ps(scores.data() + row * longest + j, static_cast<__mmask16>((1u << n) - 1), hsum16(dots));
-        }
+        for (int64_t i = j + 32, stop = std::min(longest, j + 48); i < stop; ++i) prefetch_row(keys[i], row_bytes);
+        for (int64_t i = j, stop = std::min(longest, j + 16); i < stop; ++i) prefetch_row(values[i], row_bytes);
+        const float* block[16];
+        keys_as_f32(keys.data() + j, n, d, key_block.data(), zeros.data(), block);
+        for (int64_t row = 0; row < rows; ++row)
+          scores16(query.data() + row * d, block, chunks, n, scores.data() + row * longest + j);
       }
       for (int64_t row = 0; row < rows; ++row) softmax_in_place(scores.data() + row * longest, first + row / group);
-      for (int64_t j = 0; j < longest; ++j) {  // values weighted by the scores; key j is seen by queries r >= j - first + 1
-        const int64_t seen = std::max<int64_t>(0, j - first + 1) * group;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const __m512 v = load16(values[j] + c * 16);
-          for (int64_t row = seen; row < rows; ++row)
-            acc[row * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[row * longest + j]), v, acc[row * chunks + c]);
-        }
+      // values weighted by the scores, up to four rows at a time: the keys every row of the four sees in
+      // registers, then the keys only the later queries of a run see, row by row
+      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int64_t n = std::min<int64_t>(4, rows - r0), shared = first + r0 / group;
+        for (int64_t c0 = 0; c0 < chunks; c0 += 4)
+          weighted_values_for<C>(n, std::min<int64_t>(4, chunks - c0))(scores.data() + r0 * longest, longest,
+                                                                        values.data(), 0, shared, c0,
+                                                                        acc.data() + r0 * d, d);
+        for (int64_t row = r0; row < r0 + n; ++row)
+          for (int64_t j = shared; j < first + row / group; ++j)
+            for (int64_t c = 0; c < chunks; ++c)
+              _mm512_storeu_ps(acc.data() + row * d + c * 16,
+                               _mm512_fmadd_ps(_mm512_set1_ps(scores[row * longest + j]), load16(values[j] + c * 16),
+                                               _mm512_loadu_ps(acc.data() + row * d + c * 16)));
       }
       for (int64_t row = 0; row < rows; ++row) {
-        alignas(64) float lane[16];
         Q* o = out + ((run.row + row / group) * hq + h * group + row % group) * d;
-        for (int64_t c = 0; c < chunks; ++c) {
-          _mm512_store_ps(lane, acc[row * chunks + c]);
-          for (int i = 0; i < 16; ++i) o[c * 16 + i] = static_cast<Q>(lane[i]);
-        }
+        for (int64_t e = 0; e < d; ++e) o[e] = static_cast<Q>(acc[row * d + e]);
       }
     }
   });

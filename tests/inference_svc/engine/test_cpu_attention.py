@@ -53,6 +53,23 @@ def test_decode_matches_the_reference(q_dtype, cache_dtype, tol: float, lens: li
 
 
 @needs_kernel
+@pytest.mark.parametrize(("q_dtype", "cache_dtype", "tol"), DTYPES[:2])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(2, 2, 16), (8, 1, 32), (6, 2, 80), (4, 4, 96), (16, 2, 128)])
+def test_every_head_size_and_group_the_kernel_blocks(q_dtype, cache_dtype, tol: float, hq: int, hkv: int,
+                                                      d: int) -> None:  # fmt: skip
+    """The kernel keeps up to four query rows by four 16-wide chunks of the head in registers: head sizes of 1, 2,
+    5 (4 + 1), 6 (4 + 2) and 8 chunks and groups of 1, 3, 4 and 8 rows take every block shape and its remainders."""
+    q, k_cache, v_cache, ctx, tables = _case(cache_dtype, [1, 17, 300, 33], hq=hq, hkv=hkv, d=d)
+    q = q.to(q_dtype)
+    out = native.decode_attention(q, k_cache, v_cache, ctx, tables, d**-0.5)
+    want = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), ctx, tables, d**-0.5)
+    assert (out.double() - want).abs().max() <= tol * max(want.abs().max().item(), 1.0)
+    for i in range(len(ctx)):
+        alone = native.decode_attention(q[i : i + 1], k_cache, v_cache, ctx[i : i + 1], tables[i : i + 1], d**-0.5)
+        assert torch.equal(alone, out[i : i + 1]), f"row {i}"
+
+
+@needs_kernel
 @pytest.mark.parametrize(("q_dtype", "cache_dtype", "tol"), DTYPES)
 def test_queries_of_one_sequence_share_its_reads_and_keep_their_own_context(q_dtype, cache_dtype, tol) -> None:
     """Verify rows: consecutive queries over one block table with lengths growing by one (a run, scored together)
