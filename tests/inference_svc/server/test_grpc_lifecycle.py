@@ -68,3 +68,23 @@ def test_not_serving_until_warmed_up(bundle_dir, monkeypatch) -> None:
             asyncio.run_coroutine_threadsafe(server.shutdown(0), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+def test_the_load_is_frozen_out_of_full_collections_while_serving(bundle_dir) -> None:
+    """What the load built (the engine among it) is in no collector generation while the server serves, so a
+    full collection never walks it again; it is collectable again once the server stops."""
+    import gc
+
+    from tests.inference_svc.server.conftest import make_server
+
+    srv = make_server(bundle_dir)
+    try:
+        engine = srv.server.engine
+        assert gc.get_freeze_count() > 0
+        assert not any(o is engine for o in gc.get_objects(generation=2))
+        with srv.client(retry=NO_RETRY, timeout=30) as c:  # serving works as before
+            assert len(c.generate("hello", max_new_tokens=2, ignore_eos=True).token_ids) == 2
+    finally:
+        srv.close()
+    assert gc.get_freeze_count() == 0
+    assert any(o is engine for o in gc.get_objects(generation=2))
