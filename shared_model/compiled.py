@@ -28,12 +28,14 @@ Contract:
   backends plan on the host (block tables and lengths read into lists, a branch per chunk), which a graph cannot
   trace, and they serve every ops and cache kind; a decode-only step needs no plan, and is the step whose
   per-layer Python cost matters.
-- Shapes: the token axis is dynamic, so one graph serves every T >= 2 (prefill chunks, verify steps, batched decodes)
-  and one T == 1 (a lone decode; torch specialises size 1). A model that branches on T has one graph per branch: a
-  quantized projection branches at its `row_bounds()` (an int4 one takes its row kernel up to `int4_gemv.MAX_ROWS`
-  rows, so T in 2..16 and T >= 17 are two graphs; in bf16 with AMX tiles it branches at 8 and 64); a dense one's
-  row table (below) is chosen inside one `tandem::table_gemm` call, no branch for the graph
-  (`ServingLinear.row_bounds()` is empty).
+- Shapes: the token axis is dynamic. Where no projection branches on T (`one_traced_graph`: every
+  `row_bounds()` empty, as a dense model's, whose row table is chosen inside one `tandem::table_gemm` call), the
+  traced graph is compiled with T unbacked, so one graph serves every T >= 1, a lone decode included (a backed size
+  1 would specialise: a graph of its own, a third of a cold start); the opaque graph serves T >= 2. A quantized
+  model branches on T at its `row_bounds()` (an int4 projection takes its row kernel up to `int4_gemv.MAX_ROWS`
+  rows, so T in 2..16 and T >= 17 are two graphs; in bf16 with AMX tiles it branches at 8 and 64), which an
+  unbacked size cannot decide: its graphs are one per branch of T >= 2 and one for T == 1 (torch specialises
+  size 1).
   `warm_up(run, packages)` calls `run` (which must reach
   every kind of step), returns the seconds it took, and records them in `compile_seconds`. After warm-up the compiled
   code never compiles again: a call whose shapes or guards no graph covers is refused by dynamo at its guard check (the
@@ -272,6 +274,8 @@ class CompiledDecoder:
         """Torch's global state of the first call (the warm-up's, which the graphs were compiled or loaded in), the
         thread count aside (dynamic threads only)."""
         self.row_kernels = set_row_kernels(model, row_table)
+        self.one_traced_graph = not any(m.row_bounds() for m in model.modules() if hasattr(m, "row_bounds"))
+        """Whether one traced graph serves every T >= 1: no projection branches on T (module docstring, Shapes)."""
         """Projections that run Tandem's row kernels by `row_table` (`serving_model.set_row_kernels`)."""
         # room for the graphs of each kind of backend and each branch of T (every decoder has its own code objects)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -300,11 +304,16 @@ class CompiledDecoder:
         # fresh storage for views (a decode step's rows of one host copy): guards would pin their storage offsets
         input_ids = input_ids.clone() if input_ids.storage_offset() else input_ids
         positions = positions.clone() if positions.storage_offset() else positions
-        if self._compiling and input_ids.dim() == 2 and input_ids.shape[1] > 1:  # one graph per branch of T >= 2
-            # (a table step of one row count, such as 2, specializes to it: maybe_mark_dynamic allows that). Only
-            # while compiling: a graph compiled with the mark takes calls without it, and a loaded one wants none
-            torch._dynamo.maybe_mark_dynamic(input_ids, 1)
-            torch._dynamo.maybe_mark_dynamic(positions, positions.dim() - 1)
+        if self._compiling and input_ids.dim() == 2:  # marks only while compiling: a graph compiled with them
+            # takes calls without them, and a loaded one wants none
+            if self.one_traced_graph and is_traced(backend):  # one graph for every T: its size unbacked (a backed
+                # size 1 would specialise, a graph of its own)
+                torch._dynamo.decorators.mark_unbacked(input_ids, 1)
+                torch._dynamo.decorators.mark_unbacked(positions, positions.dim() - 1)
+            elif input_ids.shape[1] > 1:  # one graph per branch of T >= 2 (a table step of one row count, such
+                # as 2, specializes to it: maybe_mark_dynamic allows that)
+                torch._dynamo.maybe_mark_dynamic(input_ids, 1)
+                torch._dynamo.maybe_mark_dynamic(positions, positions.dim() - 1)
         if self.dynamic_threads and self._state is None:
             self._state = _GlobalState()
         if is_traced(backend):

@@ -82,6 +82,8 @@ def batched(input_ids: torch.Tensor, positions: torch.Tensor | None) -> tuple[to
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     elif positions.dim() == 1:
         positions = positions[None].expand_as(input_ids)
+    if torch.compiler.is_compiling() and positions.dim() == input_ids.dim() == 2:  # unbacked T: the same size
+        torch._check(positions.shape[1] == input_ids.shape[1])
     if positions.shape != input_ids.shape:
         raise ValueError(f"positions shape {tuple(positions.shape)} != input_ids {tuple(input_ids.shape)}")
     return input_ids, positions
