@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tandem_native  # noqa: E402
-from cpu_peer import memory_bandwidth  # noqa: E402
+from cpu_peer import memory_bandwidth
+
+import tandem_native
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -89,8 +90,9 @@ def main() -> None:
             cold = time_calls(lib, pool, tables, lens, q, scale, True, sweep, args.reps)
             hot = time_calls(lib, pool, tables, lens, q, scale, False, sweep, args.reps * 4)
             kv_bytes = 2 * seqs * context * args.kv_heads * args.head_dim * pool.element_size()
-            print(f"| {seqs} | {context} | {cold:.3f} | {kv_bytes / cold / 1e6:.1f} | "
-                  f"{kv_bytes / cold / 1e6 / bandwidth:.0%} | {hot:.3f} | {kv_bytes / hot / 1e6:.1f} |", flush=True)  # fmt: skip
+            cold_gbs, hot_gbs = kv_bytes / cold / 1e6, kv_bytes / hot / 1e6
+            print(f"| {seqs} | {context} | {cold:.3f} | {cold_gbs:.1f} | {cold_gbs / bandwidth:.0%} | {hot:.3f} | "
+                  f"{hot_gbs:.1f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
