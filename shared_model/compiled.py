@@ -45,8 +45,12 @@ Contract:
   num_threads(N)`, N the count at compile time, unless N is every CPU of the machine) and dynamo guards the count
   (its global-state guard): a call on another count would run the old count's threads or miss every graph.
   `CompiledDecoder(model, dynamic_threads=True)` (the engine's, when its thread governor runs:
-  `inference_svc.executor.governor`) compiles with inductor's `cpp.dynamic_threads` (the kernels read OpenMP's count
-  at each call) and drops the global-state guard, checking that state itself at each call, the thread count aside
+  `inference_svc.executor.governor`) compiles kernels that read OpenMP's count at each call and drops the
+  global-state guard. Where the count at compile time is every CPU of the machine, inductor's own kernels already
+  do (`#pragma omp parallel` with no count, and a kernel whose work is too small stays serial); elsewhere it
+  compiles with inductor's `cpp.dynamic_threads`, which also opens a parallel region in every kernel however small
+  (a few percent of a 2 ms int4 step: docs/benchmarks.md §30). Either way it checks torch's global state itself at
+  each call, the thread count aside
   (`_GlobalState`: the first call's state, a step's under `torch.inference_mode()`); a call in another state runs
   eagerly, counted in `eager_calls`. Tandem's C++ kernels (`at::parallel_for`) and oneDNN's read the count at each
   call anyway. The compile cache keys the graphs by the option (`inference_svc.executor.compile_cache`).
@@ -103,6 +107,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 import types
@@ -355,7 +360,9 @@ class CompiledDecoder:
         if kind == "traced" and self._cpu:
             options.update(_CPU_OPTIONS)
         if self.dynamic_threads:
-            options.update(_DYNAMIC_THREADS_OPTIONS, guard_filter_fn=_guard_filter_dynamic_threads)
+            options["guard_filter_fn"] = _guard_filter_dynamic_threads
+            if torch.get_num_threads() != os.cpu_count():  # else inductor leaves the count to OpenMP anyway
+                options.update(_DYNAMIC_THREADS_OPTIONS)
         guards = options.pop("guard_filter_fn")
         backend = torch._TorchCompileInductorWrapper(None, options, None)  # what torch.compile builds
         return torch._dynamo.optimize(backend=backend, nopython=True, dynamic=None, guard_filter_fn=guards,
