@@ -279,9 +279,9 @@ class CompiledDecoder:
         """Torch's global state of the first call (the warm-up's, which the graphs were compiled or loaded in), the
         thread count aside (dynamic threads only)."""
         self.row_kernels = set_row_kernels(model, row_table)
+        """Projections that run Tandem's row kernels by `row_table` (`serving_model.set_row_kernels`)."""
         self.one_traced_graph = not any(m.row_bounds() for m in model.modules() if hasattr(m, "row_bounds"))
         """Whether one traced graph serves every T >= 1: no projection branches on T (module docstring, Shapes)."""
-        """Projections that run Tandem's row kernels by `row_table` (`serving_model.set_row_kernels`)."""
         # room for the graphs of each kind of backend and each branch of T (every decoder has its own code objects)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._cpu = next(model.parameters()).device.type == "cpu"
