@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cpuid.h>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -184,6 +185,26 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
   _tile_release();
 }
 
+// x [M, K] bf16 bits -> xv [ceil(M / 16)][K / 2][16][2]: each tile of 16 rows as the tiles' second operand wants it,
+// a column pair of 16 rows per 64 bytes (a pair is one 32-bit element: the layout is a 32-bit transpose of each
+// block), rows past M zero. One 16-lane gather per pair of a block.
+__attribute__((target("avx512f"))) inline void pack_pairs(const uint16_t* xp, int64_t m, int64_t k, uint16_t* xv) {
+  const int64_t pairs = k / 2;
+  const auto* src = reinterpret_cast<const int32_t*>(xp);  // [M, K / 2] pairs
+  auto* dst = reinterpret_cast<int32_t*>(xv);
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int32_t>(pairs)));
+  for (int64_t b = 0; b * kTile < m; ++b) {
+    const int64_t valid = std::min(kTile, m - b * kTile);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    const int32_t* block = src + b * kTile * pairs;
+    int32_t* out = dst + b * kTile * pairs;
+    for (int64_t p = 0; p < pairs; ++p)
+      _mm512_storeu_si512(out + p * kTile,
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows, block + p, 4));
+  }
+}
+
 // y[:, :min(n_tiles * 16, n)] = x [M, K] W[:n_tiles * 16]^T (times `scales`, where given), bf16 bits; K a multiple
 // of 32. W's tiles come from `source` (see amx_tiles); rows past n_tiles * 16 are not touched. Tiles are split over
 // torch's intra-op threads.
@@ -193,14 +214,10 @@ void run_amx(const uint16_t* xp, const Source& source, const float* scales, uint
   using W = std::remove_cv_t<std::remove_pointer_t<decltype(source.rows(0, nullptr))>>;
   // Activations in column pairs per tile of 16 rows: xv[block][k / 2][16][2], zero rows past m.
   const int64_t blocks = (m + kTile - 1) / kTile, block_stride = k * kTile;
-  std::vector<uint16_t> xv(blocks * block_stride, 0);
-  for (int64_t r = 0; r < m; ++r) {
-    uint16_t* dst = xv.data() + (r / kTile) * block_stride + (r % kTile) * 2;
-    const uint16_t* src = xp + r * k;
-    for (int64_t p = 0; p < k / 2; ++p) dst[p * 2 * kTile] = src[2 * p], dst[p * 2 * kTile + 1] = src[2 * p + 1];
-  }
+  const std::unique_ptr<uint16_t[]> xv(new uint16_t[blocks * block_stride]);  // every element written by pack_pairs
+  pack_pairs(xp, m, k, xv.get());
   at::parallel_for(0, n_tiles, 4, [&](int64_t begin, int64_t end) {
-    amx_tiles<W>(xv.data(), source, scales, yp, m, n, k, blocks, block_stride, begin, end);
+    amx_tiles<W>(xv.get(), source, scales, yp, m, n, k, blocks, block_stride, begin, end);
   });
 }
 
