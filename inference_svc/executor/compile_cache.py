@@ -28,6 +28,10 @@ Contract:
   removes the working folder (every library is loaded by then), and returns the `compile_cache` choice: hit
   (where from, how many graphs dynamo traced: 0 when every one came from a package), or miss (saved where, or
   why not).
+- The working folder lives in the temp folder, named with the process id (`WORK_PREFIX`). An exception out of the
+  `compiling()` block removes it at once (`finish` may never come); a process stopped or killed mid-compile cannot,
+  so each `compiling()` first removes the working folders of processes that no longer run (`sweep_orphans`):
+  restarts during compiles do not fill the disk (once a folder has been unchanged for `ORPHAN_AGE_S`).
 - No environment switch: the folder is `EngineConfig.compile_cache` ('off': torch's own caches only, untouched).
   Torch's inductor cache folder is pointed at the working folder only for the compile, and put back after it.
 """
@@ -42,6 +46,7 @@ import os
 import platform
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +61,10 @@ TORCH_FOLDER = "torch"
 PACKAGES_FOLDER = "tandem-packages"
 """Inside the torch folder: each decoder's saved dynamo packages (`shared_model.compiled`)."""
 MANIFEST = "manifest.json"
+WORK_PREFIX = "tandem-compile-"
+"""A compile's private working folder in the temp folder: WORK_PREFIX<digest>-<pid>-<random> (`sweep_orphans`)."""
+ORPHAN_AGE_S = 600.0
+"""A working folder of an ended process is removed once unchanged this long (longer than any compile here)."""
 BUNDLE_FOLDER = COMPILE_CACHE_FOLDER
 """The folder inside a bundle where `tandem warm` writes entries (read before `--compile-cache`)."""
 FORMAT = 2
@@ -193,11 +202,18 @@ class CompileCache:
         if not self.dirs and self.save_dir is None:  # 'off': torch's own caches, as without Tandem's
             yield
             return
-        self.work = Path(tempfile.mkdtemp(prefix=f"tandem-compile-{self.name}-"))
-        self.load()
-        self._before = _counts()
-        with temporary_cache_dir(str(self.work)):
-            yield
+        swept = sweep_orphans(Path(tempfile.gettempdir()))
+        if swept:
+            log.info("compile cache: removed %d working folder(s) of processes that ended mid-compile", swept)
+        self.work = Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{self.name}-{os.getpid()}-"))
+        try:
+            self.load()
+            self._before = _counts()
+            with temporary_cache_dir(str(self.work)):
+                yield
+        except BaseException:  # `finish` may never come (the start failed, was stopped): the folder goes now
+            shutil.rmtree(self.work, ignore_errors=True)
+            raise
 
     def packages(self, decoder: str) -> Path | None:
         """The folder of `decoder`'s saved dynamo packages ('target', 'draft') in the working folder (None: 'off')."""
@@ -267,6 +283,35 @@ class CompileCache:
         finally:
             if self.work is not None:
                 shutil.rmtree(self.work, ignore_errors=True)
+
+
+def sweep_orphans(folder: Path, now: float | None = None) -> int:
+    """Remove the working folders (`WORK_PREFIX<digest>-<pid>-*`) under `folder` of processes that no longer run:
+    a start stopped by a signal, or killed, while it compiled leaves its folder behind (a daemon thread's `finally`
+    never runs at exit; SIGKILL runs nothing). Folders of live processes, of another user, named otherwise, or
+    changed in the last `ORPHAN_AGE_S` seconds (a process in another PID namespace sharing this temp folder looks
+    ended from here) are left alone. Returns how many were removed; never raises."""
+    now = time.time() if now is None else now
+    removed = 0
+    try:
+        candidates = list(folder.glob(f"{WORK_PREFIX}*"))
+    except OSError:
+        return 0
+    for path in candidates:
+        parts = path.name[len(WORK_PREFIX) :].split("-")
+        if len(parts) != 3 or not parts[1].isdigit() or int(parts[1]) == os.getpid():
+            continue
+        try:
+            st = path.lstat()
+            if st.st_uid != os.getuid() or not path.is_dir() or path.is_symlink() or now - st.st_mtime < ORPHAN_AGE_S:
+                continue
+            os.kill(int(parts[1]), 0)  # the owner still runs (or the pid was reused): keep
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed += not path.exists()
+        except OSError:  # another user's process (EPERM), or the folder went meanwhile
+            continue
+    return removed
 
 
 def _verify(found: dict, listed: dict) -> None:

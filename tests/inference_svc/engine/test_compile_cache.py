@@ -87,6 +87,42 @@ def test_a_matching_entry_is_copied_for_the_compile_and_the_copy_removed(qwen3_d
     assert choice.value == "hit" and cache.loaded_from == tmp_path / digest(key) and not cache.work.exists()
 
 
+def test_a_compile_that_raises_leaves_no_working_folder(qwen3_dir: Path, tmp_path: Path) -> None:
+    cache = CompileCache([tmp_path], tmp_path, _key(qwen3_dir))
+    with pytest.raises(KeyboardInterrupt), cache.compiling():  # a start stopped mid-compile: no `finish` follows
+        assert cache.work is not None and cache.work.is_dir()
+        assert cache.work.name.startswith(f"{compile_cache.WORK_PREFIX}{cache.name}-{os.getpid()}-")
+        raise KeyboardInterrupt
+    assert not cache.work.exists()
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(cache.work)
+
+
+def test_working_folders_of_processes_that_ended_are_swept_and_no_other(tmp_path: Path) -> None:
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                           check=True, timeout=60)  # fmt: skip
+    dead, live = int(ended.stdout), os.getppid()  # a process that has exited; one that runs (this one's parent)
+    prefix = compile_cache.WORK_PREFIX
+    orphan = tmp_path / f"{prefix}{'a' * 20}-{dead}-x1"
+    (orphan / "fxgraph").mkdir(parents=True)
+    (orphan / "fxgraph" / "graph").write_bytes(b"left by a killed start")
+    kept = [
+        tmp_path / f"{prefix}{'b' * 20}-{live}-x2",  # its owner runs
+        tmp_path / f"{prefix}{'c' * 20}-{os.getpid()}-x3",  # this process's own
+        tmp_path / f"{prefix}unrelated",  # named otherwise
+        tmp_path / "other-folder",
+    ]
+    for folder in kept:
+        folder.mkdir()
+    plain = tmp_path / f"{prefix}{'d' * 20}-{dead}-x4"
+    plain.write_text("a file, not a working folder")
+    later = orphan.stat().st_mtime + compile_cache.ORPHAN_AGE_S
+    assert compile_cache.sweep_orphans(tmp_path, now=later - 1) == 0  # changed too recently: perhaps still in use
+    assert compile_cache.sweep_orphans(tmp_path, now=later + 1) == 1
+    assert not orphan.exists() and plain.exists() and all(folder.is_dir() for folder in kept)
+    assert compile_cache.sweep_orphans(tmp_path, now=later + 1) == 0
+    assert compile_cache.sweep_orphans(tmp_path / "missing") == 0  # never raises
+
+
 @pytest.mark.parametrize("damage", ["checksum", "missing", "extra", "manifest", "no files"])
 def test_a_corrupt_entry_is_reported_and_skipped(qwen3_dir: Path, tmp_path: Path, damage: str) -> None:
     key = _key(qwen3_dir)
