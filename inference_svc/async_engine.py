@@ -77,7 +77,7 @@ from inference_svc.errors import (
 )
 from inference_svc.lifecycle import Lifecycle, State
 from inference_svc.metrics import ServiceMetrics
-from inference_svc.settings import AdmissionLimits
+from inference_svc.settings import BURST_WINDOW_SPAN, AdmissionLimits
 from inference_svc.tokenize_gate import TokenizeGate
 
 log = logging.getLogger(__name__)
@@ -501,18 +501,28 @@ class AsyncEngine:
 
     def _handle_commands(self) -> bool:
         """Apply at most `max_commands_per_step` queued commands (the rest wait for the next round, after a step),
-        so a flood of commands cannot starve the running streams; block briefly when idle. False once asked to
-        stop."""
+        so a flood of commands cannot starve the running streams; block briefly when idle, and after an idle
+        spell's first command take those that follow within `AdmissionLimits.burst_window_ms` of each other. False
+        once asked to stop."""
         assert self.thread is not None
         inbox = self.thread.inbox
         block = not self.engine.has_unfinished_requests()
+        window = self.limits.burst_window_ms / 1000.0
+        burst_end: float | None = None  # an idle engine's first command came: what follows within the window joins
         errors: list[tuple[str, RequestOutput | BaseException]] = []
         handled = 0
         while handled < self.max_commands_per_step:
             try:
-                cmd = inbox.get(timeout=_IDLE_POLL_S) if block else inbox.get_nowait()
+                if block:
+                    cmd = inbox.get(timeout=_IDLE_POLL_S)
+                elif burst_end is not None and (left := burst_end - time.monotonic()) > 0:
+                    cmd = inbox.get(timeout=min(window, left))
+                else:
+                    cmd = inbox.get_nowait()
             except queue.Empty:
                 break
+            if block and window > 0:
+                burst_end = time.monotonic() + BURST_WINDOW_SPAN * window
             block = False
             handled += 1
             if cmd is _STOP:

@@ -146,6 +146,13 @@ def _serve_parser() -> argparse.ArgumentParser:
         default=AdmissionLimits.max_tokenizing_chars,
         help="most characters of long texts being tokenized at once; more gets RESOURCE_EXHAUSTED",
     )
+    lim.add_argument(
+        "--burst-window-ms",
+        type=float,
+        default=AdmissionLimits.burst_window_ms,
+        help="an idle engine's first step also takes the requests that follow within this many ms of each other "
+        "(at most 20 windows in all): a burst is prefilled in one step; 0 starts at the first request",
+    )
     lim.add_argument("--max-request-bytes", type=int, default=1024 * 1024, help="largest serialized request")
     lim.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     sec = p.add_argument_group("security")
@@ -207,6 +214,7 @@ def build_serve_config(argv: Sequence[str]) -> tuple[ServerSettings, Any, argpar
                 max_queued_requests=args.max_queue,
                 max_queued_tokens=args.max_queue_tokens,
                 max_tokenizing_chars=args.max_tokenizing_chars,
+                burst_window_ms=args.burst_window_ms,
             ),
             max_request_bytes=args.max_request_bytes,
             shutdown_grace=args.shutdown_grace,
