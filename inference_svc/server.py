@@ -207,6 +207,9 @@ class TandemServer:
             info = engine.info()
             self.metrics.observe_model(info)
             log.info("load plan: %s", info.load_plan.summary())
+            a = s.admission
+            log.info("admission: max_queue=%d max_queue_tokens=%d burst_window=%g ms", a.max_queued_requests,
+                     a.max_queued_tokens, a.burst_window_ms)  # fmt: skip
             await async_engine.start()
         except BaseException:
             thread.close()

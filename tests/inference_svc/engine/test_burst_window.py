@@ -52,31 +52,27 @@ async def _two_requests(engine: AsyncEngine, second_after: threading.Event) -> N
     assert await asyncio.gather(first, second) == [2, 2]
 
 
-def test_a_request_within_the_window_joins_the_first_step(llama_dir, make_engine) -> None:
+@pytest.mark.parametrize(
+    ("window_ms", "second_after", "held"),
+    [
+        # a window far longer than the few milliseconds between the two requests' arrival (bounded: a second): the
+        # second request, sent once the first is in the engine, joins the first step
+        (1000.0, "added", 2),
+        # no window: the second, sent once a step has started, is not in it
+        (0.0, "stepped", 1),
+    ],
+    ids=["within-the-window-joins", "no-window-starts-alone"],
+)
+def test_the_first_step_after_an_idle_spell(llama_dir, make_engine, window_ms, second_after, held) -> None:
     async def main() -> None:
-        # a window far longer than the few milliseconds between the two requests' arrival (bounded: a second)
-        engine = AsyncEngine(make_engine(llama_dir), limits=AdmissionLimits(burst_window_ms=1000.0))
+        engine = AsyncEngine(make_engine(llama_dir), limits=AdmissionLimits(burst_window_ms=window_ms))
         watch = _Watch(engine.engine)
         await engine.start()
         try:
-            await _two_requests(engine, watch.added)  # the second is sent once the first is in the engine
+            await _two_requests(engine, getattr(watch, second_after))
         finally:
             await engine.stop()
-        assert watch.held_at_step[0] == 2, watch.held_at_step
-
-    asyncio.run(main())
-
-
-def test_without_a_window_the_first_step_starts_at_the_first_request(llama_dir, make_engine) -> None:
-    async def main() -> None:
-        engine = AsyncEngine(make_engine(llama_dir), limits=AdmissionLimits(burst_window_ms=0.0))
-        watch = _Watch(engine.engine)
-        await engine.start()
-        try:
-            await _two_requests(engine, watch.stepped)  # the second is sent once a step has started
-        finally:
-            await engine.stop()
-        assert watch.held_at_step[0] == 1, watch.held_at_step
+        assert watch.held_at_step[0] == held, watch.held_at_step
 
     asyncio.run(main())
 
