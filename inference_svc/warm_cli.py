@@ -5,8 +5,8 @@ model and flags, torch and Python), starts without compiling.
 Contract:
 - The engine flags are `tandem serve`'s (`EngineConfig`, the same names, defaults and `--dtype auto` rule), so the
   key computed here is the key the server computes for the same flags; `--compile` must not be 'off' (warming
-  compiles: 'auto' and 'on' both compile here); `--compile-cache` is not a flag here: the bundle's own folder is
-  the destination.
+  compiles: 'auto' and 'on' both compile here); `--compile-cache` and `--compile-cache-max-mb` are not flags here:
+  the bundle's own folder is the destination, and it is never pruned.
 - Prints one line `tandem warm: <key> <hit|miss> ...` (the load plan's `compile_cache` choice) and exits 0 when the
   bundle holds the entry afterwards; exits 1 when the model cannot load or compile, 2 on a bad flag.
 """
@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     p.add_argument("model", metavar="BUNDLE", help="the model folder (written into: BUNDLE/compile_cache/)")
-    spec = FlagSpec(names=ENGINE_FLAGS.names, choices=ENGINE_FLAGS.choices, skip=frozenset({"compile_cache"}))
+    spec = FlagSpec(names=ENGINE_FLAGS.names, choices=ENGINE_FLAGS.choices, skip=frozenset({"compile_cache", "compile_cache_max_mb"}))
     add_flags(p.add_argument_group("engine (as tandem serve)"), EngineConfig, spec)
     return p
 

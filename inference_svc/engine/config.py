@@ -153,6 +153,9 @@ class EngineConfig:
     """Folder of compiled decode steps (torch's compile artifacts) keyed by model, graph flags, torch and CPU: a
     second start of the same model loads them instead of compiling; a bundle's own `compile_cache/` folder (written
     by `tandem warm`) is read first. 'off': neither read nor written."""
+    compile_cache_max_mb: int = 2048
+    """Most megabytes the `compile_cache` folder keeps (an entry is 8-30 MB): after a start, its least recently
+    used entries go until it fits (never the one this start uses; a bundle's own folder is never pruned)."""
     speculative: str = "off"
     """Speculative decoding by default: 'off', 'ngram' (drafts by prompt lookup) or the folder of a small draft
     model sharing the target's tokenizer; drafts are verified in one batched forward, greedy output is unchanged
@@ -286,6 +289,13 @@ class EngineConfig:
             )
         if not isinstance(self.compile_cache, str) or not self.compile_cache.strip():
             raise EngineConfigError("compile_cache", f"must be a folder or 'off', got {self.compile_cache!r}")
+        if (
+            not isinstance(self.compile_cache_max_mb, int) or isinstance(self.compile_cache_max_mb, bool)
+            or self.compile_cache_max_mb < 1
+        ):  # fmt: skip
+            raise EngineConfigError(
+                "compile_cache_max_mb", f"must be a positive number of megabytes, got {self.compile_cache_max_mb!r}"
+            )
 
     def _check_speculative(self) -> None:
         if not isinstance(self.speculative, str) or (

@@ -174,7 +174,7 @@ class Engine:
         cache_choice = compile_cache.unused()
         if compile_step:
             key = compile_cache.cache_key(bundle.path, config, native, self.dtype, dynamic_threads=governed)
-            cache = compile_cache.open_cache(config.compile_cache, bundle.path, key)
+            cache = compile_cache.open_cache(config.compile_cache, bundle.path, key, config.compile_cache_max_mb)
             try:
                 with cache.compiling():
                     self.compile_seconds = sum(

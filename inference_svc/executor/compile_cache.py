@@ -32,6 +32,9 @@ Contract:
   `compiling()` block removes it at once (`finish` may never come); a process stopped or killed mid-compile cannot,
   so each `compiling()` first removes the working folders of processes that no longer run (`sweep_orphans`):
   restarts during compiles do not fill the disk (once a folder has been unchanged for `ORPHAN_AGE_S`).
+- The cache folder is bounded (`EngineConfig.compile_cache_max_mb`): after each start's `finish`, `evict` removes
+  its least recently used entries (a hit marks its entry used) until the folder fits, never this start's entry, and
+  the half-written entries of saves that were killed. A bundle's own folder (`tandem warm`) is never evicted.
 - No environment switch: the folder is `EngineConfig.compile_cache` ('off': torch's own caches only, untouched).
   Torch's inductor cache folder is pointed at the working folder only for the compile, and put back after it.
 """
@@ -183,6 +186,8 @@ class CompileCache:
     save_dir: Path | None
     """Where a miss is saved (None: not saved)."""
     key: dict[str, str]
+    max_bytes: int | None = None
+    """`save_dir`'s bound: least recently used entries are evicted past it (None: never; a bundle's folder)."""
     loaded_from: Path | None = None
     problems: list[str] = field(default_factory=list)
     work: Path | None = None
@@ -254,7 +259,11 @@ class CompileCache:
         return listed
 
     def finish(self, compiled: bool) -> Choice:
-        """After the warm-up compile: save on a miss, drop the working folder, and the `compile_cache` choice."""
+        """After the warm-up compile: save on a miss, drop the working folder, keep the folder under its bound, and
+        the `compile_cache` choice."""
+        return self._bounded(self._finish(compiled))
+
+    def _finish(self, compiled: bool) -> Choice:
         hits, misses, traced = (a - b for a, b in zip(_counts(), self._before, strict=True))
         notes = f" ({'; '.join(self.problems)})" if self.problems else ""
         try:
@@ -283,6 +292,75 @@ class CompileCache:
         finally:
             if self.work is not None:
                 shutil.rmtree(self.work, ignore_errors=True)
+
+    def _bounded(self, choice: Choice) -> Choice:
+        """Mark a hit's entry used and keep `save_dir` under `max_bytes` (`evict`); the choice, eviction noted."""
+        if self.save_dir is None or self.max_bytes is None or choice.value == "unused":
+            return choice
+        if self.loaded_from is not None and self.loaded_from.parent == self.save_dir:
+            with contextlib.suppress(OSError):
+                os.utime(self.loaded_from)  # used now: the last to go
+        removed, freed = evict(self.save_dir, self.max_bytes, keep=self.name)
+        if not removed:
+            return choice
+        mb = self.max_bytes / 2**20
+        note = f"; evicted {removed} least recently used entries ({freed / 2**20:.0f} MB) to stay under {mb:.0f} MB"
+        return Choice(choice.lever, choice.value, choice.reason + note)
+
+
+def entry_folders(folder: Path) -> list[Path]:
+    """The entries under `folder`: sub-folders named as `digest` names them (20 hex digits), links left out."""
+    try:
+        children = list(folder.iterdir())
+    except OSError:
+        return []
+    hexdigits = set("0123456789abcdef")
+    return [
+        p for p in children
+        if len(p.name) == 20 and set(p.name) <= hexdigits and p.is_dir() and not p.is_symlink()
+    ]  # fmt: skip
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the regular files under `folder` (0 where unreadable)."""
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def evict(folder: Path, max_bytes: int, keep: str, now: float | None = None) -> tuple[int, int]:
+    """Keep the cache `folder` under `max_bytes`: remove the temporary folders of saves that never finished
+    (`.<digest>-*`, unchanged for `ORPHAN_AGE_S`), then its entries least recently used first (an entry folder's
+    mtime: set when saved and at each hit), never the entry named `keep`, until the rest fit. Nothing but entry
+    folders and those temporaries is counted or removed. Returns (entries removed, bytes freed); never raises."""
+    now = time.time() if now is None else now
+    freed = removed = 0
+    with contextlib.suppress(OSError):
+        for tmp in folder.glob(".*-*"):
+            name = tmp.name[1:].split("-")[0]
+            st = tmp.lstat()
+            if len(name) == 20 and tmp.is_dir() and not tmp.is_symlink() and now - st.st_mtime >= ORPHAN_AGE_S:
+                freed += folder_bytes(tmp)
+                shutil.rmtree(tmp, ignore_errors=True)
+    entries = []
+    for entry in entry_folders(folder):
+        with contextlib.suppress(OSError):
+            entries.append((entry.stat().st_mtime, entry, folder_bytes(entry)))
+    total = sum(size for _, _, size in entries)
+    for _, entry, size in sorted(entries, key=lambda e: (e[0], e[1].name)):
+        if total <= max_bytes:
+            break
+        if entry.name == keep:
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        if not entry.exists():
+            total -= size
+            freed += size
+            removed += 1
+    return removed, freed
 
 
 def sweep_orphans(folder: Path, now: float | None = None) -> int:
@@ -348,16 +426,18 @@ def save_entry(folder: Path, key: dict[str, str], torch_dir: Path) -> Path:
     return entry
 
 
-def open_cache(setting: str, bundle_path: str | Path, key: dict[str, str]) -> CompileCache:
+def open_cache(setting: str, bundle_path: str | Path, key: dict[str, str], max_mb: int | None = None) -> CompileCache:
     """The cache an engine uses: `setting` is `EngineConfig.compile_cache` (a folder, '~' expanded, or 'off'). The
     bundle's own `compile_cache/` is read first; a miss is saved into `setting`'s folder (`tandem warm` names the
-    bundle's own folder there)."""
+    bundle's own folder there), which is kept under `max_mb` (`EngineConfig.compile_cache_max_mb`; None: unbounded;
+    a bundle's own folder never is: what `tandem warm` stored there ships with it)."""
     if setting == "off":
         return CompileCache((), None, key)
     own = Path(os.path.expanduser(setting))
     bundle_dir = bundle_cache_dir(bundle_path)
-    dirs = (bundle_dir,) if own.resolve() == bundle_dir.resolve() else (bundle_dir, own)
-    return CompileCache(dirs, own, key)
+    if own.resolve() == bundle_dir.resolve():
+        return CompileCache((bundle_dir,), own, key)
+    return CompileCache((bundle_dir, own), own, key, None if max_mb is None else max_mb * 2**20)
 
 
 def unused() -> Choice:

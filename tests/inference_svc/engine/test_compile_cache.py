@@ -262,3 +262,49 @@ def test_saved_packages_load_without_tracing_and_anything_else_is_traced(tmp_pat
         assert damaged.precompiled.startswith("not loaded (") and damaged_traced >= 1, damaged.precompiled
         assert all(torch.equal(a, b) for a, b in zip(cold_out, damaged_out, strict=True))
         assert all(d.eager_calls == 0 for d in (cold, warm_decoder, wider, damaged))
+
+
+def _aged(entry: Path, mtime: float) -> Path:
+    os.utime(entry, (mtime, mtime))
+    return entry
+
+
+def test_the_cache_folder_keeps_its_bound_by_evicting_the_least_recently_used(qwen3_dir: Path, tmp_path: Path) -> None:
+    key = _key(qwen3_dir)
+    mb = b"x" * (2**20 - 4096)  # an entry of a megabyte, manifest included
+    old = [_aged(_plant(tmp_path, _key(qwen3_dir, model=f"m{i}"), {"fxgraph/g": mb}), 1_000 + i) for i in range(4)]
+    _aged(_plant(tmp_path, key, {"fxgraph/g": mb}), 900)  # this start's entry: the oldest, and never evicted
+    stray = tmp_path / ("e" * 21)  # not an entry's name: neither counted nor touched
+    stray.mkdir()
+    (stray / "big").write_bytes(mb * 3)
+    torn = tmp_path / f".{'f' * 20}-abc"  # a save killed before its rename
+    (torn / TORCH_FOLDER).mkdir(parents=True)
+    (torn / TORCH_FOLDER / "g").write_bytes(mb)
+    _aged(torn, 0)
+    cache = compile_cache.open_cache(str(tmp_path), qwen3_dir, key, max_mb=3)
+    assert cache.max_bytes == 3 * 2**20
+    _open(cache)
+    choice = cache.finish(compiled=True)
+    assert choice.value == "hit" and "evicted 2 least recently used entries" in choice.reason, choice.reason
+    assert [e.exists() for e in old] == [False, False, True, True]  # the two least recently used went
+    assert (tmp_path / digest(key)).exists() and stray.exists() and not torn.exists()
+    assert (tmp_path / digest(key)).stat().st_mtime > old[3].stat().st_mtime  # the hit marked it used
+    # under the bound nothing goes, and nothing is said
+    again = compile_cache.open_cache(str(tmp_path), qwen3_dir, key, max_mb=3)
+    _open(again)
+    assert "evicted" not in again.finish(compiled=True).reason and all(e.exists() for e in old[2:])
+
+
+def test_a_bundle_folder_is_never_evicted(qwen3_dir: Path, tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    shutil.copytree(qwen3_dir, bundle)
+    key = _key(bundle)
+    shipped = _plant(bundle / "compile_cache", _key(bundle, model="other"), {"fxgraph/g": b"x" * 2**20})
+    into = compile_cache.open_cache(str(bundle / "compile_cache"), bundle, key, max_mb=1)  # `tandem warm`
+    assert into.max_bytes is None
+    assert compile_cache.evict(bundle / "compile_cache", 2**30, keep=digest(key)) == (0, 0)
+    _open(into)
+    into.finish(compiled=False)
+    assert shipped.exists()
+    with pytest.raises(ValueError, match="compile_cache_max_mb"):
+        EngineConfig(compile_cache_max_mb=0)
