@@ -31,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     p.add_argument("model", metavar="BUNDLE", help="the model folder (written into: BUNDLE/compile_cache/)")
-    spec = FlagSpec(names=ENGINE_FLAGS.names, choices=ENGINE_FLAGS.choices, skip=frozenset({"compile_cache", "compile_cache_max_mb"}))
+    skip = frozenset({"compile_cache", "compile_cache_max_mb"})  # the bundle's own folder, never pruned
+    spec = FlagSpec(names=ENGINE_FLAGS.names, choices=ENGINE_FLAGS.choices, skip=skip)
     add_flags(p.add_argument_group("engine (as tandem serve)"), EngineConfig, spec)
     return p
 
