@@ -94,8 +94,10 @@ class EngineConfig:
     """On GPU with kv_cache_memory=None: fraction of free memory (after weights) given to the KV cache."""
     max_num_seqs: int = 64
     """Most sequences running (holding KV blocks) at once."""
-    max_num_batched_tokens: int = 2048
-    """Most tokens (decode tokens + prefill chunk tokens) computed in one engine step."""
+    max_num_batched_tokens: int | str = "auto"
+    """Most tokens (decode tokens + prefill chunk tokens) computed in one engine step: a number, or 'auto' (on a CPU
+    prefill_chunk_size + max_num_seqs, one whole chunk beside every running decode, so a burst of prompts gets its
+    first tokens over short steps; 2048 on a GPU: `inference_svc.executor.step_budget`)."""
     enable_chunked_prefill: bool = True
     """Split long prompts into chunks of at most prefill_chunk_size tokens, interleaved with decodes."""
     prefill_chunk_size: int = 512
@@ -186,7 +188,10 @@ class EngineConfig:
     """Largest LoRA rank an adapter may have; a higher one is refused. Slots are sized by it."""
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
+        if isinstance(self.max_num_batched_tokens, str) and self.max_num_batched_tokens.strip().isdigit():
+            object.__setattr__(self, "max_num_batched_tokens", int(self.max_num_batched_tokens))  # a flag's text
+        names = ["block_size", "max_num_seqs", "prefill_chunk_size"]
+        for name in names + ([] if self.max_num_batched_tokens == "auto" else ["max_num_batched_tokens"]):
             _positive_int(name, getattr(self, name))
         _positive_int("max_new_tokens_limit", self.max_new_tokens_limit)
         if self.max_model_len is not None:

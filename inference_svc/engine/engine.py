@@ -51,6 +51,7 @@ Contract:
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -79,6 +80,7 @@ from inference_svc.executor import compile_cache, governor
 from inference_svc.executor import prepare as executor  # a module: it imports the engine's config in turn
 from inference_svc.executor.governor import ThreadGovernor
 from inference_svc.executor.plan import LoadPlan
+from inference_svc.executor.step_budget import choose_step_budget
 from inference_svc.executor.threads import settle as settle_threads
 from inference_svc.lora import requests as lora_requests
 from shared_model.bundle import Bundle
@@ -107,6 +109,9 @@ class Engine:
         # the load-time transforms, in order, each choice recorded (inference_svc.executor.prepare)
         settled = settle_threads(config.threads, config.omp_wait)
         governed, governor_choice = governor.resolve(config.thread_governor, settled.threads, device.type == "cpu")
+        budget, budget_choice = choose_step_budget(config.max_num_batched_tokens, device.type,
+                                                   config.prefill_chunk_size, config.max_num_seqs)  # fmt: skip
+        self.config = config = dataclasses.replace(config, max_num_batched_tokens=budget)  # the scheduler's count
         self.thread_governor = ThreadGovernor(settled.threads, settled.cpus, governed)
         """The intra-op thread count of the steps, polled between them (`inference_svc.executor.governor`)."""
         native, cpu_choice = executor.choose_cpu_kernels(config, device)
@@ -190,8 +195,9 @@ class Engine:
                         r.drop_compiled()
             cache_choice = cache.finish(self.compiled)
         self.load_plan = LoadPlan((
-            *settled.choices, governor_choice, cpu_choice, *prepared.choices, *executor.linear_choices(model),
-            attention_choice, executor.sampler_choice(native, device), compile_choice, cache_choice,
+            *settled.choices, governor_choice, budget_choice, cpu_choice, *prepared.choices,
+            *executor.linear_choices(model), attention_choice, executor.sampler_choice(native, device), compile_choice,
+            cache_choice,
         ))  # fmt: skip
         """Every lever's choice and reason, in the order made (`inference_svc.executor`); fixed from here on."""
 

@@ -1,0 +1,34 @@
+"""The step budget: the most tokens (decode rows and prefill chunk tokens) one engine step computes.
+
+Contract:
+- `choose_step_budget(setting, device, chunk, max_num_seqs)` resolves `EngineConfig.max_num_batched_tokens` at
+  load and returns the count with its `step_budget` choice for the load plan. A number is used as given. 'auto' is
+  a rule, never a timing:
+  - on a CPU, one whole prefill chunk beside every running decode: `prefill_chunk_size + max_num_seqs` (576 by
+    default). Every prompt in a step gets its first token when the step ends, and a CPU step's time grows with its
+    tokens, so a burst of prompts is answered over a few short steps instead of all at the end of one long one;
+    and no prompt of a chunk's length is cut in two by the decode rows beside it. The price is more steps, each
+    paying its own fixed costs (the weights read again, scheduling): lower TTFT at every load measured, slightly
+    lower tokens/s for a load of long prompts, which sets the flag higher (docs/benchmarks.md §34);
+  - on a GPU, `GPU_DEFAULT` (its steps are short at any of these sizes), never below `max_num_seqs`.
+- The engine builds its scheduler (and the embeddings' batches) from the resolved count; the choice says which
+  rule gave it.
+"""
+
+from __future__ import annotations
+
+from inference_svc.executor.plan import Choice
+
+GPU_DEFAULT = 2048
+
+
+def choose_step_budget(setting: int | str, device: str, chunk: int, max_num_seqs: int) -> tuple[int, Choice]:
+    """The step's token budget and its `step_budget` choice (see the module docstring)."""
+    if setting != "auto":
+        assert isinstance(setting, int)
+        return setting, Choice("step_budget", str(setting), "--max-batched-tokens as given")
+    if device == "cpu":
+        why = f"auto on a CPU: a whole prefill chunk ({chunk}) beside every running decode ({max_num_seqs})"
+        return chunk + max_num_seqs, Choice("step_budget", str(chunk + max_num_seqs), why)
+    budget = max(GPU_DEFAULT, max_num_seqs)
+    return budget, Choice("step_budget", str(budget), f"auto on a GPU: {GPU_DEFAULT}, at least --max-running")

@@ -1,0 +1,49 @@
+"""The step budget's rule (`inference_svc.executor.step_budget`): 'auto' on a CPU is one whole prefill chunk beside
+every running decode, on a GPU its fixed default (at least max_num_seqs); a number is used as given; the engine's
+scheduler runs the resolved count and the load plan says why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from inference_svc.engine import Engine, EngineConfig, SamplingParams
+from inference_svc.engine.config import EngineConfigError
+from inference_svc.executor.step_budget import GPU_DEFAULT, choose_step_budget
+
+
+@pytest.mark.parametrize(
+    ("device", "chunk", "seqs", "expected"),
+    [
+        ("cpu", 512, 64, 576),  # the defaults
+        ("cpu", 256, 8, 264),
+        ("cuda", 512, 64, GPU_DEFAULT),
+        ("cuda", 512, 4096, 4096),  # every running sequence decodes in each step
+    ],
+)
+def test_auto_fits_a_chunk_beside_every_decode(device: str, chunk: int, seqs: int, expected: int) -> None:
+    budget, choice = choose_step_budget("auto", device, chunk, seqs)
+    assert budget == expected and choice.lever == "step_budget" and choice.value == str(expected)
+    assert choice.reason.startswith("auto")
+
+
+def test_a_number_is_used_as_given() -> None:
+    assert choose_step_budget(48, "cpu", 512, 64)[0] == 48
+    assert EngineConfig(max_num_batched_tokens="96").max_num_batched_tokens == 96  # a flag's text
+    for bad in (0, -1, "many", 2.5):
+        with pytest.raises(EngineConfigError, match="max_num_batched_tokens"):
+            EngineConfig(max_num_batched_tokens=bad)  # type: ignore[arg-type]
+
+
+def test_the_engine_schedules_with_the_resolved_budget(qwen3_dir: Path) -> None:
+    config = EngineConfig(device="cpu", compile="off", max_num_seqs=8, prefill_chunk_size=32)
+    engine = Engine.from_bundle(qwen3_dir, config)
+    assert engine.config.max_num_batched_tokens == engine.scheduler.config.max_num_batched_tokens == 40
+    choice = next(c for c in engine.info().load_plan if c.lever == "step_budget")
+    assert choice.value == "40" and "chunk (32)" in choice.reason
+    # a burst of 8 prompts of 16 tokens: the first step's 40 tokens answer two of them (and start a third)
+    for i in range(8):
+        engine.add_request(f"r{i}", list(range(3, 19)), SamplingParams(max_new_tokens=2, temperature=0.0))
+    answered = {out.request_id for out in engine.step() if out.new_token_ids}
+    assert answered == {"r0", "r1"}
