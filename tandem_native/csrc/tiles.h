@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cpuid.h>
+#include <cstdlib>
 #include <cstdint>
 #include <memory>
 #include <type_traits>
@@ -52,11 +53,11 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3: fp32 accumulators [16 weight rows, 16 activation rows]; 4: weight rows [16, 32 bf16];
-// 5: activation columns in pairs [16 column pairs, 16 rows x 2 bf16].
+// Tiles 0-3: fp32 accumulators [16 weight rows, 16 activation rows]; 4 and 5: weight rows [16, 32 bf16]; 6 and 7:
+// activation columns in pairs [16 column pairs, 16 rows x 2 bf16].
 __attribute__((target("amx-tile,amx-bf16"))) inline void configure_tiles() {
   TileConfig cfg;
-  for (int t = 0; t < 6; ++t) cfg.rows[t] = kTile, cfg.colsb[t] = 64;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = kTile, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
 }
 
@@ -73,14 +74,62 @@ __attribute__((target("avx512f,avx512bw"))) inline void widen_int8(const int8_t*
   }
 }
 
+// Tile instructions with the tile numbers as template arguments (the compiler's intrinsics take them only as
+// literal tokens): tload<T> loads tile T from `base` (rows `stride` bytes apart), tdp<D, A, B> is D += A * B.
+template <int T>
+__attribute__((target("amx-tile"))) inline void tload(const void* base, int64_t stride) {
+  __asm__ volatile("{tileloadd\t(%0,%1,1), %%tmm%c2|tileloadd\t%%tmm%c2, [%0+%1*1]}" ::"r"(base), "r"(stride),
+                   "i"(T));
+}
+template <int D, int A, int B>
+__attribute__((target("amx-tile,amx-bf16"))) inline void tdp() {
+  __asm__ volatile("{tdpbf16ps\t%%tmm%c2, %%tmm%c1, %%tmm%c0|tdpbf16ps\t%%tmm%c0, %%tmm%c1, %%tmm%c2}" ::"i"(D),
+                   "i"(A), "i"(B));
+}
+
+// One chunk of 32 columns: the weight's 16 rows into tile WT (4 or 5, alternating chunk by chunk), then each
+// activation block into tile 6 or 7 (alternating load by load; FLIP is the parity this chunk starts on) and its
+// product into accumulator b. Two tiles for each operand let a load run while the product before it still reads
+// the other; the products and their order per accumulator are the same as with one.
+template <int BLOCKS, int WT, int FLIP, typename W>
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) inline void tile_chunk(const W* w, const W* next,
+                                                                                       const uint16_t* xb, int64_t k,
+                                                                                       int64_t c,
+                                                                                       int64_t block_stride,
+                                                                                       uint16_t* widened) {
+  if (next != nullptr)  // the next tile's rows, one cache line each per chunk (a prefetch never faults)
+    for (int64_t i = 0; i < kTile; ++i) _mm_prefetch(reinterpret_cast<const char*>(next + i * k + c), _MM_HINT_T1);
+  if constexpr (sizeof(W) == 1) {
+    widen_int8(reinterpret_cast<const int8_t*>(w) + c, k, widened);
+    tload<WT>(widened, 64);
+  } else {
+    tload<WT>(w + c, k * 2);
+  }
+  tload<6 + FLIP>(xb, 64);
+  tdp<0, WT, 6 + FLIP>();
+  if constexpr (BLOCKS > 1) {
+    tload<7 - FLIP>(xb + block_stride, 64);
+    tdp<1, WT, 7 - FLIP>();
+  }
+  if constexpr (BLOCKS > 2) {
+    tload<6 + FLIP>(xb + 2 * block_stride, 64);
+    tdp<2, WT, 6 + FLIP>();
+  }
+  if constexpr (BLOCKS > 3) {
+    tload<7 - FLIP>(xb + 3 * block_stride, 64);
+    tdp<3, WT, 7 - FLIP>();
+  }
+}
+
 // One pass: weight rows w[0..16) (bf16, or int8 widened on the fly) times BLOCKS tiles of packed activations;
-// acc[b] gets [16, 16] fp32 (row-major).
+// acc[b] gets [16, 16] fp32 (row-major). Each accumulator sums its chunks in order.
 template <int BLOCKS, typename W>
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) inline void tile_pass(const W* w, const W* next,
                                                                                       const uint16_t* xv, int64_t k,
                                                                                       int64_t block_stride,
                                                                                       float* acc) {
-  alignas(64) uint16_t widened[kTile * kChunk];
+  alignas(64) uint16_t widened[2][kTile * kChunk];  // one per weight tile, so a widening never waits on a load
+  constexpr int kOddFlip = BLOCKS % 2;  // the activation tile parity the second chunk of a pair starts on
   _tile_zero(0);
   if (BLOCKS > 1) {
     _tile_zero(1);
@@ -91,31 +140,12 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) inline void tile_p
   if (BLOCKS > 3) {
     _tile_zero(3);
   }
-  for (int64_t c = 0; c < k; c += kChunk) {
-    if (next != nullptr)  // the next tile's rows, one cache line each per chunk (a prefetch never faults)
-      for (int64_t i = 0; i < kTile; ++i) _mm_prefetch(reinterpret_cast<const char*>(next + i * k + c), _MM_HINT_T0);
-    if constexpr (sizeof(W) == 1) {
-      widen_int8(reinterpret_cast<const int8_t*>(w) + c, k, widened);
-      _tile_loadd(4, widened, 64);
-    } else {
-      _tile_loadd(4, w + c, k * 2);
-    }
-    const uint16_t* xb = xv + c * kTile;  // the chunk's 16 column pairs x 16 rows x 2
-    _tile_loadd(5, xb, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if (BLOCKS > 1) {
-      _tile_loadd(5, xb + block_stride, 64);
-      _tile_dpbf16ps(1, 4, 5);
-    }
-    if (BLOCKS > 2) {
-      _tile_loadd(5, xb + 2 * block_stride, 64);
-      _tile_dpbf16ps(2, 4, 5);
-    }
-    if (BLOCKS > 3) {
-      _tile_loadd(5, xb + 3 * block_stride, 64);
-      _tile_dpbf16ps(3, 4, 5);
-    }
+  int64_t c = 0;
+  for (; c + kChunk < k; c += 2 * kChunk) {
+    tile_chunk<BLOCKS, 4, 0>(w, next, xv + c * kTile, k, c, block_stride, widened[0]);
+    tile_chunk<BLOCKS, 5, kOddFlip>(w, next, xv + (c + kChunk) * kTile, k, c + kChunk, block_stride, widened[1]);
   }
+  if (c < k) tile_chunk<BLOCKS, 4, 0>(w, next, xv + c * kTile, k, c, block_stride, widened[0]);
   _tile_stored(0, acc, 64);
   if (BLOCKS > 1) {
     _tile_stored(1, acc + 256, 64);
@@ -214,7 +244,11 @@ void run_amx(const uint16_t* xp, const Source& source, const float* scales, uint
   using W = std::remove_cv_t<std::remove_pointer_t<decltype(source.rows(0, nullptr))>>;
   // Activations in column pairs per tile of 16 rows: xv[block][k / 2][16][2], zero rows past m.
   const int64_t blocks = (m + kTile - 1) / kTile, block_stride = k * kTile;
-  const std::unique_ptr<uint16_t[]> xv(new uint16_t[blocks * block_stride]);  // every element written by pack_pairs
+  // 64-byte aligned (a tile row that straddles two cache lines loads about three times slower; malloc gives 16),
+  // every element written by pack_pairs; the size, 32 K bytes a block, is a multiple of 64
+  const std::unique_ptr<uint16_t, decltype(&std::free)> xv(
+      static_cast<uint16_t*>(std::aligned_alloc(64, blocks * block_stride * sizeof(uint16_t))), &std::free);
+  TORCH_CHECK(xv != nullptr, "tile kernels: out of memory for the packed activations");
   pack_pairs(xp, m, k, xv.get());
   at::parallel_for(0, n_tiles, 4, [&](int64_t begin, int64_t end) {
     amx_tiles<W>(xv.get(), source, scales, yp, m, n, k, blocks, block_stride, begin, end);
