@@ -22,11 +22,34 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <limits>
+#include <new>
 #include <type_traits>
 #include <vector>
 
 namespace {
+
+// Allocator of 64-byte aligned storage: the per-thread fp32 buffers below are read and written 16 lanes (one cache
+// line) at a time, and a vector that starts off a line boundary splits every such access in two.
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(std::size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, std::size_t) { std::free(p); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
+using Floats = std::vector<float, LineAligned<float>>;
 
 // 16 elements as fp32
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -207,7 +230,7 @@ void decode_kernel(const Q* q, const C* kc, const C* vc, const int32_t* lens, co
   for (const Run& run : runs) work = std::max<int64_t>(work, run.count * lens[run.row + run.count - 1] * group * d * 2);
   const int64_t grain = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(work, 1));
   at::parallel_for(0, static_cast<int64_t>(runs.size()) * hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, query, acc, key_block(16 * d), zeros(d, 0.f);
+    Floats scores, query, acc, key_block(16 * d), zeros(d, 0.f);
     std::vector<const C*> keys, values;  // [longest]: each cached token's K and V row of head h
     const int64_t row_bytes = d * static_cast<int64_t>(sizeof(C));
     for (int64_t item = begin; item < end; ++item) {
@@ -217,7 +240,8 @@ void decode_kernel(const Q* q, const C* kc, const C* vc, const int32_t* lens, co
       const int32_t* table = tables + run.row * max_blocks;
       query.resize(rows * d);  // [rows, d], scaled, fp32
       acc.assign(rows * d, 0.f);  // [rows, d]
-      scores.resize(rows * longest);  // [rows, longest]; row r * group + g holds lens[run.row + r] scores
+      const int64_t ls = (longest + 15) / 16 * 16;  // a scores row's stride: each row starts a cache line
+      scores.resize(rows * ls);  // [rows, ls]; row r * group + g holds lens[run.row + r] scores
       for (int64_t r = 0; r < run.count; ++r)
         for (int64_t g = 0; g < group; ++g)
           for (int64_t c = 0; c < chunks; ++c)
@@ -242,22 +266,22 @@ void decode_kernel(const Q* q, const C* kc, const C* vc, const int32_t* lens, co
         const float* block[16];
         keys_as_f32(keys.data() + j, n, d, key_block.data(), zeros.data(), block);
         for (int64_t row = 0; row < rows; ++row)
-          scores16(query.data() + row * d, block, chunks, n, scores.data() + row * longest + j);
+          scores16(query.data() + row * d, block, chunks, n, scores.data() + row * ls + j);
       }
-      for (int64_t row = 0; row < rows; ++row) softmax_in_place(scores.data() + row * longest, first + row / group);
+      for (int64_t row = 0; row < rows; ++row) softmax_in_place(scores.data() + row * ls, first + row / group);
       // values weighted by the scores, up to four rows at a time: the keys every row of the four sees in
       // registers, then the keys only the later queries of a run see, row by row
       for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         const int64_t n = std::min<int64_t>(4, rows - r0), shared = first + r0 / group;
         for (int64_t c0 = 0; c0 < chunks; c0 += 4)
-          weighted_values_for<C>(n, std::min<int64_t>(4, chunks - c0))(scores.data() + r0 * longest, longest,
+          weighted_values_for<C>(n, std::min<int64_t>(4, chunks - c0))(scores.data() + r0 * ls, ls,
                                                                         values.data(), 0, shared, c0,
                                                                         acc.data() + r0 * d, d);
         for (int64_t row = r0; row < r0 + n; ++row)
           for (int64_t j = shared; j < first + row / group; ++j)
             for (int64_t c = 0; c < chunks; ++c)
               _mm512_storeu_ps(acc.data() + row * d + c * 16,
-                               _mm512_fmadd_ps(_mm512_set1_ps(scores[row * longest + j]), load16(values[j] + c * 16),
+                               _mm512_fmadd_ps(_mm512_set1_ps(scores[row * ls + j]), load16(values[j] + c * 16),
                                                _mm512_loadu_ps(acc.data() + row * d + c * 16)));
       }
       for (int64_t row = 0; row < rows; ++row) {
