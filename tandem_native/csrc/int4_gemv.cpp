@@ -25,6 +25,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "line_aligned.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -65,8 +67,8 @@ inline __m512 load_x(const at::Half* p) {
 // Per-thread buffers, reused from call to call (a call allocates nothing once they are large enough).
 struct Buffers {
   std::vector<int8_t> x, group_bytes;
-  std::vector<float> scale, sum, group_scale, group_sum;  // group_*: one row's, per group
-  std::vector<int32_t> eight_sums, group_eight_sums;
+  tandem_aligned::LineVector<float> scale, sum, group_scale, group_sum;  // group_*: one row's, per group
+  tandem_aligned::LineVector<int32_t> eight_sums, group_eight_sums;
 };
 
 template <typename X>
@@ -159,7 +161,7 @@ void blocks_kernel(const Activations& a, const uint8_t* codes, const S* sz, floa
   const int64_t grain = std::max<int64_t>(1, 32 / (R * sh.block_rows));
   at::parallel_for(0, (blocks + R - 1) / R, grain, [&](int64_t begin, int64_t end) {
     const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
-    static thread_local std::vector<float> buffer;  // each block's per-(row, group) results: [R, M, tiles * 16]
+    static thread_local tandem_aligned::LineVector<float> buffer;  // each block's per-(row, group) results: [R, M, tiles * 16]
     buffer.resize(R * M * sh.tiles * kLanes);
     auto lanes = [&](int i, int r) { return buffer.data() + (i * M + r) * sh.tiles * kLanes; };
     for (int64_t pass = begin; pass < end; ++pass) {

@@ -18,38 +18,19 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "line_aligned.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <cstdlib>
 #include <limits>
-#include <new>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-// Allocator of 64-byte aligned storage: the per-thread fp32 buffers below are read and written 16 lanes (one cache
-// line) at a time, and a vector that starts off a line boundary splits every such access in two.
-template <typename T>
-struct LineAligned {
-  using value_type = T;
-  LineAligned() = default;
-  template <typename U>
-  LineAligned(const LineAligned<U>&) {}
-  T* allocate(std::size_t n) {
-    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
-    if (p == nullptr) throw std::bad_alloc();
-    return static_cast<T*>(p);
-  }
-  void deallocate(T* p, std::size_t) { std::free(p); }
-  template <typename U>
-  bool operator==(const LineAligned<U>&) const { return true; }
-  template <typename U>
-  bool operator!=(const LineAligned<U>&) const { return false; }
-};
-using Floats = std::vector<float, LineAligned<float>>;
+using Floats = tandem_aligned::LineVector<float>;
 
 // 16 elements as fp32
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
