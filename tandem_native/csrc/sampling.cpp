@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 #include <pybind11/stl.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <array>
@@ -124,11 +125,37 @@ torch::Tensor truncation_thresholds(const torch::Tensor& probs, const torch::Ten
 }
 
 // The first index of the row's largest value (torch.argmax's choice among ties).
+// Whether every value of x[0, n) is finite: x * 0 is 0 for a finite x and NaN for an infinity or a NaN.
+bool row_finite(const float* x, int64_t n) {
+  const __m512 zero = _mm512_setzero_ps();
+  __mmask16 bad = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), zero);
+    bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+  const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, x + i), zero);
+  bad |= _mm512_mask_cmp_ps_mask(tail, v, v, _CMP_UNORD_Q);
+  return bad == 0;
+}
+
+// torch.argmax of a finite row: the first index of its largest value. The largest value first (16 lanes of
+// maxima, then their maximum: exact), then the first place that equals it (+0 and -0 compare equal, as the
+// sequential rule's `>` treats them).
 int64_t row_argmax(const float* x, int64_t vocab) {
-  int64_t best = 0;
-  for (int64_t i = 1; i < vocab; ++i)
-    if (x[i] > x[best]) best = i;
-  return best;
+  const int64_t full = vocab / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (vocab - full)) - 1);
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < full; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(x + i));
+  top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, x + full));
+  const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  for (int64_t i = 0; i < full; i += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), peak, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  const __mmask16 hit = _mm512_mask_cmp_ps_mask(tail, _mm512_maskz_loadu_ps(tail, x + full), peak, _CMP_EQ_OQ);
+  return hit ? full + __builtin_ctz(hit) : 0;
 }
 
 // The first token whose running weight (summed in order, in double) reaches (1 - u) * total: Sampler.draw's rule,
@@ -160,10 +187,7 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>> sample_rows(
   const float* xp = x.data_ptr<float>();
   std::vector<int64_t> tokens(rows, 0), failed;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = xp + r * vocab;
-    bool ok = true;
-    for (int64_t i = 0; i < vocab; ++i) ok &= std::isfinite(row[i]);
-    if (!ok) failed.push_back(r);
+    if (!row_finite(xp + r * vocab, vocab)) failed.push_back(r);
   }
   // sampler.probabilities' operations, in its order: the temperature rounded to fp32 and floored at its smallest
   // normal, the row shifted by its max and divided by it, softmax
@@ -211,9 +235,7 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>> greedy_rows(const torch::
   at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / vocab), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * vocab;
-      bool ok = true;
-      for (int64_t i = 0; i < vocab; ++i) ok &= std::isfinite(row[i]);
-      if (ok)
+      if (row_finite(row, vocab))
         tokens[r] = row_argmax(row, vocab);
       else
         bad[r] = 1;

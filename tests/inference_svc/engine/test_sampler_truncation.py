@@ -184,6 +184,25 @@ def test_an_all_greedy_batch_takes_the_torch_paths_tokens_in_one_call(trial) -> 
 
 
 @needs_native
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 31, 8192, 8203])
+def test_the_greedy_rows_are_torch_argmax_at_every_width(vocab) -> None:
+    """The kernel reads 16 lanes at a time: widths around and off a multiple of 16, rows of many ties (small
+    integers), of +0 and -0 only, and rows with a NaN or an infinity (refused: token 0)."""
+    gen = torch.Generator().manual_seed(vocab)
+    for trial in range(6):
+        rows = torch.randint(-3, 4, (6, vocab), generator=gen).float()  # [6, V], ties for the largest value
+        rows[1] = torch.randn(vocab, generator=gen)
+        rows[2] = 0.0
+        rows[2, ::2] = -0.0
+        rows[3, (trial * 7) % vocab] = float("nan")
+        rows[4, -1 - (trial % vocab)] = float("inf") if trial % 2 else -float("inf")
+        tokens, failed = native.greedy_rows(rows)
+        finite = torch.isfinite(rows).all(dim=-1)
+        assert failed == (~finite).nonzero()[:, 0].tolist()
+        assert tokens == [int(row.argmax()) if ok else 0 for row, ok in zip(rows, finite, strict=True)], trial
+
+
+@needs_native
 def test_the_greedy_rows_refuse_what_is_not_fp32_rows() -> None:
     with pytest.raises(RuntimeError, match="greedy_rows: logits must be a CPU fp32"):
         native.greedy_rows(torch.zeros(2, 8, dtype=torch.bfloat16))
