@@ -371,7 +371,7 @@ class QuantizedLinear(nn.Module):
 
 
 def _span(low: int, high: int) -> str:
-    """'1 row', '9-64 rows': a row-count span for `method`'s table."""
+    """'1 row', '9-192 rows': a row-count span for `method`'s table."""
     return f"{low} row{'s' if low > 1 else ''}" if low == high else f"{low}-{high} rows"
 
 

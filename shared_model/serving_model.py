@@ -20,7 +20,7 @@ Contract:
   other call `F.linear`. `set_row_kernels(decoder, table)` (the compiled step's choice, `shared_model.compiled`,
   with the table from `compiled_row_table`) gives the bias-free fp32 and bf16 projections Tandem's kernels where
   they are built (`tandem_native`): `tandem::row_gemm` (fused multiply-adds; streams the weight fastest for one
-  or two rows) and, for bf16 on a CPU with AMX, `tandem::tile_gemm` (the weight read once for up to 64 rows). Each
+  or two rows) and, for bf16 on a CPU with AMX, `tandem::tile_gemm` (the weight read once for every 64 rows). Each
   kernel gives a row the same bits at any row count (another summation order than `F.linear`'s, and the two
   kernels' orders differ from each other). A compiled table of those kernels (`row_gemm` up to some rows, then
   `tile_gemm`, then `F.linear`: `RowTable.gemm_bounds`) runs as one `tandem::table_gemm` call that picks the same
@@ -51,9 +51,11 @@ through `tandem::row_gemm`: one sequence's verify of the most drafts the engine 
 FMA_MAX_ROWS = 2
 """Rows up to which `tandem::row_gemm` runs where `tandem::tile_gemm` takes more: it streams the weight faster for
 one or two rows, the tiles from three (docs/benchmarks.md: the row kernels' table)."""
-TILE_MAX_ROWS = 64
-"""Rows up to which `tandem::tile_gemm` runs: its cost is flat to 16 rows and below `F.linear`'s to 64; oneDNN's
-blocked GEMM (`F.linear`) wins on prefill chunks."""
+TILE_MAX_ROWS = 192
+"""Rows up to which the AMX tile kernels run (`tandem::tile_gemm`, and int8's and int4's in `shared_model.quantize`):
+64 rows a pass over the weight, below `F.linear`'s cost (and far below dequantize + GEMM's) to 192 rows, as a step
+of decodes beside a short prompt has; from about 256, as a whole prefill chunk, oneDNN's blocked GEMM (`F.linear`)
+wins (docs/benchmarks.md: the tiles' pipeline)."""
 _KERNEL_NAMES = {
     "mv": "torch.mv",
     "row_gemm": "tandem::row_gemm",
@@ -92,7 +94,7 @@ class RowTable:
         return self.steps[-1][0] if self.steps else 0
 
     def describe(self) -> str:
-        """'1-2 rows: tandem::row_gemm; 3-64 rows: tandem::tile_gemm; more: F.linear' (for the load plan)."""
+        """'1-2 rows: tandem::row_gemm; 3-192 rows: tandem::tile_gemm; more: F.linear' (for the load plan)."""
         parts, low = [], 1
         for most, name in self.steps:
             span = f"{low}" if most == low else f"{low}-{most}"

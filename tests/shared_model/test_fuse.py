@@ -13,6 +13,7 @@ from shared_model.config import RopeScaling
 from shared_model.model import build_model
 from shared_model.serving_model import (
     ROW_KERNEL_MAX_ROWS,
+    TILE_MAX_ROWS,
     RowTable,
     ServingLinear,
     compiled_row_table,
@@ -176,8 +177,9 @@ def test_tile_gemm_matches_the_exact_product_and_each_row_keeps_its_bits_at_any_
 
 def test_row_table_describes_itself_and_the_compiled_rule() -> None:
     table = compiled_row_table(torch.bfloat16, tiles=True, exact_verify=False)
-    assert [table.kernel(r) for r in (1, 2, 3, 64, 65)] == ["row_gemm"] * 2 + ["tile_gemm"] * 2 + ["linear"]
-    assert table.describe() == "1-2 rows: tandem::row_gemm; 3-64 rows: tandem::tile_gemm; more: F.linear"
+    bound = TILE_MAX_ROWS
+    assert [table.kernel(r) for r in (1, 2, 3, bound, bound + 1)] == ["row_gemm"] * 2 + ["tile_gemm"] * 2 + ["linear"]
+    assert table.describe() == f"1-2 rows: tandem::row_gemm; 3-{bound} rows: tandem::tile_gemm; more: F.linear"
     exact = compiled_row_table(torch.bfloat16, tiles=True, exact_verify=True)  # verify rows as decode rows score
     assert exact.steps == ((ROW_KERNEL_MAX_ROWS, "row_gemm"),)
     assert compiled_row_table(torch.float32, tiles=True, exact_verify=False).steps == ((2, "row_gemm"),)
