@@ -33,9 +33,9 @@ Contract:
   traced graph is compiled with T unbacked, so one graph serves every T >= 1, a lone decode included (a backed size
   1 would specialise: a graph of its own, a third of a cold start); the opaque graph serves T >= 2. A quantized
   model branches on T at its `row_bounds()` (an int4 projection takes its row kernel up to `int4_gemv.MAX_ROWS`
-  rows, so T in 2..16 and T >= 17 are two graphs; in bf16 with AMX tiles it branches at 8 and 64), which an
-  unbacked size cannot decide: its graphs are one per branch of T >= 2 and one for T == 1 (torch specialises
-  size 1).
+  rows, so T in 2..16 and T >= 17 are two graphs; in bf16 with AMX tiles it branches at 8 and at
+  `serving_model.TILE_MAX_ROWS`), which an unbacked size cannot decide: its graphs are one per branch of T >= 2
+  and one for T == 1 (torch specialises size 1).
   `warm_up(run, packages)` calls `run` (which must reach
   every kind of step), returns the seconds it took, and records them in `compile_seconds`. After warm-up the compiled
   code never compiles again: a call whose shapes or guards no graph covers is refused by dynamo at its guard check (the
