@@ -7,13 +7,19 @@ Contract:
 - protoc (from grpcio-tools) runs with `-I proto`, so the descriptor's file name is
   `tandem/inference/v1/inference.proto` (what reflection clients see). The one absolute import protoc writes into
   the gRPC module (`from tandem.inference.v1 import inference_pb2`) is rewritten to point into this package.
+- The gRPC module's `GRPC_GENERATED_VERSION` (the least grpcio it imports under) is written as the `grpcio>=`
+  floor of pyproject.toml's `serve` extra, not the generating grpcio-tools' own version: the committed stubs then
+  depend on the .proto alone, and a fresh install that resolves a newer grpcio-tools regenerates the same bytes.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 from pathlib import Path
+
+import tomllib
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROTO_ROOT = REPO_ROOT / "proto"
@@ -22,6 +28,7 @@ OUT_DIR = Path(__file__).resolve().parent / "proto_gen"
 GENERATED = ("inference_pb2.py", "inference_pb2.pyi", "inference_pb2_grpc.py")
 _IMPORT_FROM = "from tandem.inference.v1 import inference_pb2"
 _IMPORT_TO = "from inference_svc.proto_gen import inference_pb2"
+_VERSION_LINE = re.compile(r"^GRPC_GENERATED_VERSION = '[^']*'$", re.MULTILINE)
 
 
 def generate() -> dict[str, str]:
@@ -44,8 +51,22 @@ def generate() -> dict[str, str]:
             raise RuntimeError(f"protoc failed with exit code {rc}: {' '.join(args)}")
         gen_dir = Path(tmp) / Path(PROTO_FILE).parent
         out = {name: (gen_dir / name).read_text() for name in GENERATED}
-    out["inference_pb2_grpc.py"] = out["inference_pb2_grpc.py"].replace(_IMPORT_FROM, _IMPORT_TO)
+    grpc_module = out["inference_pb2_grpc.py"].replace(_IMPORT_FROM, _IMPORT_TO)
+    grpc_module, found = _VERSION_LINE.subn(f"GRPC_GENERATED_VERSION = '{grpcio_floor()}'", grpc_module, count=1)
+    if found != 1:
+        raise RuntimeError("protoc's gRPC module has no GRPC_GENERATED_VERSION line to pin")
+    out["inference_pb2_grpc.py"] = grpc_module
     return out
+
+
+def grpcio_floor(pyproject: Path = REPO_ROOT / "pyproject.toml") -> str:
+    """The X of the `grpcio>=X` requirement in pyproject.toml's `serve` extra."""
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["serve"]
+    for requirement in extras:
+        match = re.fullmatch(r"grpcio>=([0-9][0-9.]*)", requirement.replace(" ", ""))
+        if match:
+            return match.group(1)
+    raise RuntimeError(f"{pyproject}: no 'grpcio>=X' requirement in the serve extra")
 
 
 def main() -> int:
