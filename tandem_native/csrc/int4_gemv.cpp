@@ -161,7 +161,8 @@ void blocks_kernel(const Activations& a, const uint8_t* codes, const S* sz, floa
   const int64_t grain = std::max<int64_t>(1, 32 / (R * sh.block_rows));
   at::parallel_for(0, (blocks + R - 1) / R, grain, [&](int64_t begin, int64_t end) {
     const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
-    static thread_local tandem_aligned::LineVector<float> buffer;  // each block's per-(row, group) results: [R, M, tiles * 16]
+    // each block's per-(row, group) results: [R, M, tiles * 16]
+    static thread_local tandem_aligned::LineVector<float> buffer;
     buffer.resize(R * M * sh.tiles * kLanes);
     auto lanes = [&](int i, int r) { return buffer.data() + (i * M + r) * sh.tiles * kLanes; };
     for (int64_t pass = begin; pass < end; ++pass) {

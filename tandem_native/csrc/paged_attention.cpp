@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "float_rows.h"
 #include "line_aligned.h"
 
 #include <algorithm>
@@ -64,10 +65,7 @@ inline __m512 exp16(__m512 x) {
 inline void softmax_in_place(float* sc, int64_t len) {
   const int64_t full = len / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (len - full)) - 1);
-  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < full; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(sc + j));
-  top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, sc + full));
-  const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  const __m512 peak = _mm512_set1_ps(tandem_rows::row_max(sc, len));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < full; j += 16) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), peak));

@@ -19,6 +19,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "float_rows.h"
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -124,7 +126,6 @@ torch::Tensor truncation_thresholds(const torch::Tensor& probs, const torch::Ten
   return tau;
 }
 
-// The first index of the row's largest value (torch.argmax's choice among ties).
 // Whether every value of x[0, n) is finite: x * 0 is 0 for a finite x and NaN for an infinity or a NaN.
 bool row_finite(const float* x, int64_t n) {
   const __m512 zero = _mm512_setzero_ps();
@@ -146,10 +147,7 @@ bool row_finite(const float* x, int64_t n) {
 int64_t row_argmax(const float* x, int64_t vocab) {
   const int64_t full = vocab / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (vocab - full)) - 1);
-  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < full; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(x + i));
-  top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, x + full));
-  const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  const __m512 peak = _mm512_set1_ps(tandem_rows::row_max(x, vocab));
   for (int64_t i = 0; i < full; i += 16) {
     const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), peak, _CMP_EQ_OQ);
     if (hit) return i + __builtin_ctz(hit);
