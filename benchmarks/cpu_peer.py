@@ -9,8 +9,9 @@ What it does, in one run:
    on the corpus, and converts it with the sdist's own `convert_hf_to_gguf.py` to F32 and BF16 GGUF, then with
    `llama-quantize` (from F32) to Q8_0 and Q4_0. A random tokenizer is unknown to the converter's pre-tokenizer
    table: it is mapped to llama.cpp's "default" pre-tokenizer (speed does not depend on it) and the output says so.
-   What the converter imports and this interpreter lacks (sentencepiece, ...) is pip-installed first, with a
-   message (`--no-install`: fail instead). Model and GGUF files are cached in `~/.cache/tandem/cpu_peer/<model>/`;
+   The converter runs in its own venv beside the build, which reads this interpreter's torch; what it lacks
+   (sentencepiece, ...) is pip-installed there first, with a message (`--no-install`: fail instead), never here.
+   Model and GGUF files are cached in `~/.cache/tandem/cpu_peer/<model>/`;
 3. measures the machine's memory read bandwidth (torch: sum over a 1 GiB fp32 tensor, best of 7) per thread count;
 4. for each precision pair fp32↔F32, bf16↔BF16, int8↔Q8_0, int4↔Q4_0 and each `--threads` count:
    - llama.cpp: `llama-bench -m FILE -t THREADS -p 512 -n 64 -o json` (tg64 and pp512, its mean over 5 reps);
@@ -71,7 +72,6 @@ import llama_cpp  # noqa: E402 - the sibling helper module (benchmarks/ is not a
 from inference_svc.serve_process import ServeExited, ServeProcess  # noqa: E402 - this checkout's, after the path
 
 PAIRS = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}  # Tandem precision -> GGUF type
-CONVERTER_DEPS = {"numpy": "numpy", "transformers": "transformers", "sentencepiece": "sentencepiece>=0.1.98,<0.3.0"}
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
@@ -182,25 +182,6 @@ def make_bundle(folder: Path, config, seed: int) -> Path:
     return save_bundle(folder, config, build_model(config, seed=seed), tokenizer=tok)
 
 
-def ensure_converter_deps(source: Path, allow_install: bool) -> list[str]:
-    """Install into this interpreter's environment what convert_hf_to_gguf.py needs and lacks; the specs installed."""
-    missing = [m for m in llama_cpp.missing_converter_modules(source) if m in CONVERTER_DEPS]
-    if "torch" in llama_cpp.missing_converter_modules(source):
-        raise llama_cpp.StepError("convert_hf_to_gguf.py needs torch, which this interpreter lacks")
-    if not missing:
-        return []
-    specs = [CONVERTER_DEPS[m] for m in missing]
-    if not allow_install:
-        raise llama_cpp.StepError(f"convert_hf_to_gguf.py needs {' '.join(specs)} (not installed; --no-install)")
-    log(f"installing {' '.join(specs)} into {sys.prefix} (needed by convert_hf_to_gguf.py)")
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", *specs]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-10:])
-        raise llama_cpp.StepError(f"pip install {' '.join(specs)} failed (exit {proc.returncode}):\n{tail}")
-    return specs
-
-
 def make_ggufs(tools: llama_cpp.Tools, hf: Path, folder: Path, threads: int) -> tuple[dict[str, Path], bool]:
     """{GGUF type: file} for F32, BF16 (converted), Q8_0, Q4_0 (quantized from F32); and whether the pre-tokenizer
     had to be mapped to llama.cpp's default."""
@@ -231,7 +212,7 @@ def gguf_read_bytes(source: Path, path: Path) -> dict[str, Any]:
         "r = gguf.GGUFReader(sys.argv[1])\n"
         "print(json.dumps({t.name: [int(t.n_bytes), t.tensor_type.name] for t in r.tensors}))\n"
     )
-    cmd = [sys.executable, "-c", code, str(path)]
+    cmd = [str(llama_cpp.converter_python(source)), "-c", code, str(path)]
     proc = subprocess.run(cmd, env=llama_cpp.converter_env(source), capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise llama_cpp.StepError(f"reading {path.name} with gguf-py failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -786,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     mdir = model_dir(config, args.seed)
     results["model"] = {**dataclasses.asdict(config), "params": param_count(config), "folder": str(mdir)}
     try:
-        installed = ensure_converter_deps(tools.source, not args.no_install)
+        installed = llama_cpp.ensure_converter(tools.source, not args.no_install)
         if installed:
             results["notes"].append(f"installed for convert_hf_to_gguf.py: {' '.join(installed)}")
         t0 = time.monotonic()

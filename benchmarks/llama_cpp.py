@@ -34,6 +34,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
 import time
@@ -276,27 +277,75 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
+CONVERTER_DEPS = {"numpy": "numpy", "transformers": "transformers", "sentencepiece": "sentencepiece>=0.1.98,<0.3.0"}
+"""What convert_hf_to_gguf.py imports that `ensure_converter` may install (module -> pip spec)."""
+
+
 def converter_env(source: Path) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source / "gguf-py"), str(source)])}
     env.pop("NO_LOCAL_GGUF", None)
     return env
 
 
+def converter_python(source: Path) -> Path:
+    """The converter's own interpreter: a venv beside the build (`<version>/converter-venv`) that reads this
+    interpreter's packages (torch, numpy, transformers) through a .pth file placed after its own site-packages, so
+    what the converter alone needs is installed there, never into the environment running the benchmark. Created
+    on first use (a few seconds) under the version's lock; the .pth file, written last, marks it complete."""
+    vdir = source.parents[2]
+    venv = vdir / "converter-venv"
+    python = venv / "bin" / "python"
+    marker = "zz_benchmark_interpreter.pth"
+    if list(venv.glob(f"lib/python*/site-packages/{marker}")):
+        return python
+    with _locked(vdir / ".lock"):
+        if not list(venv.glob(f"lib/python*/site-packages/{marker}")):
+            shutil.rmtree(venv, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=300)
+            code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+            own = subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True, timeout=60)
+            ours = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+            Path(own.stdout.strip(), marker).write_text("".join(f"{d}\n" for d in ours))
+    return python
+
+
 def missing_converter_modules(source: Path) -> list[str]:
-    """Python modules the converter imports that this interpreter lacks (the sdist's gguf-py is on its path)."""
+    """Python modules the converter imports that its interpreter lacks (the sdist's gguf-py is on its path)."""
     code = (
         "import importlib.util as u\n"
         "mods = ['numpy', 'torch', 'gguf', 'transformers', 'sentencepiece', 'yaml', 'tqdm', 'requests']\n"
         "print(' '.join(m for m in mods if u.find_spec(m) is None))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=converter_env(source), capture_output=True, text=True)
+    python = converter_python(source)
+    out = subprocess.run([str(python), "-c", code], env=converter_env(source), capture_output=True, text=True)
     return out.stdout.split()
+
+
+def ensure_converter(source: Path, allow_install: bool) -> list[str]:
+    """Install into the converter's own venv (`converter_python`) what convert_hf_to_gguf.py needs and it lacks;
+    the specs installed. torch must come from the benchmark's interpreter (the CPU wheel is not re-downloaded)."""
+    missing = missing_converter_modules(source)
+    if "torch" in missing:
+        raise StepError("convert_hf_to_gguf.py needs torch, which the benchmark's interpreter lacks")
+    specs = [CONVERTER_DEPS[m] for m in missing if m in CONVERTER_DEPS]
+    if not specs:
+        return []
+    python = converter_python(source)
+    if not allow_install:
+        raise StepError(f"convert_hf_to_gguf.py needs {' '.join(specs)} (not in {python.parents[1]}; --no-install)")
+    print(f"installing {' '.join(specs)} into {python.parents[1]} (convert_hf_to_gguf.py's own venv)", flush=True)
+    proc = subprocess.run([str(python), "-m", "pip", "install", "--quiet", *specs], capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-10:])
+        raise StepError(f"pip install {' '.join(specs)} failed (exit {proc.returncode}):\n{tail}")
+    return specs
 
 
 def convert_to_gguf(source: Path, hf_dir: Path, out: Path, outtype: str, log_file: Path, pre: str = "default") -> bool:
     """Convert `hf_dir` to `out` (outtype f32/bf16/...); True when the pre-tokenizer had to be mapped to `pre`."""
     script = source / "convert_hf_to_gguf.py"
-    cmd = [sys.executable, "-c", _CONVERT_WRAPPER, str(script), pre, str(hf_dir)]
+    cmd = [str(converter_python(source)), "-c", _CONVERT_WRAPPER, str(script), pre, str(hf_dir)]
     cmd += ["--outfile", str(out) + ".part", "--outtype", outtype]
     with open(log_file, "ab") as f:
         f.write(("\n$ convert_hf_to_gguf.py " + " ".join(cmd[5:]) + "\n").encode())

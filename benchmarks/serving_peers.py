@@ -550,7 +550,7 @@ def prepare(args, results: dict[str, Any]) -> dict[str, Any]:
             f"{tools.server}")  # fmt: skip
         results["llama_cpp"] = {"version": tools.version, "build_s": took, "cached": tools.cached,
                                 "cmake_flags": tools.info.get("cmake_flags"), "server": str(tools.server)}  # fmt: skip
-        installed = cpu_peer.ensure_converter_deps(tools.source, not args.no_install)
+        installed = llama_cpp.ensure_converter(tools.source, not args.no_install)
         if installed:
             results["notes"].append(f"installed for convert_hf_to_gguf.py: {' '.join(installed)}")
         ggufs, mapped = cpu_peer.make_ggufs(tools, ctx["bundle"], mdir / f"gguf-{tools.version}", args.threads)

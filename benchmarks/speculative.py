@@ -660,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"  {why_not}")
             results["notes"].append(why_not)
     try:
-        installed = cpu_peer.ensure_converter_deps(tools.source, not args.no_install)
+        installed = llama_cpp.ensure_converter(tools.source, not args.no_install)
         if installed:
             results["notes"].append(f"installed for convert_hf_to_gguf.py: {' '.join(installed)}")
         pre = pre_tokenizer_for(bundle)
