@@ -12,8 +12,8 @@
 // Selection instead of a sort: top-k and top-p are each a radix select over the values' bits (histograms of
 // counts for top-k and of masses for top-p, in double; two passes over the row). torch's CPU sort of one row of
 // 8,192 logits took most of a sampled decode step's sampling time (docs/benchmarks-archive.md §7).
-// `truncation_thresholds` splits rows over torch's intra-op threads; `sample_rows` (a decode step's few rows) runs
-// on the calling thread, apart from the ATen operations it calls.
+// `truncation_thresholds` and `sample_rows` split rows over torch's intra-op threads (each row's arithmetic is the
+// same on any thread, so the tokens do not depend on the count).
 #include <torch/extension.h>
 #include <pybind11/stl.h>
 #include <ATen/Parallel.h>
@@ -32,47 +32,77 @@
 
 namespace {
 
+// Which of 16 values starting at p[0] (`lanes` of them) are positive, at least `floor` and share the chosen prefix
+// of bits (NaN fails every comparison); their bit patterns in `keys`.
+inline __mmask16 selected(const float* p, __mmask16 lanes, __m512 floor, __m512i known, __m512i prefix, __m512i* keys) {
+  const __m512 v = _mm512_maskz_loadu_ps(lanes, p);
+  *keys = _mm512_castps_si512(v);
+  __mmask16 m = _mm512_mask_cmp_ps_mask(lanes, v, _mm512_setzero_ps(), _CMP_GT_OQ);
+  m = _mm512_mask_cmp_ps_mask(m, v, floor, _CMP_GE_OQ);
+  return _mm512_mask_cmpeq_epi32_mask(m, _mm512_and_si512(*keys, known), prefix);
+}
+
+constexpr int kBuckets = 2048;  // the widest level's digits
+constexpr int kSplit = 4;       // partial histograms of a pass over the row (see radix_select)
+
 // The largest value t among the row's positive values >= floor at which the running weight, summed in descending
-// order (weight 1 per value, or the value itself), first reaches the target: `target` itself when counting, `target`
-// times the weight of all those values when `by_mass`. A radix select over the values' bits (positive floats order
-// as their bit patterns), three levels of 11, 11 and 10 bits with a histogram each: the first two read the row, the
-// last only the values the second kept (those sharing the chosen prefix). When rounding keeps the target from being
-// reached, the smallest such value.
+// order (weight 1 per value, or the value itself when `by_mass`), first reaches `target`. A radix select over the values' bits (positive floats order
+// as their bit patterns), three levels of 11, 11 and 10 bits with a histogram each: the first two read the row 16
+// values at a time (the lanes that pass the filter are added one by one), the last only the values the second kept
+// (those sharing the chosen prefix). A row's values mostly share a few exponents, so a pass adds into the same
+// bucket over and over: value i adds into partial histogram i % kSplit, so that consecutive additions do not wait for
+// each other, and the partials are summed in a fixed order (the weights are doubles: any order is as good as the
+// sorted rule's, which sums in another order again). When rounding keeps the target from being reached, the smallest
+// such value.
 float radix_select(const float* p, int64_t vocab, float floor, bool by_mass, double target) {
   constexpr int kShifts[3] = {21, 10, 0}, kWidths[3] = {11, 11, 10};
-  std::array<double, 2048> hist;
-  std::vector<float> candidates;  // level 1's values that share the prefix chosen at level 0
+  static thread_local std::vector<double> parts(kSplit * kBuckets);  // all zero between calls (cleared after use)
+  static thread_local std::vector<float> candidates;  // level 1's values that share the prefix chosen at level 0
+  std::array<double, kBuckets> hist;
+  candidates.clear();
   uint32_t prefix = 0, known = 0;  // the digits chosen so far, and which bits they fill
   double above = 0.0;              // weight of the values larger than every value that has the prefix
+  const __m512 floor_v = _mm512_set1_ps(floor);
   for (int level = 0; level < 3; ++level) {
     const int shift = kShifts[level];
     const uint32_t digits = (1u << kWidths[level]) - 1;
-    hist.fill(0.0);
-    const auto add = [&](float v, uint32_t key) { hist[(key >> shift) & digits] += by_mass ? static_cast<double>(v) : 1.0; };
+    int64_t low = digits, high = -1;  // the digits that received weight
     if (level < 2) {
-      for (int64_t i = 0; i < vocab; ++i) {
-        const float v = p[i];
-        if (!(v > 0.f && v >= floor)) continue;
-        uint32_t key;
-        std::memcpy(&key, &v, 4);
-        if ((key & known) != prefix) continue;
-        if (level == 1) candidates.push_back(v);
-        add(v, key);
+      const __m512i known_v = _mm512_set1_epi32(static_cast<int>(known));
+      const __m512i prefix_v = _mm512_set1_epi32(static_cast<int>(prefix));
+      alignas(64) uint32_t keys[16];
+      for (int64_t i = 0; i < vocab; i += 16) {
+        const __mmask16 lanes = i + 16 <= vocab ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (vocab - i)) - 1);
+        __m512i key_v;
+        __mmask16 m = selected(p + i, lanes, floor_v, known_v, prefix_v, &key_v);
+        if (!m) continue;
+        _mm512_store_si512(keys, key_v);
+        for (; m; m &= m - 1) {
+          const int l = __builtin_ctz(m);
+          const float v = p[i + l];
+          const int64_t d = (keys[l] >> shift) & digits;
+          if (level == 1) candidates.push_back(v);
+          low = std::min(low, d), high = std::max(high, d);
+          parts[(l % kSplit) * kBuckets + d] += by_mass ? static_cast<double>(v) : 1.0;
+        }
+      }
+      for (int64_t d = low; d <= high; ++d) {
+        hist[d] = (parts[d] + parts[kBuckets + d]) + (parts[2 * kBuckets + d] + parts[3 * kBuckets + d]);
+        for (int j = 0; j < kSplit; ++j) parts[j * kBuckets + d] = 0.0;
       }
     } else {
+      std::fill(hist.begin(), hist.begin() + digits + 1, 0.0);
       for (const float v : candidates) {
         uint32_t key;
         std::memcpy(&key, &v, 4);
-        if ((key & known) == prefix) add(v, key);
+        if ((key & known) != prefix) continue;
+        const int64_t d = (key >> shift) & digits;
+        low = std::min(low, d), high = std::max(high, d);
+        hist[d] += by_mass ? static_cast<double>(v) : 1.0;
       }
     }
-    if (level == 0 && by_mass) {
-      double total = 0.0;
-      for (const double h : hist) total += h;
-      target *= total;
-    }
     int64_t chosen = -1, lowest = -1;
-    for (int64_t d = digits; d >= 0; --d) {
+    for (int64_t d = high; d >= low; --d) {
       if (hist[d] == 0.0) continue;
       lowest = d;
       if (above + hist[d] >= target) {
@@ -94,12 +124,56 @@ float radix_select(const float* p, int64_t vocab, float floor, bool by_mass, dou
   return t;
 }
 
+// The weight of the row's positive values >= floor: how many, and their mass (in double), 16 values at a time.
+struct Weight {
+  int64_t count;
+  double mass;
+};
+Weight weight_from(const float* p, int64_t vocab, float floor) {
+  const __m512 floor_v = _mm512_set1_ps(floor);
+  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+  int64_t count = 0;
+  for (int64_t i = 0; i < vocab; i += 16) {
+    const __mmask16 lanes = i + 16 <= vocab ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (vocab - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(lanes, p + i);
+    __mmask16 m = _mm512_mask_cmp_ps_mask(lanes, v, _mm512_setzero_ps(), _CMP_GT_OQ);
+    m = _mm512_mask_cmp_ps_mask(m, v, floor_v, _CMP_GE_OQ);
+    if (!m) continue;
+    count += __builtin_popcount(m);
+    const __m512 kept = _mm512_maskz_mov_ps(m, v);
+    lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(kept)));
+    hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(kept), 1))));
+  }
+  return {count, _mm512_reduce_add_pd(_mm512_add_pd(lo, hi))};
+}
+
+// A floor at or below the value `radix_select(p, vocab, floor, by_mass, target)` finds, above `floor` where the
+// row allows: the largest of peak / 2^10 and peak / 2^20 whose values (those >= it and >= floor) already weigh
+// `target` (a margin of 1e-9 for the mass, summed in another order), else `floor`. The selection then reads the
+// values under it sixteen at a time without adding them: on a peaked row that is nearly all of them.
+float narrowed_floor(const float* p, int64_t vocab, float floor, bool by_mass, double target, float peak) {
+  for (const float scale : {0x1p-10f, 0x1p-20f}) {
+    const float lower = peak * scale;
+    if (!(lower > floor)) break;
+    const Weight w = weight_from(p, vocab, lower);
+    if (by_mass ? w.mass >= target * (1.0 + 1e-9) : static_cast<double>(w.count) >= target) return lower;
+  }
+  return floor;
+}
+
 float row_threshold(const float* p, int64_t vocab, int64_t top_k, double top_p, double min_p) {
+  const float peak = tandem_rows::row_max(p, vocab);
   float tau = 0.f;
-  if (top_k > 0 && top_k < vocab) tau = radix_select(p, vocab, 0.f, false, static_cast<double>(top_k));
-  if (top_p < 1.0) tau = std::max(tau, radix_select(p, vocab, tau, true, top_p));  // of the mass top-k keeps
+  if (top_k > 0 && top_k < vocab) {
+    const double k = static_cast<double>(top_k);
+    tau = radix_select(p, vocab, narrowed_floor(p, vocab, 0.f, false, k, peak), false, k);
+  }
+  if (top_p < 1.0) {  // of the mass top-k keeps
+    const double target = top_p * weight_from(p, vocab, tau).mass;
+    tau = std::max(tau, radix_select(p, vocab, narrowed_floor(p, vocab, tau, true, target, peak), true, target));
+  }
   // min_p rounded to fp32, then an fp32 product: the sorted rule's arithmetic, so both keep the same boundary token
-  if (min_p > 0.0) tau = std::max(tau, static_cast<float>(min_p) * *std::max_element(p, p + vocab));
+  if (min_p > 0.0) tau = std::max(tau, static_cast<float>(min_p) * peak);
   return tau;
 }
 
@@ -158,12 +232,29 @@ int64_t row_argmax(const float* x, int64_t vocab) {
 
 // The first token whose running weight (summed in order, in double) reaches (1 - u) * total: Sampler.draw's rule,
 // torch's sequential fp64 cumsum then searchsorted (the first place not below the point), so the same token for
-// the same weights and u. `cdf` is scratch of `vocab` doubles.
-int64_t row_draw(const float* w, int64_t vocab, double u, double* cdf) {
+// the same weights and u. A zero weight adds nothing to the running sum (the weights are not negative), and after
+// truncation most are zero: the first pass adds only the positive ones (16 weights scanned at a time), in order,
+// keeping the running sum at the end of every 16 (`ends`, scratch); the search finds the block where the sum
+// reaches the point and walks that block alone again. The same additions in the same order as a full cumulative sum.
+int64_t row_draw(const float* w, int64_t vocab, double u, std::vector<double>& ends) {
+  const int64_t blocks = (vocab + 15) / 16;
+  ends.resize(blocks);
   double running = 0.0;
-  for (int64_t i = 0; i < vocab; ++i) cdf[i] = running += static_cast<double>(w[i]);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t i = b * 16;
+    const __mmask16 lanes = i + 16 <= vocab ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (vocab - i)) - 1);
+    __mmask16 nonzero =
+        _mm512_mask_cmp_ps_mask(lanes, _mm512_maskz_loadu_ps(lanes, w + i), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    for (; nonzero; nonzero &= nonzero - 1) running += static_cast<double>(w[i + __builtin_ctz(nonzero)]);
+    ends[b] = running;
+  }
   const double point = (1.0 - u) * running;
-  return std::min<int64_t>(std::lower_bound(cdf, cdf + vocab, point) - cdf, vocab - 1);
+  const int64_t b = std::lower_bound(ends.begin(), ends.end(), point) - ends.begin();
+  if (b == blocks) return vocab - 1;
+  double sum = b > 0 ? ends[b - 1] : 0.0;
+  for (int64_t i = b * 16; i < std::min(vocab, b * 16 + 16); ++i)
+    if ((sum += static_cast<double>(w[i])) >= point) return i;
+  return vocab - 1;  // unreachable: the block's end reaches the point
 }
 
 // One token per row of logits [S, V] fp32 (penalties already applied), with per-row temperature (1 for a greedy
@@ -195,25 +286,30 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>> sample_rows(
   auto probs = at::softmax((x - x.amax(-1, true)) / temps, -1);
   std::vector<float> tau(rows, 0.f);
   bool truncates = false;
+  for (int64_t r = 0; r < rows; ++r)
+    truncates |= (top_k[r] > 0 && top_k[r] < vocab) || top_p[r] < 1.0 || min_p[r] > 0.0;
   const float* pp = probs.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t k = top_k[r] > 0 && top_k[r] < vocab ? top_k[r] : 0;
-    if (k == 0 && top_p[r] >= 1.0 && min_p[r] <= 0.0) continue;
-    truncates = true;
-    tau[r] = row_threshold(pp + r * vocab, vocab, k, top_p[r], min_p[r]);
-  }
+  const int64_t grain = std::max<int64_t>(1, 32768 / vocab);  // rows a thread takes at least: a row is O(V) work
   if (truncates) {
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t k = top_k[r] > 0 && top_k[r] < vocab ? top_k[r] : 0;
+        if (k > 0 || top_p[r] < 1.0 || min_p[r] > 0.0)
+          tau[r] = row_threshold(pp + r * vocab, vocab, k, top_p[r], min_p[r]);
+      }
+    });
     probs.masked_fill_(probs < torch::from_blob(tau.data(), {rows, 1}, probs.options()), 0.0);
     probs.div_(probs.sum(-1, true));
   }
-  std::vector<double> cdf(vocab);
-  for (int64_t r = 0, f = 0; r < rows; ++r) {
-    if (f < static_cast<int64_t>(failed.size()) && failed[f] == r) {
-      ++f;
-      continue;
+  std::vector<char> bad(rows, 0);
+  for (const int64_t r : failed) bad[r] = 1;
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    static thread_local std::vector<double> ends;
+    for (int64_t r = begin; r < end; ++r) {
+      if (bad[r]) continue;
+      tokens[r] = greedy[r] ? row_argmax(xp + r * vocab, vocab) : row_draw(pp + r * vocab, vocab, u[r], ends);
     }
-    tokens[r] = greedy[r] ? row_argmax(xp + r * vocab, vocab) : row_draw(pp + r * vocab, vocab, u[r], cdf.data());
-  }
+  });
   return {tokens, failed};
 }
 

@@ -50,6 +50,17 @@ def test_the_selection_keeps_exactly_what_the_sorted_rule_keeps(seed, top_k, top
     assert torch.equal(_kept(probs, tau), _kept(probs, expected))
 
 
+@needs_native
+@pytest.mark.parametrize(("top_k", "top_p", "min_p"), [CASES[0], CASES[3], CASES[5]])
+def test_the_selection_keeps_what_the_sorted_rule_keeps_over_a_real_vocabulary(top_k, top_p, min_p) -> None:
+    # Qwen's 151,936 tokens: most of a peaked row lies under the floor the selection narrows to first, a flat row's
+    # does not (rows 0 and 3 of `_rows`)
+    probs = _rows(2, 151936)
+    args = (torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float64), torch.tensor(min_p, dtype=torch.float64))
+    tau = native.truncation_thresholds(probs, *args)
+    assert torch.equal(_kept(probs, tau), _kept(probs, _thresholds_torch(probs, top_k, top_p, min_p)))
+
+
 def test_the_sorted_rule_keeps_the_smallest_set_reaching_top_p_and_every_tie_at_its_boundary() -> None:
     probs = torch.tensor([[0.4, 0.2, 0.2, 0.1, 0.1, 0.0], [0.5, 0.25, 0.125, 0.0625, 0.0625, 0.0]])
     # row 0: 0.4 + 0.2 reaches 0.5, and the other 0.2 is tied with it: both kept; row 1: 0.5 + 0.25 reaches 0.7
