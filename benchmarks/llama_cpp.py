@@ -288,24 +288,28 @@ def converter_env(source: Path) -> dict[str, str]:
 
 
 def converter_python(source: Path) -> Path:
-    """The converter's own interpreter: a venv beside the build (`<version>/converter-venv`) that reads this
-    interpreter's packages (torch, numpy, transformers) through a .pth file placed after its own site-packages, so
-    what the converter alone needs is installed there, never into the environment running the benchmark. Created
-    on first use (a few seconds) under the version's lock; the .pth file, written last, marks it complete."""
+    """The converter's own interpreter: a venv beside the build (`<version>/converter-venv`) that reads the packages
+    of the interpreter running this benchmark (torch, numpy, transformers) through a .pth file placed after its own
+    site-packages, so what the converter alone needs is installed there, never into the benchmark's environment.
+    Created on first use (a few seconds) under the version's lock; the .pth file, written last, marks it complete,
+    and is rewritten whenever another interpreter (another checkout's `.venv`) runs the benchmark."""
     vdir = source.parents[2]
     venv = vdir / "converter-venv"
     python = venv / "bin" / "python"
     marker = "zz_benchmark_interpreter.pth"
-    if list(venv.glob(f"lib/python*/site-packages/{marker}")):
+    wanted = "".join(f"{d}\n" for d in sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}))
+    found = list(venv.glob(f"lib/python*/site-packages/{marker}"))
+    if found and found[0].read_text() == wanted:
         return python
     with _locked(vdir / ".lock"):
-        if not list(venv.glob(f"lib/python*/site-packages/{marker}")):
+        found = list(venv.glob(f"lib/python*/site-packages/{marker}"))
+        if not found:
             shutil.rmtree(venv, ignore_errors=True)
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=300)
             code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
             own = subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True, timeout=60)
-            ours = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
-            Path(own.stdout.strip(), marker).write_text("".join(f"{d}\n" for d in ours))
+            found = [Path(own.stdout.strip(), marker)]
+        found[0].write_text(wanted)
     return python
 
 

@@ -32,28 +32,37 @@
 
 namespace {
 
-// Which of 16 values starting at p[0] (`lanes` of them) are positive, at least `floor` and share the chosen prefix
-// of bits (NaN fails every comparison); their bit patterns in `keys`.
+// The lanes of the 16 values from index i that lie in a row of n.
+inline __mmask16 lanes_at(int64_t i, int64_t n) {
+  return i + 16 <= n ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+}
+
+// Which of those lanes of v hold a positive value at least `floor` (NaN fails both comparisons).
+inline __mmask16 kept(__mmask16 lanes, __m512 v, __m512 floor) {
+  return _mm512_mask_cmp_ps_mask(_mm512_mask_cmp_ps_mask(lanes, v, _mm512_setzero_ps(), _CMP_GT_OQ), v, floor,
+                                 _CMP_GE_OQ);
+}
+
+// Which of the 16 values from p[0] (`lanes` of them) are kept and share the chosen prefix of bits; their bit
+// patterns in `keys`.
 inline __mmask16 selected(const float* p, __mmask16 lanes, __m512 floor, __m512i known, __m512i prefix, __m512i* keys) {
   const __m512 v = _mm512_maskz_loadu_ps(lanes, p);
   *keys = _mm512_castps_si512(v);
-  __mmask16 m = _mm512_mask_cmp_ps_mask(lanes, v, _mm512_setzero_ps(), _CMP_GT_OQ);
-  m = _mm512_mask_cmp_ps_mask(m, v, floor, _CMP_GE_OQ);
-  return _mm512_mask_cmpeq_epi32_mask(m, _mm512_and_si512(*keys, known), prefix);
+  return _mm512_mask_cmpeq_epi32_mask(kept(lanes, v, floor), _mm512_and_si512(*keys, known), prefix);
 }
 
 constexpr int kBuckets = 2048;  // the widest level's digits
 constexpr int kSplit = 4;       // partial histograms of a pass over the row (see radix_select)
 
 // The largest value t among the row's positive values >= floor at which the running weight, summed in descending
-// order (weight 1 per value, or the value itself when `by_mass`), first reaches `target`. A radix select over the values' bits (positive floats order
-// as their bit patterns), three levels of 11, 11 and 10 bits with a histogram each: the first two read the row 16
-// values at a time (the lanes that pass the filter are added one by one), the last only the values the second kept
-// (those sharing the chosen prefix). A row's values mostly share a few exponents, so a pass adds into the same
-// bucket over and over: value i adds into partial histogram i % kSplit, so that consecutive additions do not wait for
-// each other, and the partials are summed in a fixed order (the weights are doubles: any order is as good as the
-// sorted rule's, which sums in another order again). When rounding keeps the target from being reached, the smallest
-// such value.
+// order (weight 1 per value, or the value itself when `by_mass`), first reaches `target`. A radix select over the
+// values' bits (positive floats order as their bit patterns), three levels of 11, 11 and 10 bits with a histogram
+// each: the first two read the row 16 values at a time (the lanes that pass the filter are added one by one), the
+// last only the values the second kept (those sharing the chosen prefix). A row's values mostly share a few
+// exponents, so a pass adds into the same bucket over and over: value i adds into partial histogram i % kSplit, so
+// that consecutive additions do not wait for each other, and the partials are summed in a fixed order (the weights
+// are doubles: any order is as good as the sorted rule's, which sums in another order again). When rounding keeps
+// the target from being reached, the smallest such value.
 float radix_select(const float* p, int64_t vocab, float floor, bool by_mass, double target) {
   constexpr int kShifts[3] = {21, 10, 0}, kWidths[3] = {11, 11, 10};
   static thread_local std::vector<double> parts(kSplit * kBuckets);  // all zero between calls (cleared after use)
@@ -72,9 +81,8 @@ float radix_select(const float* p, int64_t vocab, float floor, bool by_mass, dou
       const __m512i prefix_v = _mm512_set1_epi32(static_cast<int>(prefix));
       alignas(64) uint32_t keys[16];
       for (int64_t i = 0; i < vocab; i += 16) {
-        const __mmask16 lanes = i + 16 <= vocab ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (vocab - i)) - 1);
         __m512i key_v;
-        __mmask16 m = selected(p + i, lanes, floor_v, known_v, prefix_v, &key_v);
+        __mmask16 m = selected(p + i, lanes_at(i, vocab), floor_v, known_v, prefix_v, &key_v);
         if (!m) continue;
         _mm512_store_si512(keys, key_v);
         for (; m; m &= m - 1) {
@@ -134,10 +142,9 @@ Weight weight_from(const float* p, int64_t vocab, float floor) {
   __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
   int64_t count = 0;
   for (int64_t i = 0; i < vocab; i += 16) {
-    const __mmask16 lanes = i + 16 <= vocab ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (vocab - i)) - 1);
+    const __mmask16 lanes = lanes_at(i, vocab);
     const __m512 v = _mm512_maskz_loadu_ps(lanes, p + i);
-    __mmask16 m = _mm512_mask_cmp_ps_mask(lanes, v, _mm512_setzero_ps(), _CMP_GT_OQ);
-    m = _mm512_mask_cmp_ps_mask(m, v, floor_v, _CMP_GE_OQ);
+    const __mmask16 m = kept(lanes, v, floor_v);
     if (!m) continue;
     count += __builtin_popcount(m);
     const __m512 kept = _mm512_maskz_mov_ps(m, v);
@@ -242,7 +249,7 @@ int64_t row_draw(const float* w, int64_t vocab, double u, std::vector<double>& e
   double running = 0.0;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t i = b * 16;
-    const __mmask16 lanes = i + 16 <= vocab ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (vocab - i)) - 1);
+    const __mmask16 lanes = lanes_at(i, vocab);
     __mmask16 nonzero =
         _mm512_mask_cmp_ps_mask(lanes, _mm512_maskz_loadu_ps(lanes, w + i), _mm512_setzero_ps(), _CMP_NEQ_UQ);
     for (; nonzero; nonzero &= nonzero - 1) running += static_cast<double>(w[i + __builtin_ctz(nonzero)]);
