@@ -25,6 +25,10 @@ What it does, in one run:
    since llama-server delivers a stream's first tokens together), end-to-end latency p50, the client's own CPU
    share (`client_cpu`: its CPU seconds / the span, a neighbour of the server's on a small machine); and per
    precision and C the ratios Tandem / peer (aggregate tok/s: > 1 is Tandem faster; TTFT: < 1 is Tandem faster).
+   With `--interleave` a precision's servers run side by side (idle but for their turn) and take turns round by
+   round (C requests a round, the same fresh prompts for each server, the order reversed every round, a second's
+   pause between turns); each ratio is then also given round by round with its median, so that the machine's
+   speed drifting over minutes (a shared host's neighbours) moves both sides of a ratio alike.
 4. `--busy-core [CORE]` (issue 33 goal 3): for each server, at concurrency 1, time per output token p50 quiet, with
    one busy-looping process pinned to CORE (`os.sched_setaffinity`; default the last core this process may use),
    and quiet again; slowdown = busy / mean(quiet); prints Tandem's slowdown / llama-server's (the ratio of ratios:
@@ -44,6 +48,8 @@ failed (the JSON still holds what was measured). Random weights: only speed mean
     .venv/bin/python benchmarks/serving_peers.py --quick --concurrency 1,4 --tokens 16 --rounds 1 \\
         --out results/serving_peers_quick                                              # a smoke run
     .venv/bin/python benchmarks/serving_peers.py --peers tandem,llama-server --precisions bf16 --busy-core
+    .venv/bin/python benchmarks/serving_peers.py --peers tandem,vllm --precisions bf16 --concurrency 16 \\
+        --rounds 6 --interleave                                                        # same-minute ratios
 """
 
 from __future__ import annotations
@@ -77,6 +83,9 @@ PEERS = ("tandem", "vllm", "llama-server")
 PRECISIONS = ("bf16", "int8", "int4")
 GGUF_TYPE = {"int8": "Q8_0", "int4": "Q4_0"}  # bf16: --llama-dense-type
 SERVED_NAME = "peer"
+SETTLE_S = 1.0
+"""Seconds between one server's round and the next server's with `--interleave` (vLLM's libiomp5 and llama.cpp's
+threads spin a while after their last step)."""
 
 
 def log(msg: str) -> None:
@@ -301,18 +310,6 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict[str, Any]:
     }
 
 
-def measure(server: PeerServer, prompt_list, concurrency: int, args, warm_prompts) -> dict[str, Any]:
-    url, timeout = server.base_url, args.request_timeout
-    if warm_prompts:
-        asyncio.run(run_load(url, warm_prompts, concurrency, args.warmup_tokens, timeout))
-    before = os.times()
-    outcomes, wall = asyncio.run(run_load(url, prompt_list, concurrency, args.tokens, timeout))
-    after = os.times()
-    cpu = (after.user + after.system) - (before.user + before.system)
-    # the client's own CPU share: a neighbour to the server on a small machine (Tandem's thread governor counts it)
-    return {**summarize(outcomes, wall), "client_cpu": cpu / wall if wall > 0 else None}
-
-
 # ------------------------------------------------------------------------------------------------ busy core
 class BusyLoop:
     """One process spinning on one core (`os.sched_setaffinity`), started and ended by this benchmark."""
@@ -340,7 +337,8 @@ def busy_case(server: PeerServer, args, vocab: int, core: int) -> dict[str, Any]
         plist = prompts(n, args.prompt_tokens, vocab, args.seed + 7000 + i)
         loop = BusyLoop(core) if phase == "busy" else None
         try:
-            runs[phase] = measure(server, plist, 1, args, None)
+            outcomes, wall = asyncio.run(run_load(server.base_url, plist, 1, args.tokens, args.request_timeout))
+            runs[phase] = summarize(outcomes, wall)
         finally:
             if loop is not None:
                 loop.stop()
@@ -364,7 +362,12 @@ def markdown(results: dict[str, Any]) -> str:
         f"Model: random Qwen3, hidden {m['hidden_size']}, {m['num_layers']} layers, vocab {m['vocab_size']}, "
         f"{m['params'] / 1e6:.1f}M parameters. Workload: streamed /v1/completions, {w['prompt_tokens']}-token random "
         f"prompts, {w['tokens']} tokens a request (ignore_eos, temperature 0), {w['rounds']} × C requests per cell "
-        f"after a warm-up burst.",
+        f"after a warm-up burst"
+        + (
+            ", the servers running side by side and taking turns round by round."
+            if w.get("interleave")
+            else ", one server at a time."
+        ),
         f"Command: `{results['command']}`",
         "",
         "| precision | server | C | aggregate tok/s | TTFT p50 ms | TTFT p90 ms | time/token p50 ms | errors "
@@ -379,6 +382,17 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {fmt(s.get('ttft_p50_ms'))} | {fmt(s.get('ttft_p90_ms'))} | {fmt(s.get('tpot_p50_ms'), 2)} "
             f"| {s.get('errors', '–')} | {fmt(r.get('tok_s'), 2)} | {fmt(r.get('ttft_p50'), 2)} |"
         )
+    rounds = [c for c in results["cells"] if c.get("ratio", {}).get("tok_s_rounds")]
+    if rounds:
+        lines += ["", "Servers side by side (`--interleave`), round by round, Tandem / server:"]
+        for c in rounds:
+            r = c["ratio"]
+            lines.append(
+                f"- {c['precision']} C={c['concurrency']} vs {c['server_label']}: tok/s "
+                f"{' '.join(f'{x:.2f}' for x in r['tok_s_rounds'])} (median {fmt(r['tok_s_round_median'], 2)}); "
+                f"TTFT p50 {' '.join(f'{x:.2f}' for x in r['ttft_p50_rounds'])} "
+                f"(median {fmt(r['ttft_p50_round_median'], 2)})"
+            )
     if results.get("busy"):
         lines += ["", f"Shared CPU (one busy-looping process pinned to core {results['busy_core']}), concurrency 1, "
                   "time per output token p50:", "",
@@ -448,6 +462,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=32, help="random token-id prompt length")
     p.add_argument("--rounds", type=int, default=2, help="requests per cell = rounds × concurrency")
     p.add_argument("--min-requests", type=int, default=4, help="at least this many requests per cell")
+    p.add_argument("--interleave", action="store_true",
+                   help="start a precision's servers side by side and let them take turns round by round (the "
+                   "ratios then compare rounds run minutes, not a quarter-hour, apart)")  # fmt: skip
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens per request of each cell's warm-up burst")
     p.add_argument("--threads", type=int, default=None, help="threads of every server (default: usable cores)")
     p.add_argument("--quick", action="store_true", help="small model (hidden 256, 4 layers, vocab 2048)")
@@ -590,10 +607,130 @@ def add_ratios(results: dict[str, Any]) -> None:
             "tok_s": t["tok_s"] / s["tok_s"] if t.get("tok_s") and s.get("tok_s") else None,
             "ttft_p50": t["ttft_p50_ms"] / s["ttft_p50_ms"] if t.get("ttft_p50_ms") and s.get("ttft_p50_ms") else None,
         }
+        if results.get("workload", {}).get("interleave"):  # side by side: each round's ratio, and their median
+            for name, key in (("tok_s", "round_tok_s"), ("ttft_p50", "round_ttft_p50_ms")):
+                pairs = [a / b for a, b in zip(t.get(key, []), s.get(key, []), strict=True) if a and b]
+                cell["ratio"][f"{name}_rounds"] = pairs
+                cell["ratio"][f"{name}_round_median"] = statistics.median(pairs) if pairs else None
     for b in results["busy"]:
         td = next((x for x in results["busy"] if x["peer"] == "tandem" and x["precision"] == b["precision"]), None)
         if b["peer"] != "tandem" and td and td.get("slowdown") and b.get("slowdown"):
             b["ratio_of_ratios"] = td["slowdown"] / b["slowdown"]
+
+
+def open_server(precision: str, peer: str, ctx: dict[str, Any], args, results: dict[str, Any]) -> PeerServer:
+    """`peer`'s server for `precision`, started, recorded in `results["servers"]` and ready (or raising)."""
+    key = f"{precision}/{label(peer, precision, args)}"
+    busy = cpu_peer.wait_quiet(args.quiet_wait, args.quiet_below)  # other work on the machine, 1 s sample
+    log(f"[{key}] starting (other work on the CPUs: {busy:.0%})")
+    log_path = args.out / "servers" / f"{precision}-{peer}.log"
+    results["servers"][key] = {"command": "?", "background_cpu_busy": busy, "log": str(log_path)}
+    server = start_server(peer, precision, ctx, args, log_path)
+    entry = results["servers"][key]
+    entry.update(command=shlex.join(server.cmd), settings=server.settings)
+    log(f"  command: {entry['command']}")
+    log(f"  settings: {json.dumps(server.settings)}")
+    try:
+        entry["ready_s"] = server.wait_ready(args.server_timeout)
+    except BaseException:
+        server.close()
+        raise
+    log(f"  ready in {entry['ready_s']:.1f} s")
+    return server
+
+
+def measure_cell(servers: dict[str, PeerServer], conc: int, i: int, args, vocab: int) -> dict[str, dict[str, Any]]:
+    """One concurrency for every server in `servers` (peer -> server): a warm-up burst each, then rounds of C
+    requests kept C at a time, each round the same fresh prompts for every server, the servers taking turns (the
+    order reversed every round), so that a change in the machine's speed minutes long falls on all of them alike.
+    Per peer: the pooled summary plus each round's tok/s and TTFT p50 (`round_tok_s`, `round_ttft_p50_ms`)."""
+    timeout = args.request_timeout
+    for server in servers.values():
+        asyncio.run(run_load(server.base_url, prompts(conc, args.prompt_tokens, vocab, args.seed + 1000 * i + 500),
+                             conc, args.warmup_tokens, timeout))  # fmt: skip
+    rounds = max(args.rounds, -(-args.min_requests // conc))
+    pooled: dict[str, list[Outcome]] = {peer: [] for peer in servers}
+    walls = dict.fromkeys(servers, 0.0)
+    cpu = dict.fromkeys(servers, 0.0)
+    per_round: dict[str, list[dict[str, Any]]] = {peer: [] for peer in servers}
+    order = list(servers)
+    for r in range(rounds):
+        plist = prompts(conc, args.prompt_tokens, vocab, args.seed + 1000 * i + 7 * r)
+        for peer in order if r % 2 == 0 else order[::-1]:
+            if len(servers) > 1:
+                time.sleep(SETTLE_S)  # the last server's spinning threads (OpenMP's block time) go idle
+            before = os.times()
+            outcomes, wall = asyncio.run(run_load(servers[peer].base_url, plist, conc, args.tokens, timeout))
+            after = os.times()
+            cpu[peer] += (after.user + after.system) - (before.user + before.system)
+            pooled[peer] += outcomes
+            walls[peer] += wall
+            per_round[peer].append(summarize(outcomes, wall))
+    out = {}
+    for peer in servers:
+        res = summarize(pooled[peer], walls[peer])
+        # the client's own CPU share: a neighbour to the server on a small machine (Tandem's governor counts it)
+        res["client_cpu"] = cpu[peer] / walls[peer] if walls[peer] > 0 else None
+        res["round_tok_s"] = [x["tok_s"] for x in per_round[peer]]
+        res["round_ttft_p50_ms"] = [x["ttft_p50_ms"] for x in per_round[peer]]
+        out[peer] = res
+    return out
+
+
+def run_interleaved(precision: str, peers: list[str], ctx: dict[str, Any], args, results: dict[str, Any]) -> None:
+    """Every concurrency of `precision` for `peers` (`measure_cell`), their servers running side by side (one at
+    a time with `--interleave` off: then `peers` is one peer), then the busy-core case of each; errors recorded."""
+    servers: dict[str, PeerServer] = {}
+    try:
+        for peer in peers:
+            try:
+                servers[peer] = open_server(precision, peer, ctx, args, results)
+            except Exception as exc:
+                note_error(results, f"{precision}/{label(peer, precision, args)}", exc)
+        for i, conc in enumerate(args.concurrencies):
+            if not servers:
+                break
+            for peer, res in measure_cell(servers, conc, i, args, ctx["vocab"]).items():
+                key = f"{precision}/{label(peer, precision, args)}"
+                cell = {"precision": precision, "peer": peer, "server_label": label(peer, precision, args),
+                        "concurrency": conc, "result": res}  # fmt: skip
+                results["cells"].append(cell)
+                log(f"  [{key}] C={conc}: {fmt(res['tok_s'])} tok/s, TTFT p50 {fmt(res['ttft_p50_ms'])} ms p90 "
+                    f"{fmt(res['ttft_p90_ms'])} ms, time/token p50 {fmt(res['tpot_p50_ms'], 2)} ms, "
+                    f"{res['ok']}/{res['requests']} ok" + (f" (first error: {res['first_error']})"
+                                                          if res["errors"] else ""))  # fmt: skip
+                if res["errors"]:
+                    results["errors"].append(f"{key} C={conc}: {res['errors']} failed: {res['first_error']}")
+            for peer, server in list(servers.items()):
+                if server.proc.poll() is not None:
+                    del servers[peer]
+                    note_error(
+                        results,
+                        f"{precision}/{label(peer, precision, args)}",
+                        ServerError(
+                            f"{peer} exited with {server.proc.returncode} during C={conc}: {server.last_word()}"
+                        ),
+                    )
+        if args.busy_core is not None:
+            for peer, server in servers.items():
+                b = busy_case(server, args, ctx["vocab"], args.busy_core)
+                b.update(precision=precision, peer=peer, server_label=label(peer, precision, args))
+                results["busy"].append(b)
+                log(f"  busy core {args.busy_core}: time/token p50 quiet {fmt(b['quiet_tpot_ms'], 2)} ms, busy "
+                    f"{fmt(b['busy_tpot_ms'], 2)} ms: slowdown {fmt(b['slowdown'], 2)}x")  # fmt: skip
+    except Exception as exc:
+        note_error(results, f"{precision}/{','.join(peers)}", exc)
+    finally:
+        for server in servers.values():
+            server.close()
+
+
+def note_error(results: dict[str, Any], key: str, exc: BaseException) -> None:
+    msg = f"{type(exc).__name__}: {exc}"
+    results["errors"].append(f"{key}: {msg}")
+    if key in results["servers"]:
+        results["servers"][key]["error"] = msg
+    print(f"error: {key}: {msg}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -615,6 +752,7 @@ def main(argv: list[str] | None = None) -> int:
             "min_requests": args.min_requests,
             "warmup_tokens": args.warmup_tokens,
             "concurrency": args.concurrencies,
+            "interleave": args.interleave,
         },
         "busy_core": args.busy_core,
         "notes": [],
@@ -633,55 +771,13 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "serving_peers.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
         return 1
     for precision in args.precision_list:
-        for peer in args.peer_list:
-            if peer == "vllm" and precision != "bf16":
-                continue  # vLLM's CPU build: bf16 only here (its int8/int4 paths need pre-quantized checkpoints)
-            key = f"{precision}/{label(peer, precision, args)}"
-            busy = cpu_peer.wait_quiet(args.quiet_wait, args.quiet_below)  # other work on the machine, 1 s sample
-            log(f"[{key}] starting (other work on the CPUs: {busy:.0%})")
-            log_path = args.out / "servers" / f"{precision}-{peer}.log"
-            server = None
-            try:
-                server = start_server(peer, precision, ctx, args, log_path)
-                entry = {"command": shlex.join(server.cmd), "settings": server.settings, "log": str(log_path),
-                         "background_cpu_busy": busy}  # fmt: skip
-                results["servers"][key] = entry
-                log(f"  command: {entry['command']}")
-                log(f"  settings: {json.dumps(server.settings)}")
-                entry["ready_s"] = server.wait_ready(args.server_timeout)
-                log(f"  ready in {entry['ready_s']:.1f} s")
-                for i, conc in enumerate(args.concurrencies):
-                    n = max(args.min_requests, args.rounds * conc)
-                    plist = prompts(n, args.prompt_tokens, ctx["vocab"], args.seed + 1000 * i)
-                    warm = prompts(conc, args.prompt_tokens, ctx["vocab"], args.seed + 1000 * i + 500)
-                    res = measure(server, plist, conc, args, warm)
-                    cell = {"precision": precision, "peer": peer, "server_label": label(peer, precision, args),
-                            "concurrency": conc, "result": res}  # fmt: skip
-                    results["cells"].append(cell)
-                    log(f"  C={conc}: {fmt(res['tok_s'])} tok/s, TTFT p50 {fmt(res['ttft_p50_ms'])} ms p90 "
-                        f"{fmt(res['ttft_p90_ms'])} ms, time/token p50 {fmt(res['tpot_p50_ms'], 2)} ms, "
-                        f"{res['ok']}/{res['requests']} ok" + (f" (first error: {res['first_error']})"
-                                                              if res["errors"] else ""))  # fmt: skip
-                    if res["errors"]:
-                        results["errors"].append(f"{key} C={conc}: {res['errors']} failed: {res['first_error']}")
-                    if server.proc.poll() is not None:
-                        raise ServerError(f"{peer} exited with {server.proc.returncode} during C={conc}: "
-                                          f"{server.last_word()}")  # fmt: skip
-                if args.busy_core is not None:
-                    b = busy_case(server, args, ctx["vocab"], args.busy_core)
-                    b.update(precision=precision, peer=peer, server_label=label(peer, precision, args))
-                    results["busy"].append(b)
-                    log(f"  busy core {args.busy_core}: time/token p50 quiet {fmt(b['quiet_tpot_ms'], 2)} ms, busy "
-                        f"{fmt(b['busy_tpot_ms'], 2)} ms: slowdown {fmt(b['slowdown'], 2)}x")  # fmt: skip
-            except Exception as exc:
-                msg = f"{type(exc).__name__}: {exc}"
-                results["errors"].append(f"{key}: {msg}")
-                results["servers"].setdefault(key, {"command": shlex.join(server.cmd) if server else "?"})
-                results["servers"][key]["error"] = msg
-                print(f"error: {key}: {msg}", file=sys.stderr)
-            finally:
-                if server is not None:
-                    server.close()
+        # vLLM's CPU build: bf16 only here (its int8/int4 paths need pre-quantized checkpoints)
+        peers = [peer for peer in args.peer_list if peer != "vllm" or precision == "bf16"]
+        if args.interleave:
+            run_interleaved(precision, peers, ctx, args, results)
+        else:
+            for peer in peers:
+                run_interleaved(precision, [peer], ctx, args, results)
     add_ratios(results)
     busy = [v["background_cpu_busy"] for v in results["servers"].values() if v.get("background_cpu_busy") is not None]
     if busy and max(busy) > 0.15:

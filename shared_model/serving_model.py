@@ -10,8 +10,11 @@ Contract:
 - `ServingDecoder.hidden_states(input_ids, positions, attention)` and `logits(hidden)` keep `CausalLM`'s contract
   and its arithmetic op for op: the same dot products (one matmul where there were three, two), q and k heads
   normalized and rotated in one pass, the norm's mean as a sum divided by the width (torch's mean on the CPU, bit
-  for bit), RoPE's products and sum written in place. So with plain projections its output is bit-equal to the
-  `CausalLM`'s on the CPU (tests/shared_model/test_fuse.py), and the exactness tests hold the two together.
+  for bit), RoPE's products and sums over the head's halves, its cos/sin gathered from tables of every position below
+  max_position_embeddings built at construction (`rope_half_tables`: `rope_tables`' values, computed once instead of
+  per step; positions at or past the tables' end are an index error). So with plain projections its output is
+  bit-equal to the `CausalLM`'s on the CPU (tests/shared_model/test_fuse.py), and the exactness tests hold the two
+  together.
 - Its projections (`qkv`, `o_proj`, `gate_up`, `down_proj` of each layer, `lm_head`) are `ServingLinear`s until
   `shared_model.quantize` swaps in `QuantizedLinear`s. A `ServingLinear` is an `nn.Linear` sharing the same
   parameters that picks its kernel by the row count of a call from its `RowTable` (one literal table per
@@ -198,11 +201,41 @@ def rms_norm_into(x: torch.Tensor, weight: torch.Tensor, width: torch.Tensor, ep
     return weight * (h * ms.add_(eps).rsqrt_()).to(x.dtype)
 
 
+ROPE_TABLE_BLOCK = 256
+"""Positions per `rope_tables` call while building the serving tables: a call of a step's size, each one's cos/sin
+vectorized as a step's own call would be (no chunk of a parallel loop ending mid-vector)."""
+
+
+def rope_half_tables(config: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_position_embeddings, D/2] in `dtype` on the CPU: `rope_tables` of every position the model
+    serves, its duplicated half kept once. A gather from them (`rope_lookup`) is the same bits as `rope_tables` for
+    those positions, computed once at load instead of in every step (where a compiled step recomputed them in each
+    layer's rotation)."""
+    inv_freq, half = rope_inv_freq(config), config.head_dim // 2
+    cos, sin = [], []
+    for start in range(0, config.max_position_embeddings, ROPE_TABLE_BLOCK):
+        stop = min(start + ROPE_TABLE_BLOCK, config.max_position_embeddings)
+        c, s = rope_tables(torch.arange(start, stop)[None], inv_freq, dtype)  # [1, n, 1, D] each
+        cos.append(c[0, :, 0, :half])
+        sin.append(s[0, :, 0, :half])
+    return torch.cat(cos), torch.cat(sin)
+
+
+def rope_lookup(
+    positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] (each below the tables' length) -> cos, sin [B, T, 1, D/2] in `dtype`: `rope_tables`' first
+    halves (their second halves are the same values)."""
+    return F.embedding(positions, cos).to(dtype)[:, :, None, :], F.embedding(positions, sin).to(dtype)[:, :, None, :]
+
+
 def rope_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`shared_model.model.apply_rope`'s products and sum, written in place: x [B, T, H, D] (a fresh tensor)."""
+    """`shared_model.model.apply_rope` over halves: x [B, T, H, D], cos/sin [B, T, 1, D/2] (`rope_lookup`). Its
+    products and sums rounded as apply_rope rounds them (x1 c - x2 s is x1 c + (-x2) s), without building the
+    rotated copy: one pass for a compiled step."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos).add_(rotated.mul_(sin))
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class ServingLayer(nn.Module):
@@ -262,7 +295,9 @@ class ServingDecoder(nn.Module):
             self.lm_head: nn.Module = ServingLinear.sharing(model.lm_head)  # the same Parameter: a tied head stays tied
         self.eps = c.rms_norm_eps
         f32 = {"dtype": torch.float32, "device": device}
-        self.register_buffer("inv_freq", rope_inv_freq(c).to(device), persistent=False)  # [D/2] fp32
+        cos, sin = rope_half_tables(c, stack.embed_tokens.weight.dtype)  # [P, D/2] each
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
         self.register_buffer("eps_t", torch.tensor(c.rms_norm_eps, **f32), persistent=False)
         self.register_buffer("hidden_width", torch.tensor(float(c.hidden_size), **f32), persistent=False)
         self.register_buffer("head_width", torch.tensor(float(c.head_dim), **f32), persistent=False)
@@ -277,7 +312,7 @@ class ServingDecoder(nn.Module):
         input_ids, positions = batched(input_ids, positions)
         backend = CAUSAL if attention is None else attention
         x = self.embed_tokens(input_ids)  # [B, T, hidden]
-        cos, sin = rope_tables(positions, self.inv_freq, x.dtype)  # [B, T, 1, D] each
+        cos, sin = rope_lookup(positions, self.rope_cos, self.rope_sin, x.dtype)  # [B, T, 1, D/2] each
         widths = (self.hidden_width, self.head_width)
         for layer in self.layers:
             x = layer(x, cos, sin, backend, self.eps_t, widths)

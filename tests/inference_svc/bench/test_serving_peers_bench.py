@@ -58,6 +58,42 @@ def test_run_load_counts_every_streamed_token_of_a_real_server(http_server) -> N
     assert s["ttft_p50_ms"] <= s["ttft_p90_ms"]
 
 
+def test_interleaved_cell_gives_every_server_the_same_rounds_in_turn(http_server, monkeypatch) -> None:
+    import argparse
+    import types
+
+    sp = _load("serving_peers")
+    monkeypatch.setattr(sp, "SETTLE_S", 0.0)
+    base = f"http://127.0.0.1:{http_server.server.http_port}"
+    sent: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
+    run_load = sp.run_load
+
+    async def recording(url, plist, conc, n_tokens, timeout):  # the real load, with who got which prompts
+        sent.append((url, tuple(map(tuple, plist))))
+        return await run_load(url, plist, conc, n_tokens, timeout)
+
+    monkeypatch.setattr(sp, "run_load", recording)
+    # two "peers" on one real server, told apart by the URL each is reached at
+    servers = {"tandem": types.SimpleNamespace(base_url=base), "vllm": types.SimpleNamespace(base_url=base + "/")}
+    args = argparse.Namespace(request_timeout=60.0, prompt_tokens=5, seed=3, warmup_tokens=2, tokens=6, rounds=3,
+                              min_requests=4)  # fmt: skip
+    out = sp.measure_cell(servers, 2, 0, args, 512)
+    measured = sent[2:]  # after one warm-up burst each
+    assert [u for u, _ in measured] == [base, base + "/", base + "/", base, base, base + "/"]  # turns, reversed
+    assert [p for _, p in measured[0::2]] == [p for _, p in measured[1::2]]  # each round: the same prompts for both
+    assert len({p for _, p in measured[0::2]}) == 3  # fresh prompts every round
+    for res in out.values():
+        assert (res["requests"], res["ok"], res["output_tokens"]) == (6, 6, 36)
+        assert len(res["round_tok_s"]) == len(res["round_ttft_p50_ms"]) == 3 and all(res["round_tok_s"])
+    cells = [{"peer": p, "precision": "bf16", "concurrency": 2, "result": r} for p, r in out.items()]
+    results = {"workload": {"interleave": True}, "busy": [], "cells": cells}
+    sp.add_ratios(results)
+    ratio = results["cells"][1]["ratio"]
+    t, v = out["tandem"], out["vllm"]
+    assert ratio["tok_s_rounds"] == [a / b for a, b in zip(t["round_tok_s"], v["round_tok_s"], strict=True)]
+    assert ratio["tok_s_round_median"] == sorted(ratio["tok_s_rounds"])[1]
+
+
 def test_a_refused_request_is_an_error_of_the_cell_not_a_crash(http_server) -> None:
     sp = _load("serving_peers")
     base = f"http://127.0.0.1:{http_server.server.http_port}"
