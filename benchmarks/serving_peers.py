@@ -12,7 +12,8 @@ What it does, in one run:
    (`--llama-dense-type F16` for F16); int8: Tandem `--quantization int8` against llama-server Q8_0; int4: Tandem
    `--quantization int4` against Q4_0; vLLM's CPU build serves bf16 only here) and each peer, starts the server on
    a free loopback port (timed to its first 200 on /health), then for each concurrency C (default 1, 16, 64):
-   a warm-up burst of C requests of `--warmup-tokens`, then max(`--min-requests`, `--rounds` × C) requests kept C
+   a warm-up burst of C requests of `--warmup-tokens`, then rounds of C requests (`--rounds`, more if
+   `--min-requests` asks for more; the cell's figures pool the rounds, its span their spans summed), each kept C
    at a time by C asyncio tasks through Tandem's own OpenAI-API load client (`inference_svc.bench.openai_backend`,
    the one `tandem bench --backend openai` uses; httpx, one connection per request in flight): streamed
    `/v1/completions` with a fresh random `--prompt-tokens` token-id prompt per request (the same prompts for every
@@ -677,9 +678,10 @@ def measure_cell(servers: dict[str, PeerServer], conc: int, i: int, args, vocab:
     return out
 
 
-def run_interleaved(precision: str, peers: list[str], ctx: dict[str, Any], args, results: dict[str, Any]) -> None:
-    """Every concurrency of `precision` for `peers` (`measure_cell`), their servers running side by side (one at
-    a time with `--interleave` off: then `peers` is one peer), then the busy-core case of each; errors recorded."""
+def run_precision(precision: str, peers: list[str], ctx: dict[str, Any], args, results: dict[str, Any]) -> None:
+    """Every concurrency of `precision` for `peers` (`measure_cell`), their servers running side by side (with
+    `--interleave` off `main` calls it once per peer, so one server runs at a time), then the busy-core case of
+    each; errors recorded, servers always closed."""
     servers: dict[str, PeerServer] = {}
     try:
         for peer in peers:
@@ -774,10 +776,10 @@ def main(argv: list[str] | None = None) -> int:
         # vLLM's CPU build: bf16 only here (its int8/int4 paths need pre-quantized checkpoints)
         peers = [peer for peer in args.peer_list if peer != "vllm" or precision == "bf16"]
         if args.interleave:
-            run_interleaved(precision, peers, ctx, args, results)
+            run_precision(precision, peers, ctx, args, results)
         else:
             for peer in peers:
-                run_interleaved(precision, [peer], ctx, args, results)
+                run_precision(precision, [peer], ctx, args, results)
     add_ratios(results)
     busy = [v["background_cpu_busy"] for v in results["servers"].values() if v.get("background_cpu_busy") is not None]
     if busy and max(busy) > 0.15:
