@@ -111,28 +111,31 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[Any] | None =
     """The lightning.Trainer a config describes (strategy, precision, loggers, checkpoint and export callbacks)."""
     import lightning.pytorch as pl
 
+    from lt_plugins import autocast
     from lt_plugins.auto_strategy import resolve_auto, training_callbacks  # the planner's checkpointing and ledger
     from lt_plugins.checkpoint_io import PeriodicCheckpoint
     from lt_plugins.export.bundle import ExportBundle
     from lt_plugins.export.checkpoint import META_DIR
     from lt_plugins.finite import NonFiniteLossGuard
     from lt_plugins.metrics_csv import AttemptCSVLogger
-    from lt_plugins.precision import PrecisionPolicyCallback
+    from lt_plugins.precision import PrecisionPolicy, PrecisionPolicyCallback
     from lt_plugins.strategy import ZeroStrategy
 
-    cfg = resolve_auto(cfg)  # no-op unless strategy.name=auto
+    cfg = autocast.resolved_config(resolve_auto(cfg))  # no-op unless strategy.name=auto / trainer.autocast=auto
     t = cfg.trainer
     strategy: Any = cfg.strategy.name
+    policy = PrecisionPolicy(classes=PrecisionPolicy().classes + autocast.fp32_classes(t.autocast, t.accelerator))
     all_callbacks: list[Any] = [
         NonFiniteLossGuard(),  # first: a NaN loss stops the run before any other callback sees its step
-        PrecisionPolicyCallback(),
+        PrecisionPolicyCallback(policy),
         *(callbacks or []),
         *training_callbacks(cfg, run_dir),
     ]
     if t.enable_progress_bar:
         all_callbacks.append(_progress_bar())
     if cfg.strategy.name == "zero":
-        strategy = ZeroStrategy(cfg.strategy.zero_config(), extra=cfg.strategy.extra)
+        extra = {**cfg.strategy.extra, **autocast.deepspeed_section(t.autocast)}  # config refuses both set
+        strategy = ZeroStrategy(cfg.strategy.zero_config(), extra=extra)
         all_callbacks.append(
             PeriodicCheckpoint(run_dir / "checkpoints", cfg.checkpoints.every_n_steps, cfg.checkpoints.keep_last)
         )
@@ -162,7 +165,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[Any] | None =
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
-        precision=t.precision,
+        precision=t.precision if cfg.strategy.name == "zero" else autocast.lightning_precision(t.autocast, t.precision),
         strategy=strategy,
         max_steps=t.max_steps,
         accumulate_grad_batches=t.accumulate_grad_batches,
@@ -236,8 +239,9 @@ def run_training(cfg: TrainConfig) -> Path | None:
     _quiet()
     check_precision(cfg.trainer.precision, "cpu" if cfg.trainer.accelerator == "cpu" else "cuda")
     from lt_plugins.auto_strategy import resolve_auto  # strategy auto → the planner's choice
+    from lt_plugins.autocast import resolved_config  # trainer.autocast auto → this machine's choice
 
-    cfg = resolve_auto(cfg)  # before config.yaml is written, so the saved config says what ran
+    cfg = resolved_config(resolve_auto(cfg))  # before config.yaml is written, so the saved config says what ran
     run_dir = resolve_run_dir(cfg)
     os.environ[RUN_DIR_ENV] = str(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

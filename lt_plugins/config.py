@@ -32,6 +32,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lt_plugins.autocast import check_autocast
 from lt_plugins.checkpointing import MODES, CheckpointingConfig
 from lt_plugins.errors import TrainingConfigError
 from lt_plugins.ledger_callback import LedgerSection
@@ -331,6 +332,10 @@ class TrainerSection:
     """Nodes (multi-node through torchrun or SLURM; see docs/training.md)."""
     precision: str = "bf16-mixed"
     """bf16-mixed | 16-mixed (CUDA only) | 32-true."""
+    autocast: str = "none"
+    """none | bf16 | auto: with precision 32-true, run the matmuls in bf16 under torch.autocast over fp32 weights,
+    gradients and optimizer state; auto: bf16 on a CPU with AMX-BF16 or a CUDA device with bf16, else none
+    (lt_plugins/autocast.py; the run's config.yaml records the choice)."""
     max_steps: int = 100
     """Optimizer steps to train."""
     accumulate_grad_batches: int = 1
@@ -355,6 +360,7 @@ class TrainerSection:
             raise TrainingConfigError(
                 f"trainer.precision={self.precision!r} is not supported; choose one of {SUPPORTED_PRECISIONS}"
             )
+        check_autocast(self.autocast, self.precision)
         _positive(
             "trainer",
             self,
@@ -435,6 +441,11 @@ class TrainConfig:
     lora: LoraSection = field(default_factory=LoraSection)
 
     def __post_init__(self) -> None:
+        if self.trainer.autocast != "none" and "torch_autocast" in self.strategy.extra:
+            raise TrainingConfigError(
+                f"trainer.autocast={self.trainer.autocast} and strategy.extra.torch_autocast both set autocast; "
+                "set it in one place (trainer.autocast)"
+            )
         if self.lora.enabled and self.strategy.name == "auto":
             raise TrainingConfigError(
                 "lora.enabled=true conflicts with strategy.name=auto (the planner sizes full training; run `tandem "
