@@ -41,6 +41,9 @@ Contract:
   threads (gloo's work and transport loops). Left running into interpreter finalization, those threads can abort
   the process after a run that succeeded ("terminate called without an active exception", exit -6). No barrier is
   made at exit: ending a group is local, and a barrier would hold a rank whose peer failed until the timeout.
+- A single process on CPU starts DeepSpeed's communication backend without its shared-memory allreduce op
+  (`_without_shm_allreduce`): DeepSpeed would build that C++ op (about 40 s in a new environment) to reduce across
+  processes that a one-process run does not have. Two or more processes keep it.
 - Nothing here knows about shared_model.
 """
 
@@ -51,7 +54,8 @@ import atexit
 import gc
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -75,6 +79,28 @@ from lt_plugins.zero_config import (
     plain_mapping,
     zero_fields,
 )
+
+
+@contextmanager
+def _without_shm_allreduce() -> Iterator[None]:
+    """DeepSpeed's communication backend on CPU JIT-builds its shared-memory allreduce (a C++ op, `deepspeed_shm_comm`)
+    when it starts, rebuilt for every new environment since its build hash holds the sources' paths: about 40 s on 2
+    cores, for a single process that never reduces across processes. Within this block DeepSpeed sees the op as
+    unavailable and keeps torch.distributed's own collectives (gloo); its compatibility table is restored after."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+    compatible = deepspeed.ops.__compatible_ops__
+    name = ShareMemCommBuilder.NAME
+    had, before = name in compatible, compatible.get(name)
+    compatible[name] = False
+    try:
+        yield
+    finally:
+        if had:
+            compatible[name] = before
+        else:
+            compatible.pop(name, None)
 
 
 class ZeroStrategy(DeepSpeedStrategy):
@@ -153,7 +179,11 @@ class ZeroStrategy(DeepSpeedStrategy):
 
             reset_seed()
             self.set_world_ranks()
-            self._init_deepspeed_distributed()
+            if self.world_size == 1:
+                with _without_shm_allreduce():
+                    self._init_deepspeed_distributed()
+            else:
+                self._init_deepspeed_distributed()
         else:
             super().setup_distributed()
         if starts_group and torch.distributed.is_initialized():

@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+import deepspeed.comm.comm as deepspeed_comm
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -80,6 +81,7 @@ def main(run_dir: Path, strategy: str) -> int:
         "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
         "losses": module.losses,
         "finite": all(bool(torch.isfinite(p).all()) for p in module.parameters()),
+        "shm_allreduce_op": getattr(deepspeed_comm.cdb, "shm_comm_op", None) is not None,
     }
     print("REPORT " + json.dumps(report), flush=True)
     return 0

@@ -109,6 +109,8 @@ def test_a_fit_computes_linears_in_bf16_and_keeps_attention_and_weights_fp32(tmp
     if strategy == "zero":  # DeepSpeed's own autocast section; no 16-bit weights (its bf16 section)
         assert report["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
         assert report["bf16_section"] is None and report["trainer_precision"] == "32-true"
+        # one process: ZeroStrategy started DeepSpeed's backend without building its shared-memory allreduce op
+        assert report["shm_allreduce_op"] is False
     else:  # Lightning's bf16-mixed plugin: torch.autocast over fp32 weights
         assert report["trainer_precision"] == "bf16-mixed"
     assert report["linear_out"] == ["torch.bfloat16"]
