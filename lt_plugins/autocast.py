@@ -1,23 +1,28 @@
-"""Autocast compute over fp32 training state: `trainer.autocast`, resolved once per run and recorded.
+"""Autocast compute over fp32 training state: `trainer.autocast`, resolved when a run starts and recorded.
 
 Contract:
 - `trainer.autocast` is `none`, `bf16` or `auto` (`AUTOCAST_MODES`). `bf16` runs the matmuls (Linear) of the
   forward and backward in bf16 under `torch.autocast` while the weights, gradients and optimizer state keep
-  `trainer.precision=32-true`: the memory ledger is fp32's, only the compute changes. It needs 32-true
+  `trainer.precision=32-true`: the parameters, gradient partitions and optimizer state are fp32's bytes. At ZeRO-1/2
+  DeepSpeed adds a reduce bucket for the bf16 Linear gradients beside the fp32 one (one bucket per gradient dtype,
+  `reduce_bucket_size` elements each), which the ledger's bucket term does not count. It needs 32-true
   (`check_autocast`): `bf16-mixed` already computes in bf16, with DeepSpeed's 16-bit weights.
 - `resolve_autocast(mode, precision, accelerator, cpu_capabilities)` is the rule behind `auto`, returned with its
-  reason: bf16 on a CPU with AMX-BF16 tiles (oneDNN's bf16 matmuls run on them) or on a CUDA device with bf16;
-  none on a CPU without AMX (bf16 there runs on AVX-512 or emulated: slower than fp32, README.md "What `make demo`
-  does"), and none whenever the precision is not 32-true. `resolved_config(cfg)` returns the config with `auto`
-  replaced, so the run's config.yaml says what ran, and logs the reason.
+  reason: bf16 on a CPU with AMX-BF16 tiles (oneDNN's bf16 matmuls run on them: 1.4-1.6x fp32's steps measured,
+  docs/benchmarks.md §37) or on a CUDA device with native bf16 (emulated bf16, as on V100 or T4, is not counted);
+  none on a CPU without AMX, where bf16 matmuls run on AVX-512-BF16 dot products or are emulated (not measured for
+  autocast: DeepSpeed's bf16 mode there ran several times slower than fp32), and none whenever the precision is not
+  32-true. `resolved_config(cfg)` returns the config with `auto` replaced and logs the reason, so the run's
+  config.yaml says what ran. Each attempt resolves again: a run resumed on another machine may continue under the
+  other choice (its state is fp32 either way), and its log line says so.
 - Under ZeroStrategy the choice is DeepSpeed's own `torch_autocast` section (`deepspeed_section`): DeepSpeed opens
   the autocast region around the forward and reduces the Linear gradients in bf16 (its `comm_dtype`). Under `ddp`
   it is Lightning's `bf16-mixed` precision plugin, which is torch.autocast over fp32 weights (`lightning_precision`).
 - `fp32_classes(mode, accelerator)`: the modules the precision policy (lt_plugins.precision) keeps in fp32 under bf16
   autocast besides its defaults. On CPU that is the attention core (`CoreAttention`: scores, softmax, weighted sum):
-  torch's bf16 flash-attention backward on CPU ran slower than the fp32 one (docs/benchmarks.md §37),
-  and the softmax is the part mixed precision keeps in fp32 anyway. On CUDA nothing is added: the bf16
-  flash kernels are the fast path there.
+  torch's bf16 flash-attention backward on CPU ran slower than the fp32 one (docs/benchmarks.md §37), and the
+  softmax is the part mixed precision keeps in fp32 anyway. On CUDA nothing is added: the bf16 flash kernels are
+  the fast path there.
 """
 
 from __future__ import annotations
@@ -70,13 +75,13 @@ def resolve_autocast(
     import torch
 
     if not runs_on_cpu(accelerator):
-        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False):
             return AutocastChoice("bf16", "the CUDA device computes in bf16")
-        return AutocastChoice("none", "no CUDA device with bf16")
+        return AutocastChoice("none", "no CUDA device with native bf16")
     caps = torch.cpu.get_capabilities() if cpu_capabilities is None else cpu_capabilities
     if caps.get("amx_bf16"):
         return AutocastChoice("bf16", "this CPU has AMX-BF16 tiles for bf16 matmuls")
-    return AutocastChoice("none", "this CPU has no AMX-BF16: bf16 matmuls would be slower than fp32")
+    return AutocastChoice("none", "this CPU has no AMX-BF16 tiles for bf16 matmuls")
 
 
 def resolved_config(cfg: Any) -> Any:

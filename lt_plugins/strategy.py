@@ -88,10 +88,9 @@ def _without_shm_allreduce() -> Iterator[None]:
     cores, for a single process that never reduces across processes. Within this block DeepSpeed sees the op as
     unavailable and keeps torch.distributed's own collectives (gloo); its compatibility table is restored after."""
     import deepspeed.ops
-    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
 
     compatible = deepspeed.ops.__compatible_ops__
-    name = ShareMemCommBuilder.NAME
+    name = "deepspeed_shm_comm"  # ShareMemCommBuilder.NAME (deepspeed/ops/op_builder/cpu/comm.py)
     had, before = name in compatible, compatible.get(name)
     compatible[name] = False
     try:

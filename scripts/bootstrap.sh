@@ -5,9 +5,10 @@
 #
 # The installer is uv (installed into the venv from PyPI by pip, then `uv pip install`): it downloads and
 # unpacks in parallel, so a fresh .venv takes about a fifth of pip's time (README.md gives the figures).
-# uv does not read pip's configuration, so pip's find-links and constraint files (`pip config list`: where this
-# machine keeps the CPU wheel of torch) are passed on. TANDEM_INSTALLER=pip installs with pip alone, as before;
-# the bootstrap falls back to pip by itself when uv cannot be installed.
+# uv does not read pip's configuration, so pip's package sources (indexes, find-links, constraint files, cert: where
+# this machine keeps the CPU wheel of torch) are passed on by scripts/pip_settings_for_uv.py. TANDEM_INSTALLER=pip
+# installs with pip alone, as before; the bootstrap falls back to pip by itself when uv cannot be installed, when
+# pip's settings cannot be read, or when a uv install fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,6 +16,10 @@ VENV=.venv
 TORCH_VERSION=${TANDEM_TORCH_VERSION:-2.13.0}
 INSTALLER=${TANDEM_INSTALLER:-uv}
 EXTRAS="train,serve,ray,dev"
+case "$INSTALLER" in
+  uv | pip) ;;
+  *) echo "bootstrap: TANDEM_INSTALLER must be uv or pip, got '$INSTALLER'" >&2; exit 2 ;;
+esac
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "bootstrap: creating $VENV"
@@ -32,30 +37,32 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 
-# pip's own settings that say where packages come from, as uv flags (each value may list several, space-separated).
-pip_settings_as_uv_flags() {
-  local key flag value item
-  for pair in "find-links:--find-links" "constraint:--constraint"; do
-    key=${pair%%:*}
-    flag=${pair#*:}
-    value=$("$VENV/bin/python" -m pip config list 2>/dev/null |
-      sed -n "s/^[^ ]*\.${key}='\(.*\)'$/\1/p" | tr ' ' '\n' | sort -u)
-    for item in $value; do
-      printf '%s\n%s\n' "$flag" "$item"
-    done
-  done
-}
 install() {
   if [ "$INSTALLER" = uv ]; then
-    local flags=()
-    mapfile -t flags < <(pip_settings_as_uv_flags)
-    "$VENV/bin/python" -m uv pip install --quiet --python "$VENV/bin/python" "${flags[@]}" "$@"
-  else
-    "$VENV/bin/python" -m pip install --quiet "$@"
+    local settings line flags=() cert=()
+    if settings=$("$VENV/bin/python" scripts/pip_settings_for_uv.py); then
+      while IFS= read -r line; do
+        case "$line" in
+          "") ;;
+          SSL_CERT_FILE=*) cert=("$line") ;;
+          *) flags+=("$line") ;;
+        esac
+      done <<< "$settings"
+      if env "${cert[@]}" "$VENV/bin/python" -m uv pip install --quiet --python "$VENV/bin/python" "${flags[@]}" "$@"; then
+        return 0
+      fi
+      echo "bootstrap: uv pip install failed; installing with pip"
+    else
+      echo "bootstrap: pip's settings could not be read for uv; installing with pip"
+    fi
+    INSTALLER=pip
   fi
+  "$VENV/bin/python" -m pip install --quiet "$@"
 }
-if [ "$INSTALLER" = uv ] && ! "$VENV/bin/python" -m uv --version >/dev/null 2>&1; then
-  if ! "$VENV/bin/python" -m pip install --quiet uv; then
+uv_works() { "$VENV/bin/python" -m uv --version >/dev/null 2>&1; }
+if [ "$INSTALLER" = uv ] && ! uv_works; then
+  # a uv module that is there but broken reads as installed to pip: reinstall it, then check again
+  if ! "$VENV/bin/python" -m pip install --quiet --force-reinstall uv || ! uv_works; then
     echo "bootstrap: uv could not be installed; installing with pip"
     INSTALLER=pip
   fi

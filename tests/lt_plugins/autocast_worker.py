@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import deepspeed.comm.comm as deepspeed_comm
+import deepspeed.ops
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -26,6 +27,7 @@ from shared_model.config import ModelConfig
 from shared_model.model import build_model
 
 REPO = Path(__file__).resolve().parents[2]
+SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's shared-memory allreduce op (ShareMemCommBuilder.NAME)
 CONFIG = ModelConfig(
     vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
     qk_norm=True,
@@ -66,6 +68,7 @@ def main(run_dir: Path, strategy: str) -> int:
     overrides += ["trainer.enable_progress_bar=false", "logging.tensorboard=false", "checkpoints.every_n_steps=100"]
     cfg = load_config(REPO / "configs/tiny-cpu.yaml", overrides)
     attention.F.scaled_dot_product_attention = _spy_sdpa
+    shm_compatible_before = bool(deepspeed.ops.__compatible_ops__.get(SHM_OP, False))
     tokens = torch.randint(0, CONFIG.vocab_size, (12, 17), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     module = TinyDecoder()
@@ -82,6 +85,8 @@ def main(run_dir: Path, strategy: str) -> int:
         "losses": module.losses,
         "finite": all(bool(torch.isfinite(p).all()) for p in module.parameters()),
         "shm_allreduce_op": getattr(deepspeed_comm.cdb, "shm_comm_op", None) is not None,
+        "shm_compatible_before": shm_compatible_before,
+        "shm_compatible_after": bool(deepspeed.ops.__compatible_ops__.get(SHM_OP, False)),
     }
     print("REPORT " + json.dumps(report), flush=True)
     return 0
