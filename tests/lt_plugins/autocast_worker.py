@@ -5,7 +5,8 @@ Usage: python autocast_worker.py RUN_DIR STRATEGY (zero | ddp)
 
 The module trains a small shared_model decoder (qk-norm, GQA) on random tokens for three steps. A spy around
 torch's scaled_dot_product_attention (the real function runs) records the dtype the attention core computes in and
-whether autocast was on there; a forward hook records the dtype of a Linear's output.
+whether autocast was on there; a forward hook records the dtype of a Linear's output. Under ZeroStrategy it also
+reports whether DeepSpeed loaded its shared-memory allreduce op, and its table of compatible ops before and after.
 """
 
 from __future__ import annotations
