@@ -152,6 +152,54 @@ Activations rows_from(const Activations& a, int64_t r0, const Shape& sh) {
                      a.eight_sums + r0 * lanes};
 }
 
+// Lane tile t of R blocks (w[i] + off: the tile's first step) times M activation rows: each (row, group) lane's
+// a * (s * (dot - 8 * S) + z * S) into out[i * M + r] + t * 16, the blocks' groups starting at first[i]. The
+// accumulators live in this function alone, so the compiler keeps them in registers (declared across the whole
+// pass, GCC 12 kept half of them on the stack, a store and a reload around every vpdpbusd).
+template <int M, int R, typename S>
+__attribute__((always_inline)) inline void tile_dots(const Activations& a, const uint8_t* const* w,
+                                                     const uint8_t* next, int64_t block_bytes, int64_t off,
+                                                     int64_t t, const S* sz, const S* zeros, const int64_t* first,
+                                                     float* const* out, const Shape& sh, int64_t act_stride) {
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+  __m512i lo[R * M], hi[R * M];
+#pragma GCC unroll 16
+  for (int q = 0; q < R * M; ++q) lo[q] = hi[q] = _mm512_setzero_si512();
+  const int8_t* xt = a.x + t * sh.steps * 128;
+  for (int64_t j = 0; j < sh.steps; ++j, off += 64, xt += 128) {
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(next + i * block_bytes + off), _MM_HINT_T0);
+    __m512i xl[M], xh[M];
+#pragma GCC unroll 8
+    for (int r = 0; r < M; ++r)
+      xl[r] = _mm512_load_si512(xt + r * act_stride), xh[r] = _mm512_load_si512(xt + r * act_stride + 64);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512i v = _mm512_load_si512(w[i] + off);
+      const __m512i vl = _mm512_and_si512(v, low), vh = _mm512_and_si512(v, high);  // vh: 16 x the codes
+#pragma GCC unroll 8
+      for (int r = 0; r < M; ++r) {
+        lo[i * M + r] = _mm512_dpbusd_epi32(lo[i * M + r], vl, xl[r]);
+        hi[i * M + r] = _mm512_dpbusd_epi32(hi[i * M + r], vh, xh[r]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    const __m512 s = load16(sz + first[i] + t * kLanes), z = load16(zeros + first[i] + t * kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < M; ++r) {
+      const int64_t at = (r * sh.tiles + t) * kLanes;
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(lo[i * M + r], _mm512_srai_epi32(hi[i * M + r], 4)),
+                                           _mm512_loadu_si512(a.eight_sums + at));
+      const __m512 sa = _mm512_mul_ps(s, _mm512_loadu_ps(a.scale + at));
+      const __m512 v = _mm512_fmadd_ps(z, _mm512_loadu_ps(a.sum + at), _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sa));
+      _mm512_storeu_ps(out[i * M + r] + t * kLanes, v);
+    }
+  }
+}
+
 // M activation rows times R blocks per pass (2 * R * M integer accumulators in registers).
 template <int M, int R, typename S>
 void blocks_kernel(const Activations& a, const uint8_t* codes, const S* sz, float* y, int64_t n, const Shape& sh) {
@@ -160,56 +208,29 @@ void blocks_kernel(const Activations& a, const uint8_t* codes, const S* sz, floa
   const S* zeros = sz + n * sh.groups;  // [2, N, G]: the scales, then the zeros
   const int64_t grain = std::max<int64_t>(1, 32 / (R * sh.block_rows));
   at::parallel_for(0, (blocks + R - 1) / R, grain, [&](int64_t begin, int64_t end) {
-    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
     // each block's per-(row, group) results: [R, M, tiles * 16]
     static thread_local tandem_aligned::LineVector<float> buffer;
     buffer.resize(R * M * sh.tiles * kLanes);
-    auto lanes = [&](int i, int r) { return buffer.data() + (i * M + r) * sh.tiles * kLanes; };
+    float* out[R * M];
+    for (int q = 0; q < R * M; ++q) out[q] = buffer.data() + q * sh.tiles * kLanes;
     for (int64_t pass = begin; pass < end; ++pass) {
       const int64_t b0 = pass * R, count = std::min<int64_t>(R, blocks - b0);
       const uint8_t* w[R];
-      for (int i = 0; i < R; ++i)  // past the end: a copy of the last block, unused
-        w[i] = codes + (b0 + std::min<int64_t>(i, count - 1)) * block_bytes;
+      int64_t first[R];
+      for (int i = 0; i < R; ++i) {  // past the end: a copy of the last block, unused
+        const int64_t b = b0 + std::min<int64_t>(i, count - 1);
+        w[i] = codes + b * block_bytes;
+        first[i] = b * block_groups;
+      }
       // the next pass's blocks, prefetched meanwhile (a prefetch past the end never faults)
       const uint8_t* next = codes + std::min<int64_t>(b0 + R, blocks - 1) * block_bytes;
-      int64_t off = 0;  // bytes into each block
-      for (int64_t t = 0; t < sh.tiles; ++t) {
-        __m512i lo[R][M], hi[R][M];
-        for (int i = 0; i < R; ++i)
-          for (int r = 0; r < M; ++r) lo[i][r] = hi[i][r] = _mm512_setzero_si512();
-        const int8_t* xt = a.x + t * sh.steps * 128;
-        for (int64_t j = 0; j < sh.steps; ++j, off += 64, xt += 128) {
-          for (int i = 0; i < R; ++i)
-            _mm_prefetch(reinterpret_cast<const char*>(next + i * block_bytes + off), _MM_HINT_T0);
-          for (int i = 0; i < R; ++i) {
-            const __m512i v = _mm512_load_si512(w[i] + off);
-            const __m512i vl = _mm512_and_si512(v, low), vh = _mm512_and_si512(v, high);  // vh: 16 x the codes
-            for (int r = 0; r < M; ++r) {
-              lo[i][r] = _mm512_dpbusd_epi32(lo[i][r], vl, _mm512_load_si512(xt + r * act_stride));
-              hi[i][r] = _mm512_dpbusd_epi32(hi[i][r], vh, _mm512_load_si512(xt + r * act_stride + 64));
-            }
-          }
-        }
-        // the tile's 16 (row, group) lanes: a * (s * (dot - 8 * S) + z * S)
-        for (int i = 0; i < R; ++i) {
-          const int64_t first = (b0 + std::min<int64_t>(i, count - 1)) * block_groups + t * kLanes;
-          const __m512 s = load16(sz + first), z = load16(zeros + first);
-          for (int r = 0; r < M; ++r) {
-            const int64_t at = (r * sh.tiles + t) * kLanes;
-            const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(lo[i][r], _mm512_srai_epi32(hi[i][r], 4)),
-                                                 _mm512_loadu_si512(a.eight_sums + at));
-            const __m512 sa = _mm512_mul_ps(s, _mm512_loadu_ps(a.scale + at));
-            const __m512 v =
-                _mm512_fmadd_ps(z, _mm512_loadu_ps(a.sum + at), _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sa));
-            _mm512_storeu_ps(lanes(i, r) + t * kLanes, v);
-          }
-        }
-      }
+      for (int64_t t = 0; t < sh.tiles; ++t)
+        tile_dots<M, R>(a, w, next, block_bytes, t * sh.steps * 64, t, sz, zeros, first, out, sh, act_stride);
       // each row of each block: the sum of its G lanes
       for (int i = 0; i < count; ++i)
         for (int r = 0; r < M; ++r)
           for (int64_t p = 0; p < sh.block_rows; ++p) {
-            const float* v = lanes(i, r) + p * sh.groups;
+            const float* v = out[i * M + r] + p * sh.groups;
             __m512 total = _mm512_setzero_ps();
             for (int64_t g = 0; g < sh.groups; g += kLanes) {
               const int64_t left = std::min<int64_t>(kLanes, sh.groups - g);
