@@ -10,7 +10,8 @@ What it does, in one run:
    took;
 3. for each precision (bf16: Tandem `--dtype bfloat16`, vLLM `--dtype bfloat16`, llama-server on the BF16 GGUF
    (`--llama-dense-type F16` for F16); int8: Tandem `--quantization int8` against llama-server Q8_0; int4: Tandem
-   `--quantization int4` against Q4_0; vLLM's CPU build serves bf16 only here) and each peer, starts the server on
+   `--quantization int4` against Q4_0; fp32, asked for by name: Tandem `--dtype float32` against the F32 GGUF;
+   vLLM's CPU build serves bf16 only here) and each peer, starts the server on
    a free loopback port (timed to its first 200 on /health), then for each concurrency C (default 1, 16, 64):
    a warm-up burst of C requests of `--warmup-tokens`, then rounds of C requests (`--rounds`, more if
    `--min-requests` asks for more; the cell's figures pool the rounds, its span their spans summed), each kept C
@@ -81,8 +82,10 @@ from inference_svc.serve_process import LOOPBACK, free_port
 
 REPO = cpu_peer.REPO
 PEERS = ("tandem", "vllm", "llama-server")
-PRECISIONS = ("bf16", "int8", "int4")
-GGUF_TYPE = {"int8": "Q8_0", "int4": "Q4_0"}  # bf16: --llama-dense-type
+PRECISIONS = ("fp32", "bf16", "int8", "int4")
+DEFAULT_PRECISIONS = ("bf16", "int8", "int4")
+QUANTIZED = {"int8": "Q8_0", "int4": "Q4_0"}
+GGUF_TYPE = {"fp32": "F32", **QUANTIZED}  # bf16: --llama-dense-type
 SERVED_NAME = "peer"
 SETTLE_S = 1.0
 """Seconds between one server's round and the next server's with `--interleave` (vLLM's libiomp5 and llama.cpp's
@@ -170,24 +173,30 @@ class PeerServer:
             self._log.close()
 
 
+def tandem_precision(precision: str, quant_dtype: str) -> tuple[str, str]:
+    """`tandem serve`'s (--dtype, --quantization) for a precision of this benchmark."""
+    if precision in QUANTIZED:
+        return quant_dtype, precision
+    return {"fp32": "float32", "bf16": "bfloat16"}[precision], "none"
+
+
 class TandemServer(PeerServer):
     name = "tandem"
 
     def __init__(self, bundle: Path, precision: str, threads: int, max_running: int, log_path: Path,
                  extra: list[str], quant_dtype: str, kv_gib: int) -> None:  # fmt: skip
         port, grpc_port = free_port(), free_port()
-        dtype = "bfloat16" if precision == "bf16" else quant_dtype
+        dtype, quant = tandem_precision(precision, quant_dtype)
         flags = ["--device", "cpu", "--dtype", dtype, "--threads", str(threads), "--max-running", str(max_running),
                  "--kv-cache-memory", f"{kv_gib}GiB",
                  "--http-port", str(port), "--served-model-name", SERVED_NAME, "--no-metrics",
                  "--log-level", "WARNING", "--no-access-log"]  # fmt: skip
-        if precision in GGUF_TYPE:
-            flags += ["--quantization", precision]
+        if quant != "none":
+            flags += ["--quantization", quant]
         cmd = [sys.executable, "-m", "shared_model.cli", "serve", "--model", str(bundle), "--host", LOOPBACK,
                "--port", str(grpc_port), *flags, *extra]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}  # fmt: skip
-        quant = precision if precision in GGUF_TYPE else "none"
         settings = {"threads": threads, "dtype": dtype, "quantization": quant, "max_running": max_running,
                     "kv_cache_memory": f"{kv_gib}GiB",
                     "extra_flags": extra,
@@ -457,7 +466,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO / "results" / "serving_peers")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of {','.join(PEERS)}")
-    p.add_argument("--precisions", default=",".join(PRECISIONS), help=f"comma-separated, of {','.join(PRECISIONS)}")
+    p.add_argument(
+        "--precisions",
+        default=",".join(DEFAULT_PRECISIONS),
+        help=f"comma-separated, of {','.join(PRECISIONS)} (fp32: Tandem and llama-server only)",
+    )
     p.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrent streams per cell")
     p.add_argument("--tokens", type=int, default=128, help="output tokens per request (ignore_eos)")
     p.add_argument("--prompt-tokens", type=int, default=32, help="random token-id prompt length")

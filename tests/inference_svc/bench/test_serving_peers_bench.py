@@ -167,6 +167,20 @@ def test_parse_args_picks_the_last_core_and_refuses_bad_choices(capsys) -> None:
     assert "--busy-core 4096 is not one of the usable cores" in capsys.readouterr().err
 
 
+def test_fp32_is_asked_for_by_name_and_runs_dense_against_the_f32_gguf() -> None:
+    """fp32 is no default precision; asked for, Tandem serves float32 unquantized and llama-server reads the F32
+    GGUF (the bf16 cells keep --llama-dense-type)."""
+    sp = _load("serving_peers")
+    assert sp.parse_args([]).precision_list == ["bf16", "int8", "int4"]
+    args = sp.parse_args(["--precisions", "fp32,int4"])
+    assert args.precision_list == ["fp32", "int4"]
+    assert sp.label("llama-server", "fp32", args) == "llama-server F32"
+    assert sp.label("llama-server", "bf16", args) == "llama-server BF16"
+    assert sp.tandem_precision("fp32", "bfloat16") == ("float32", "none")
+    assert sp.tandem_precision("bf16", "float32") == ("bfloat16", "none")
+    assert sp.tandem_precision("int4", "bfloat16") == ("bfloat16", "int4")
+
+
 def _fake_build(vdir: Path, name: str, flags: list[str], targets: list[str]) -> None:
     src = vdir / "src" / "vendor" / "llama.cpp"
     src.mkdir(parents=True, exist_ok=True)
