@@ -16,9 +16,9 @@
 // each 16 x 32 block of codes is widened to bf16 (exactly) in L1 on its way into the tile, and each sum is scaled
 // once, so the weight streams from memory at one byte a parameter. The tiles themselves are tiles.h's.
 // Memory: four weight rows per pass. The first pair of activation rows streams them from memory while the next
-// pass's rows are prefetched (without it the loop waited on memory: benchmarks/gemv_probe.py,
-// docs/benchmarks-archive.md §7); later pairs find them in L1/L2. bf16 widens to fp32 exactly by a
-// 16-bit shift (no AVX512_BF16 needed). Passes are split over torch's intra-op threads.
+// pass's rows are prefetched (into L2 for fp32, L1 for bf16; without it the loop waited on memory:
+// benchmarks/gemv_probe.py, docs/benchmarks-archive.md §7); later pairs find them in L1/L2. bf16 widens to fp32
+// exactly by a 16-bit shift (no AVX512_BF16 needed). Passes are split over torch's intra-op threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -51,13 +51,16 @@ inline void dot_rows(const T* x, const T* const row[kRows], int64_t k, int64_t r
   for (int m = 0; m < MR; ++m)
     for (int64_t i = 0; i < kRows; ++i) a[m][i] = b[m][i] = _mm512_setzero_ps();
   constexpr int64_t kLines = 32 * sizeof(T) / 64;  // cache lines of one row's 32 columns
+  // fp32's next rows go to L2 (eight lines a step into L1 evicted lines still to be read: the fp32 passes streamed
+  // 5-10 % slower from L1 prefetches), bf16's four to L1 (no difference measured)
+  constexpr auto kHint = sizeof(T) == 4 ? _MM_HINT_T1 : _MM_HINT_T0;
   for (int64_t c = 0; c < k; c += 32) {
     __m512 x0[MR], x1[MR];
     for (int m = 0; m < MR; ++m) x0[m] = load16(x + m * k + c), x1[m] = load16(x + m * k + c + 16);
     if (next != nullptr)  // a prefetch past the end never faults
       for (int64_t i = 0; i < kRows; ++i)
         for (int64_t l = 0; l < kLines; ++l)
-          _mm_prefetch(reinterpret_cast<const char*>(next + i * k + c) + 64 * l, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(next + i * k + c) + 64 * l, kHint);
     for (int64_t i = 0; i < kRows; ++i) {
       const __m512 w0 = load16(row[i] + c), w1 = load16(row[i] + c + 16);
       for (int m = 0; m < MR; ++m) {
