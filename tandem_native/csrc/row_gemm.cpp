@@ -51,8 +51,8 @@ inline void dot_rows(const T* x, const T* const row[kRows], int64_t k, int64_t r
   for (int m = 0; m < MR; ++m)
     for (int64_t i = 0; i < kRows; ++i) a[m][i] = b[m][i] = _mm512_setzero_ps();
   constexpr int64_t kLines = 32 * sizeof(T) / 64;  // cache lines of one row's 32 columns
-  // fp32's next rows go to L2 (eight lines a step into L1 evicted lines still to be read: the fp32 passes streamed
-  // 5-10 % slower from L1 prefetches), bf16's four to L1 (no difference measured)
+  // fp32's next rows go to L2 (eight lines a step into L1 evict lines the pass has still to read), bf16's four to
+  // L1 (either measured the same): docs/benchmarks.md §38
   constexpr auto kHint = sizeof(T) == 4 ? _MM_HINT_T1 : _MM_HINT_T0;
   for (int64_t c = 0; c < k; c += 32) {
     __m512 x0[MR], x1[MR];
