@@ -92,17 +92,9 @@ def build(kernel: str, rev: str | None, namespace: str):
     return getattr(torch.ops, namespace)
 
 
-def aligned_codes(codes: torch.Tensor) -> torch.Tensor:
-    """A 64-byte aligned copy (the int4 kernel's requirement)."""
-    flat = torch.empty(codes.numel() + 64, dtype=torch.uint8)
-    start = (-flat.data_ptr()) % 64
-    out = flat[start : start + codes.numel()].view(codes.shape)
-    out.copy_(codes)
-    return out
-
-
 class Projections:
-    """One token's projections: [(weight operands, K)] and a call `run(op, x_by_k)`."""
+    """One token's projections of the decoder, `mats` [(weight operands, K)], and how each build's op multiplies
+    one (`call`), what it should give (`reference`) and a whole token's worth (`token`)."""
 
     def __init__(self, kernel: str, dtype: torch.dtype, args: argparse.Namespace) -> None:
         h, f, kv = args.hidden, args.intermediate, args.kv_size
@@ -110,7 +102,7 @@ class Projections:
         if kernel == "row_gemm":
             shapes.append((args.vocab, h))
         gen = torch.Generator().manual_seed(0)
-        self.kernel, self.dtype, self.mats, self.bytes = kernel, dtype, [], 0
+        self.kernel, self.mats, self.bytes = kernel, [], 0
         for n, k in shapes:
             w = torch.randn(n, k, generator=gen) * 0.02
             if kernel == "row_gemm":
@@ -119,7 +111,7 @@ class Projections:
                 self.bytes += wt.numel() * wt.element_size()
             else:
                 q, s, z = quantize_int4(w, GROUP)
-                codes = aligned_codes(int4_gemv.pack(q, GROUP))
+                codes = int4_gemv.pack(q, GROUP)  # a fresh tensor: 64-byte aligned, as the kernel requires
                 sz = torch.stack([s, z]).to(dtype).contiguous()  # [2, N, G]
                 self.mats.append(((codes, sz), k))
                 self.bytes += codes.numel() + sz.numel() * sz.element_size()
