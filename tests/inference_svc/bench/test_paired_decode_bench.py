@@ -1,0 +1,93 @@
+"""benchmarks/paired_decode.py without llama.cpp: the pairs' order and ratios around a real tiny engine (the peer a
+function that records when it ran), the summary's median and quartiles, the precision pairing and the flags'
+validation."""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+from inference_svc.engine import Engine, EngineConfig
+from shared_model.bundle import save_bundle
+from shared_model.model import build_model
+from shared_model.tokenizer import Tokenizer
+from tests.conftest import tiny_config
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _load(name: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # paired_decode imports its siblings by name
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_pairs_alternate_and_each_ratio_is_its_own_pair(tmp_path: Path, small_tokenizer: Tokenizer) -> None:
+    paired = _load("paired_decode")
+    config = tiny_config()
+    bundle = save_bundle(tmp_path / "bundle", config, build_model(config, seed=0), tokenizer=small_tokenizer)
+    engine = Engine.from_bundle(bundle, EngineConfig(compile="off", device="cpu", threads=1))
+    order: list[str] = []
+    rates = iter([100.0, 50.0, 200.0, 25.0])
+
+    def peer() -> float:
+        assert not engine.has_unfinished_requests()  # never while a request of the engine is open
+        order.append("llama")
+        return next(rates)
+
+    real_rate = paired.engine_decode.decode_rate
+
+    def decode_rate(*args, **kwargs) -> float:
+        order.append("tandem")
+        return real_rate(*args, **kwargs)
+
+    paired.engine_decode.decode_rate = decode_rate
+    try:
+        pairs = paired.run_pairs(engine, peer, pairs=4, reps=2, n_gen=4)
+    finally:
+        paired.engine_decode.decode_rate = real_rate
+    first, second = ["llama", "tandem", "tandem"], ["tandem", "tandem", "llama"]  # llama-bench first in even pairs
+    assert order == first + second + first + second
+    assert [p["tandem_first"] for p in pairs] == [False, True, False, True]
+    assert [p["llama"] for p in pairs] == [100.0, 50.0, 200.0, 25.0]
+    for p in pairs:
+        assert p["tandem"] > 0 and p["ratio"] == pytest.approx(p["tandem"] / p["llama"])
+    assert not engine.has_unfinished_requests()
+
+
+def test_summary_median_quartiles_and_share_at_parity() -> None:
+    paired = _load("paired_decode")
+    ratios = [0.9, 1.1, 0.95, 1.05, 1.2, 0.8, 1.0, 0.97]
+    s = paired.summary(ratios)
+    assert s["median"] == pytest.approx(statistics.median(ratios))
+    assert s["q1"] < s["median"] < s["q3"] and s["min"] == 0.8 and s["max"] == 1.2
+    assert s["at_least_1"] == pytest.approx(4 / 8)
+    one = paired.summary([0.93])
+    assert one["median"] == one["q1"] == one["q3"] == 0.93 and one["at_least_1"] == 0.0
+    with pytest.raises(ValueError, match="no pairs"):
+        paired.summary([])
+
+
+def test_precisions_pair_with_cpu_peers_ggufs_and_bad_flags_are_refused(capsys: pytest.CaptureFixture) -> None:
+    paired = _load("paired_decode")
+    assert paired.engine_flags("fp32") == ("float32", "none")
+    assert paired.engine_flags("bf16") == ("bfloat16", "none")
+    assert paired.engine_flags("int4") == ("bfloat16", "int4")
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        paired.engine_flags("fp8")
+    with pytest.raises(SystemExit):
+        paired.parse_args(["--precisions", "fp32,fp8"])
+    assert "unknown precision 'fp8'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        paired.parse_args(["--pairs", "0"])
+    assert "--pairs" in capsys.readouterr().err
+    assert paired.parse_args(["--precisions", "int8, int4"]).precision_list == ["int8", "int4"]
