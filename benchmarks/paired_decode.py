@@ -3,10 +3,11 @@ machine: on a shared host whose memory bus moves by a third within minutes (docs
 taken a minute apart differ by more than the two engines do.
 
 For each precision (fp32 against F32, bf16 against BF16, int8 against Q8_0, int4 against Q4_0) it loads Tandem's
-engine once in this process (`benchmarks/engine_decode.py`'s engine: the `--compile`, `--threads` and dtype flags
-`cpu_peer.py` serves with, int8/int4 at bf16), then takes `--pairs` pairs: `llama-bench -m GGUF -t THREADS -p 0 -n
-N_GEN` (its mean over its 5 repetitions) and Tandem's mean over `--reps` greedy requests of N_GEN tokens, the two
-back to back, the order alternating pair by pair (llama-bench first in even pairs). The engine idles while
+engine once, in an interpreter of its own (one compiled engine per process), as `benchmarks/engine_decode.py` does
+(the `--compile`, `--threads` and dtype flags `cpu_peer.py` serves with, int8/int4 at bf16; the thread governor
+off unless `--thread-governor auto`: see that flag), then takes `--pairs` pairs: `llama-bench -m GGUF -t THREADS
+-p 0 -n N_GEN` (its mean over its 5 repetitions) and Tandem's mean over `--reps` greedy requests of N_GEN tokens,
+the two back to back, the order alternating pair by pair (llama-bench first in even pairs). The engine idles while
 llama-bench runs, and the other way round. Each pair's ratio is Tandem / llama-bench; the figure is their median,
 with the quartiles and the fraction of pairs at or above 1.0 beside it.
 
@@ -100,7 +101,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"Paired batch-1 decode, {results['date']}, {results['machine']['model']} ({results['machine']['cores']} "
         f"cores, {cpu_peer.flags_line(results['machine'])}), commit {results['commit']}, {results['threads']} threads, "
-        f"tg{results['n_gen']}:",
+        f"Tandem's thread governor {results['thread_governor']}, tg{results['n_gen']}:",
         "",
         "| precision (Tandem / GGUF) | pairs | llama-bench tok/s (median) | Tandem tok/s (median) | ratio median | "
         "quartiles | pairs ≥ 1.0 |",
@@ -168,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": shlex.join([Path(sys.executable).name, *sys.argv] if argv is None else [__file__, *argv]),
         "machine": cpu_peer.cpu_summary(), "commit": cpu_peer.git_commit(cpu_peer.REPO), "threads": args.threads,
-        "n_gen": args.n_gen, "reps": args.reps, "model": str(bundle), "cases": [],
+        "n_gen": args.n_gen, "reps": args.reps, "thread_governor": args.thread_governor, "model": str(bundle),
+        "cases": [],
     }  # fmt: skip
     for precision in args.precision_list:  # each in a fresh interpreter
         child = [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv), "--case", precision]
