@@ -1,8 +1,13 @@
-"""Shared test helpers: free loopback ports, a small trained tokenizer, tiny random model configs."""
+"""Shared test helpers: free loopback ports, a small trained tokenizer, tiny random model configs, benchmark scripts
+imported as modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -18,7 +23,7 @@ from shared_model.config import ModelConfig
 from shared_model.corpus import CorpusConfig, load_corpus
 from shared_model.tokenizer import Tokenizer
 
-__all__ = ["free_port", "tiny_config"]
+__all__ = ["free_port", "load_benchmark", "tiny_config"]
 
 
 @pytest.fixture
@@ -49,3 +54,20 @@ def tiny_config(**overrides) -> ModelConfig:
     )
     base.update(overrides)
     return ModelConfig(**base)
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """`benchmarks/<name>.py` as the module `name` (once per session; benchmarks/ is not a package): its directory
+    goes on sys.path first, as the scripts import their siblings (cpu_peer, llama_cpp, ...) by name."""
+    if name in sys.modules:
+        return sys.modules[name]
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

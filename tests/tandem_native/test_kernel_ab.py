@@ -3,31 +3,20 @@ tree and from git, comes out with its ops under the side's namespace and without
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load():
-    name = "kernel_ab"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("kernel", ["row_gemm", "int4_gemv"])
 def test_a_kernel_file_gets_its_own_namespace_and_loses_its_pybind_registrations(kernel: str) -> None:
-    ab = _load()
+    ab = load_benchmark("kernel_ab")
     text = ab.source_at(None, f"{ab.CSRC}/{ab.KERNELS[kernel]}")
     out = ab.namespaced(text, "tandem_ab_new", kernel)
     assert "TORCH_LIBRARY_FRAGMENT(tandem_ab_new," in out and "TORCH_LIBRARY_IMPL(tandem_ab_new," in out
@@ -38,7 +27,7 @@ def test_a_kernel_file_gets_its_own_namespace_and_loses_its_pybind_registrations
 
 
 def test_a_file_without_ops_is_refused_by_name() -> None:
-    ab = _load()
+    ab = load_benchmark("kernel_ab")
     with pytest.raises(SystemExit, match=re.escape("x.cpp at HEAD has no TORCH_LIBRARY_FRAGMENT(tandem, ...)")):
         ab.namespaced("int f() { return 1; }\n", "tandem_ab_base", "x.cpp at HEAD")
 
@@ -46,7 +35,7 @@ def test_a_file_without_ops_is_refused_by_name() -> None:
 def test_the_baseline_is_read_from_git_with_the_headers_of_that_revision() -> None:
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode != 0:
         pytest.skip("not a git checkout")
-    ab = _load()
+    ab = load_benchmark("kernel_ab")
     assert "row_gemm" in ab.source_at("HEAD", f"{ab.CSRC}/row_gemm.cpp")
     headers = ab.headers_at("HEAD")
     assert {"tiles.h", "int4_layout.h", "line_aligned.h"} <= set(headers)

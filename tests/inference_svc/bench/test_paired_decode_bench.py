@@ -4,9 +4,7 @@ validation."""
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,24 +13,13 @@ from inference_svc.engine import Engine, EngineConfig
 from shared_model.bundle import save_bundle
 from shared_model.model import build_model
 from shared_model.tokenizer import Tokenizer
-from tests.conftest import tiny_config
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.conftest import load_benchmark, tiny_config
 
 
-def _load(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # paired_decode imports its siblings by name
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_pairs_alternate_and_each_ratio_is_its_own_pair(tmp_path: Path, small_tokenizer: Tokenizer) -> None:
-    paired = _load("paired_decode")
+def test_pairs_alternate_and_each_ratio_is_its_own_pair(
+    tmp_path: Path, small_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paired = load_benchmark("paired_decode")
     config = tiny_config()
     bundle = save_bundle(tmp_path / "bundle", config, build_model(config, seed=0), tokenizer=small_tokenizer)
     engine = Engine.from_bundle(bundle, EngineConfig(compile="off", device="cpu", threads=1))
@@ -50,11 +37,8 @@ def test_pairs_alternate_and_each_ratio_is_its_own_pair(tmp_path: Path, small_to
         order.append("tandem")
         return real_rate(*args, **kwargs)
 
-    paired.engine_decode.decode_rate = decode_rate
-    try:
-        pairs = paired.run_pairs(engine, peer, pairs=4, reps=2, n_gen=4)
-    finally:
-        paired.engine_decode.decode_rate = real_rate
+    monkeypatch.setattr(paired.engine_decode, "decode_rate", decode_rate)  # the real one, its calls recorded
+    pairs = paired.run_pairs(engine, peer, pairs=4, reps=2, n_gen=4)
     first, second = ["llama", "tandem", "tandem"], ["tandem", "tandem", "llama"]  # llama-bench first in even pairs
     assert order == first + second + first + second
     assert [p["tandem_first"] for p in pairs] == [False, True, False, True]
@@ -65,7 +49,7 @@ def test_pairs_alternate_and_each_ratio_is_its_own_pair(tmp_path: Path, small_to
 
 
 def test_summary_median_quartiles_and_share_at_parity() -> None:
-    paired = _load("paired_decode")
+    paired = load_benchmark("paired_decode")
     ratios = [0.9, 1.1, 0.95, 1.05, 1.2, 0.8, 1.0, 0.97]
     s = paired.summary(ratios)
     assert s["median"] == pytest.approx(statistics.median(ratios))
@@ -87,7 +71,7 @@ def test_summary_median_quartiles_and_share_at_parity() -> None:
 
 
 def test_precisions_pair_with_cpu_peers_ggufs_and_bad_flags_are_refused(capsys: pytest.CaptureFixture) -> None:
-    paired = _load("paired_decode")
+    paired = load_benchmark("paired_decode")
     assert paired.engine_flags("fp32") == ("float32", "none")
     assert paired.engine_flags("bf16") == ("bfloat16", "none")
     assert paired.engine_flags("int4") == ("bfloat16", "int4")

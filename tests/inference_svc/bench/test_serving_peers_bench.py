@@ -5,10 +5,8 @@ build cache's choice with and without llama-server, and vLLM's venv cache and st
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,21 +14,8 @@ import pytest
 from shared_model.bundle import save_bundle
 from shared_model.model import build_model
 from shared_model.tokenizer import Tokenizer
-from tests.conftest import tiny_config
+from tests.conftest import load_benchmark, tiny_config
 from tests.inference_svc.server.conftest import engine_config, make_server
-
-ROOT = Path(__file__).resolve().parents[3]
-
-
-def _load(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # serving_peers imports its siblings by name
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +30,7 @@ def http_server(tmp_path_factory: pytest.TempPathFactory, small_tokenizer: Token
 
 
 def test_run_load_counts_every_streamed_token_of_a_real_server(http_server) -> None:
-    sp = _load("serving_peers")
+    sp = load_benchmark("serving_peers")
     base = f"http://127.0.0.1:{http_server.server.http_port}"
     plist = sp.prompts(5, 6, 512, seed=1)
     assert plist == sp.prompts(5, 6, 512, seed=1) and len({tuple(p) for p in plist}) == 5  # same for every server
@@ -62,7 +47,7 @@ def test_interleaved_cell_gives_every_server_the_same_rounds_in_turn(http_server
     import argparse
     import types
 
-    sp = _load("serving_peers")
+    sp = load_benchmark("serving_peers")
     monkeypatch.setattr(sp, "SETTLE_S", 0.0)
     base = f"http://127.0.0.1:{http_server.server.http_port}"
     sent: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
@@ -95,7 +80,7 @@ def test_interleaved_cell_gives_every_server_the_same_rounds_in_turn(http_server
 
 
 def test_a_refused_request_is_an_error_of_the_cell_not_a_crash(http_server) -> None:
-    sp = _load("serving_peers")
+    sp = load_benchmark("serving_peers")
     base = f"http://127.0.0.1:{http_server.server.http_port}"
     # the test server's ceiling is 64 new tokens: asking 100 is refused with a 400, the other request is served
     outcomes, wall = asyncio.run(sp.run_load(base, sp.prompts(2, 4, 512, seed=2), 2, 100, 60.0))
@@ -108,7 +93,7 @@ def test_a_response_short_of_its_tokens_is_an_error() -> None:
     from inference_svc.bench.loadgen import RequestRecord
     from inference_svc.bench.workload import RequestSpec
 
-    sp = _load("serving_peers")
+    sp = load_benchmark("serving_peers")
     rec = RequestRecord.starting(RequestSpec(0, (5, 6), 4))
     rec.first_token, rec.token_times, rec.end = rec.start + 1.0, [rec.start + t for t in (1.0, 1.5, 2.0)], rec.start + 2
     rec.output_tokens = 3  # a server that stopped at EOS although ignore_eos was asked
@@ -121,7 +106,7 @@ def test_a_response_short_of_its_tokens_is_an_error() -> None:
 
 
 def test_percentiles_and_ratio_of_ratios() -> None:
-    sp = _load("serving_peers")
+    sp = load_benchmark("serving_peers")
     assert sp.pct([4.0, 1.0, 3.0, 2.0], 0.5) == 2.5
     assert sp.pct([1.0, 2.0, float("nan")], 0.9) == pytest.approx(1.9)
     assert sp.pct([], 0.5) is None
@@ -144,7 +129,7 @@ def test_percentiles_and_ratio_of_ratios() -> None:
 
 
 def test_busy_loop_runs_pinned_to_its_core_and_ends() -> None:
-    sp = _load("serving_peers")
+    sp = load_benchmark("serving_peers")
     core = sorted(os.sched_getaffinity(0))[-1]
     loop = sp.BusyLoop(core)
     try:
@@ -156,7 +141,7 @@ def test_busy_loop_runs_pinned_to_its_core_and_ends() -> None:
 
 
 def test_parse_args_picks_the_last_core_and_refuses_bad_choices(capsys) -> None:
-    sp = _load("serving_peers")
+    sp = load_benchmark("serving_peers")
     args = sp.parse_args(["--busy-core", "--concurrency", "16,1,16", "--tokens", "40", "--prompt-tokens", "8"])
     assert args.busy_core == sorted(os.sched_getaffinity(0))[-1]
     assert args.concurrencies == [1, 16] and args.llama_ctx_per_slot == 256
@@ -170,7 +155,7 @@ def test_parse_args_picks_the_last_core_and_refuses_bad_choices(capsys) -> None:
 def test_fp32_is_asked_for_by_name_and_runs_dense_against_the_f32_gguf() -> None:
     """fp32 is no default precision; asked for, Tandem serves float32 unquantized and llama-server reads the F32
     GGUF (the bf16 cells keep --llama-dense-type)."""
-    sp = _load("serving_peers")
+    sp = load_benchmark("serving_peers")
     assert sp.parse_args([]).precision_list == ["bf16", "int8", "int4"]
     args = sp.parse_args(["--precisions", "fp32,int4"])
     assert args.precision_list == ["fp32", "int4"]
@@ -194,7 +179,7 @@ def _fake_build(vdir: Path, name: str, flags: list[str], targets: list[str]) -> 
 
 
 def test_llama_tools_reuse_a_build_with_or_without_the_server(tmp_path: Path, monkeypatch) -> None:
-    lc = _load("llama_cpp")
+    lc = load_benchmark("llama_cpp")
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
     vdir = lc.cache_root() / "9.9.9"
     assert "-DLLAMA_BUILD_SERVER=ON" in lc.cmake_flags(False, server=True)
@@ -212,7 +197,7 @@ def test_llama_tools_reuse_a_build_with_or_without_the_server(tmp_path: Path, mo
 
 
 def test_vllm_venv_is_reused_only_when_complete_and_started_with_its_preloads(tmp_path: Path, monkeypatch) -> None:
-    vc = _load("vllm_cpu")
+    vc = load_benchmark("vllm_cpu")
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
     venv = vc.venv_dir("9.9.9")
     (venv / "bin").mkdir(parents=True)
