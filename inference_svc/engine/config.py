@@ -32,6 +32,8 @@ INT4_KERNELS = ("auto", "torch")
 OMP_WAIT_POLICIES = ("auto", "passive", "bounded", "active")
 """`omp_wait` values (`inference_svc.executor.threads` applies them)."""
 THREAD_GOVERNOR_MODES = ("auto", "off")
+DECODE_RUNNER_MODES = ("auto", "off")
+"""`decode_runner` values (`inference_svc.executor.prepare.choose_decode_runner`)."""
 """`thread_governor` values (`inference_svc.executor.governor`)."""
 DEFAULT_COMPILE_CACHE = "~/.cache/tandem/compile"
 
@@ -134,6 +136,11 @@ class EngineConfig:
     cpu_kernels: str = "auto"
     """Tandem's C++ CPU kernels (row GEMM, int8/int4 GEMV, decode attention, sampling): 'auto' (where the CPU has
     AVX-512 BW/VL/VNNI and a C++ compiler is present) or 'off' (torch's kernels everywhere)."""
+    decode_runner: str = "auto"
+    """A compiled engine's short decode-only steps (a token per sequence, or a verify item, up to the rows its
+    projections run `tandem::row_gemm` for) through the whole decoder as one C++ call (`shared_model.native_decode`)
+    instead of the compiled graph: 'auto' (where it serves the model: a dense fp32 or bf16 model with Tandem's
+    kernels, a KV cache in the weights' dtype) or 'off' (the graph for every step)."""
     int4_kernel: str = "auto"
     """int4 layers' kernel: 'auto' (Tandem's int4 GEMV and its layout where the CPU kernels run, activations rounded
     to int8 per group as llama.cpp's Q4_0) or 'torch' (torch's packed int4 kernel and layout)."""
@@ -217,6 +224,10 @@ class EngineConfig:
             )
         if self.cpu_kernels not in CPU_KERNEL_MODES:
             raise EngineConfigError("cpu_kernels", f"must be one of {CPU_KERNEL_MODES}, got {self.cpu_kernels!r}")
+        if self.decode_runner not in DECODE_RUNNER_MODES:
+            raise EngineConfigError(
+                "decode_runner", f"must be one of {DECODE_RUNNER_MODES}, got {self.decode_runner!r}"
+            )
         if self.int4_kernel not in INT4_KERNELS:
             raise EngineConfigError("int4_kernel", f"must be one of {INT4_KERNELS}, got {self.int4_kernel!r}")
         if self.compile not in COMPILE_MODES:

@@ -31,7 +31,8 @@ Contract:
   advance the matchers.
 - Load-time transforms, in order, each choice recorded in `load_plan` (`inference_svc.executor.prepare`): the CPU
   kernels, merged projections, the quantization (a model that cannot take it is refused, `ModelLoadError` naming
-  the weight), each projection's linear method, the attention backend, the sampler, the compiled step.
+  the weight), each projection's linear method, the attention backend, the sampler, the compiled step and its
+  decode runner.
   First of all, `config.threads` and `config.omp_wait` size torch's intra-op thread pool and record the OpenMP wait
   policy in effect (`inference_svc.executor.threads`), and `config.thread_governor` decides whether
   `thread_governor` (`inference_svc.executor.governor`) moves the count under that ceiling with other processes'
@@ -129,6 +130,9 @@ class Engine:
         self.draft_weight_bytes = 0 if draft_model is None else serving_weight_bytes(draft_model)
         bs = config.block_size
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
+        decode_rows, runner_choice = executor.choose_decode_runner(
+            config, compile_step, native, self.attention_backend, row_table, model, self.kv_dtype
+        )
         pool = loader.size_kv_pool(config, self.model_config, self.kv_dtype, None if draft is None else draft.config,
                                    device, self.weight_bytes + self.draft_weight_bytes)  # fmt: skip
         self.bytes_per_token = pool.bytes_per_token
@@ -143,15 +147,17 @@ class Engine:
         self.runner = ModelRunner(
             model, self.model_config, num_blocks, bs, self.dtype, device, backend, kv_dtype=self.kv_dtype,
             compiled=compile_step, native=native, row_table=row_table,
-            lora=self.lora, dynamic_threads=governed,
+            lora=self.lora, dynamic_threads=governed, decode_rows=decode_rows,
         )  # fmt: skip
         self.draft_runner = None
         if draft is not None and draft_model is not None:
             draft_table = executor.choose_row_table(config, native, draft.dtype) if compile_step else None
+            draft_rows, _ = executor.choose_decode_runner(config, compile_step, native, self.attention_backend,
+                                                          draft_table, draft_model, self.kv_dtype)  # fmt: skip
             self.draft_runner = ModelRunner(draft_model, draft.config, num_blocks, bs, draft.dtype, device, backend,
                                             prompt_logprobs=False, kv_dtype=self.kv_dtype,
                                             compiled=compile_step, native=native, row_table=draft_table,
-                                            dynamic_threads=governed)  # fmt: skip
+                                            dynamic_threads=governed, decode_rows=draft_rows)  # fmt: skip
         self.sampler = Sampler(native=native)
         self._eos_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_id} if self.tokenizer.eos_id is not None else set()
@@ -190,6 +196,7 @@ class Engine:
                 log.info("compiled the decode step in %.1f s", self.compile_seconds)
             except loader.CompileFailed as failed:
                 compile_choice = executor.compile_failed(failed.__cause__ or failed)
+                runner_choice = executor.decode_runner_dropped()
                 for r in (self.runner, self.draft_runner):
                     if r is not None:
                         r.drop_compiled()
@@ -197,7 +204,7 @@ class Engine:
         self.load_plan = LoadPlan((
             *settled.choices, governor_choice, budget_choice, cpu_choice, *prepared.choices,
             *executor.linear_choices(model), attention_choice, executor.sampler_choice(native, device), compile_choice,
-            cache_choice,
+            runner_choice, cache_choice,
         ))  # fmt: skip
         """Every lever's choice and reason, in the order made (`inference_svc.executor`); fixed from here on."""
 

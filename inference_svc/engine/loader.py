@@ -146,7 +146,8 @@ def warm_up(
     allows, a lone decode, a decode of two sequences and chunks on each side of each such bound and of 5 rows
     (T == 1 and every T >= 2 branch a model takes), and decode-only steps of as
     many rows as each bound, one more and the last bound's next, above `QUERY_CHUNK_MAX` (verify items of several
-    sequences: a decode-only step attends through graphs of its own, `shared_model.compiled`); a 5-row chunk (a
+    sequences: a decode-only step attends through graphs of its own, `shared_model.compiled`), and one more than
+    the decode runner takes where it runs (`ModelRunner.native_decode`: its steps need no graph); a 5-row chunk (a
     verify step's shape) must then be covered (were it not, `CompiledDecoder` logs it and runs it eagerly). A
     compile that fails is a `ModelLoadError` under 'on'; under 'auto' it raises `CompileFailed`, and the engine
     records that and runs every step eagerly. `packages`: the compile cache's folder for this runner's saved graphs
@@ -179,7 +180,8 @@ def warm_up(
         for rows in sorted({5, *bounds, *(b + 1 for b in bounds)}):  # each side of each branch, a verify's 5
             if 2 < rows <= n:
                 runner.run([ScheduledSeq(seqs[1], n + 1 - rows, rows)])
-        for rows in sorted({*bounds, *(b + 1 for b in bounds), longest + 1}):  # decode-only steps of that many
+        native = [] if runner.native_decode is None else [runner.native_decode.max_rows + 1]  # the graph's first
+        for rows in sorted({*bounds, *(b + 1 for b in bounds), longest + 1, *native}):  # decode-only steps of that many
             if QUERY_CHUNK_MAX < rows <= n:  # rows (verify items of several sequences): a graph of their own
                 runner.run([ScheduledSeq(seqs[0], n + 1 - rows + j, 1) for j in range(rows)])
 

@@ -19,6 +19,9 @@ Contract:
 - A compiled runner over the default (torch) ops runs a decode-only step's attention in C++ from inside the graph
   where the kernel reads its cache (`inference_svc.attention.native_cpu.GraphDecode`, given the cache and the
   step's metadata as tensors), with the same kernel and results as the Python backend, which serves the rest.
+- A compiled runner given `decode_rows` (the load plan's `decode_runner` choice) runs a decode-only step of at
+  most that many rows through the whole decoder as one C++ call (`shared_model.native_decode.NativeDecode`, over
+  the same cache and metadata as `GraphDecode`) instead of the graph; longer steps and prefills take the graph.
 - LoRA (`lora`, the engine's `inference_svc.lora.slots.LoraSlots`): a step holding a request with an adapter
   (`Sequence.lora_slot`) runs its forward inside `lora.rows(...)` with every row's slot in the flat layout, so each
   row gets its own adapter's delta and base rows their plain output; a step of base requests only runs as without.
@@ -45,6 +48,7 @@ from inference_svc.engine.types import MAX_SPECULATIVE_TOKENS, TokenLogprob
 from inference_svc.lora.slots import LoraSlots
 from shared_model.compiled import CompiledDecoder
 from shared_model.config import ModelConfig
+from shared_model.native_decode import NativeDecode
 from shared_model.serving_model import RowTable, ServingDecoder
 
 BackendFactory = Callable[[KVCache, AttentionMetadata], Callable]
@@ -94,12 +98,15 @@ class ModelRunner:
         row_table: RowTable | None = None,
         lora: LoraSlots | None = None,
         dynamic_threads: bool = False,
+        decode_rows: int = 0,
     ) -> None:
         """`native`: the load plan's `cpu_kernels` choice (Tandem's C++ kernels: the compiled step's in-graph decode
         attention); False keeps torch's. `row_table`: the compiled step's projections' kernels by row count (the
         load plan's `linear` choice, `inference_svc.executor.choose_row_table`); None keeps torch's.
         `dynamic_threads`: the compiled step follows the intra-op thread count of each call (the thread governor's:
-        `shared_model.compiled`)."""
+        `shared_model.compiled`). `decode_rows`: decode-only steps of up to this many rows run through
+        `NativeDecode` (`inference_svc.executor.prepare.choose_decode_runner`; 0: none), which needs the step's
+        attention in C++ (`GraphDecode`) and no LoRA."""
         self.model = model
         self.lora = lora
         """The adapter slots of `model`'s projections (None: no LoRA)."""
@@ -124,6 +131,10 @@ class ModelRunner:
         self.graph_decode = compiled and torch_backend and native and GraphDecode.serves(self.cache)
         """Whether a compiled decode-only step attends in C++ from inside the graph (`GraphDecode`); else every
         step's layers call the Python backend."""
+        if decode_rows and (not self.graph_decode or lora is not None):
+            raise ValueError("decode_rows needs a compiled step whose decode attention runs in C++, without LoRA")
+        self.native_decode = NativeDecode(model, decode_rows) if decode_rows else None
+        """The decode runner of the short decode-only steps (None: the graph runs every step)."""
         self.peak_workspace_bytes = 0
         # the prefill fields of a decode-only step (read-only constants, as `_prepare` would build them)
         self._no_prefill_cu = torch.zeros(1, dtype=torch.int32, device=device)
@@ -142,14 +153,17 @@ class ModelRunner:
             prompt_rows: list[_PromptRows] = []
         else:
             input_ids, positions, meta, sample_rows, prompt_rows = self._prepare(batch)
-        if self.graph_decode and GraphDecode.covers(meta):  # a decode-only step: its layers attend in C++
-            backend: Callable = GraphDecode(self.cache, meta)
-        else:
-            backend = self.backend_factory(self.cache, meta)
-        if self.lora is not None and any(b.seq.lora_slot >= 0 for b in batch):
+        decode_only = self.graph_decode and GraphDecode.covers(meta)
+        native = self.native_decode
+        if decode_only and native is not None and int(input_ids.shape[0]) <= native.max_rows:
+            hidden = native.hidden_states(input_ids, positions, self.cache.data, meta.slot_mapping,
+                                          meta.decode_context_lens, meta.decode_block_tables)  # fmt: skip
+        elif self.lora is not None and any(b.seq.lora_slot >= 0 for b in batch):
+            backend = self._backend(meta, decode_only)
             with self.lora.rows(_row_slots(batch), self.device):
                 hidden = self._hidden_states(input_ids[None], positions[None], backend)[0]  # [T, H]
         else:
+            backend = self._backend(meta, decode_only)
             hidden = self._hidden_states(input_ids[None], positions[None], backend)[0]  # [T, H]
         in_order = len(sample_rows) == hidden.shape[0] and sample_rows == list(range(hidden.shape[0]))
         rows = hidden if in_order else hidden[sample_rows]  # [R, H], the sampling items' rows in batch order
@@ -157,6 +171,10 @@ class ModelRunner:
         self._track_workspace(hidden.shape[0], logits.shape[0])
         prompt = {p.item: self._prompt_logprobs(hidden, p) for p in prompt_rows}
         return StepLogits(logits, prompt)
+
+    def _backend(self, meta: AttentionMetadata, decode_only: bool) -> Callable:
+        """A decode-only step's layers attend in C++ from the graph (`GraphDecode`); others the Python backend."""
+        return GraphDecode(self.cache, meta) if decode_only else self.backend_factory(self.cache, meta)
 
     @torch.inference_mode()
     def embed(self, prompts: Seq[list[int]], pooling: Pooling, max_tokens: int) -> torch.Tensor:
@@ -284,6 +302,7 @@ class ModelRunner:
             self.compiled.release_row_kernels()
         self.compiled = None
         self.graph_decode = False
+        self.native_decode = None
         self._hidden_states = self.model.hidden_states
 
     @torch.inference_mode()

@@ -27,6 +27,12 @@ Contract:
      on a CPU for a model of at least `COMPILE_AUTO_MIN_PARAMS` parameters when inductor can build kernels here,
      and never with LoRA slots (the traced step takes no per-row adapter indices; 'on' with LoRA is refused).
      A compile that then fails under 'auto' leaves the step eager, and the engine records that (`compile_failed`).
+  7b. `decode_runner` (`EngineConfig.decode_runner`): whether a compiled engine's short decode-only steps run
+     through the whole decoder as one C++ call (`shared_model.native_decode.NativeDecode`) instead of the graph,
+     and up to how many rows: the rows up to which its projections' table runs `tandem::row_gemm` (the runner's
+     kernel, so a row keeps the kernel its row count picks). Only with the step compiled (an eager engine keeps the
+     training decoder's bits), Tandem's kernels, the torch attention ops, a KV cache in the weights' dtype, and a
+     dense fp32 or bf16 model (`NativeDecode.unsupported`).
   8. `compile_cache`: whether the compile loaded a saved entry (`inference_svc.executor.compile_cache`).
 - `prepare(bundle, config, device)` runs 1-4 and returns the model and its choices; `choose_attention`,
   `choose_compile` and `sampler_choice` make 5-7. The engine assembles them into its `LoadPlan`
@@ -49,6 +55,7 @@ from inference_svc.lora.adapter import AdapterError, load_adapter
 from inference_svc.lora.slots import LoraProjection, LoraSlots
 from shared_model.bundle import Bundle
 from shared_model.compiled import compiler_available
+from shared_model.native_decode import NativeDecode
 from shared_model.quantize import QuantizationError, QuantizedLinear, quantize_weights
 from shared_model.serving_model import RowTable, ServingDecoder, ServingLinear, compiled_row_table
 
@@ -68,6 +75,7 @@ TRANSFORMS = (
     "attention",
     "sampler",
     "compile",
+    "decode_runner",
     "compile_cache",
 )
 """The order of the load-time transforms (`linear` stands for one `linear.<projection>` choice per projection)."""
@@ -225,6 +233,39 @@ def choose_compile(config: EngineConfig, device: torch.device, model: ServingDec
     if not ok:
         return False, Choice("compile", "off", f"--compile auto: {why}")
     return True, Choice("compile", "on", f"--compile auto: {params / 1e6:.1f}M parameters on CPU; {why}")
+
+
+def choose_decode_runner(
+    config: EngineConfig, compile_step: bool, native: bool, attention: str, row_table: RowTable | None,
+    model: ServingDecoder, kv_dtype: torch.dtype,
+) -> tuple[int, Choice]:  # fmt: skip
+    """Transform 7b: (the most rows of a decode-only step the runner takes, 0 for none; the choice)."""
+    name = "decode_runner"
+    if config.decode_runner == "off":
+        return 0, Choice(name, "off", "--decode-runner off: every compiled step runs its graph")
+    if not compile_step:
+        return 0, Choice(name, "off", "the step runs eagerly: the runner takes a compiled engine's decode steps")
+    bounds = None if row_table is None else row_table.gemm_bounds()
+    if not native or bounds is None:
+        return 0, Choice(name, "off", "the projections do not run tandem::row_gemm (the runner's kernel)")
+    if attention != "torch":
+        return 0, Choice(name, "off", f"the {attention} attention backend (the runner attends as the torch ops do)")
+    dtype = model.embed_tokens.weight.dtype
+    if kv_dtype != dtype:
+        why = f"the KV cache is {kv_dtype}, the weights {dtype}: the runner stores K/V in the weights' dtype"
+        return 0, Choice(name, "off", why)
+    why_not = NativeDecode.unsupported(model)
+    if why_not is not None:
+        return 0, Choice(name, "off", why_not)
+    rows = bounds[0]
+    why = (f"decode-only steps of 1-{rows} rows (those its projections run tandem::row_gemm for) through the whole "
+           "decoder as one C++ call; the compiled graph for the rest")  # fmt: skip
+    return rows, Choice(name, f"1-{rows} rows", why)
+
+
+def decode_runner_dropped() -> Choice:
+    """The `decode_runner` choice once an 'auto' compile failed (every step then runs eagerly)."""
+    return Choice("decode_runner", "off", "the compile failed: every step runs eagerly")
 
 
 def compile_failed(exc: BaseException) -> Choice:

@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include "float_rows.h"
+#include "kernels.h"
 #include "line_aligned.h"
 
 #include <algorithm>
@@ -41,26 +42,6 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
-// exp(x) for x <= 0 (scores minus their maximum), 16 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two
-// parts, so r is exact to fp32), e^r by its Taylor polynomial to degree 7 (relative error below 1e-8 there), times
-// 2^n. Below -87.3, where e^x is under fp32's smallest normal, the result is 0 or a denormal.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2's leading bits: n * hi is exact
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // softmax of sc[0, len) in place, in fp32: the maximum subtracted, exp16, one division.
 inline void softmax_in_place(float* sc, int64_t len) {
   const int64_t full = len / 16 * 16;
@@ -68,12 +49,13 @@ inline void softmax_in_place(float* sc, int64_t len) {
   const __m512 peak = _mm512_set1_ps(tandem_rows::row_max(sc, len));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < full; j += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), peak));
+    const __m512 e = tandem_rows::exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), peak));
     _mm512_storeu_ps(sc + j, e);
     sum = _mm512_add_ps(sum, e);
   }
   if (tail) {
-    const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sc + full), peak)));
+    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sc + full), peak);
+    const __m512 e = _mm512_maskz_mov_ps(tail, tandem_rows::exp16(x));
     _mm512_mask_storeu_ps(sc + full, tail, e);
     sum = _mm512_add_ps(sum, e);
   }
@@ -313,14 +295,9 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == s && block_tables.scalar_type() == at::kInt &&
                   block_tables.is_contiguous(),
               "decode_attention: block_tables must be int32 [S, max_blocks]");
-  const int64_t bs = k_cache.size(1), nb = k_cache.size(0), mb = block_tables.size(1);
-  const auto* lens = context_lens.data_ptr<int32_t>();
-  const auto* tables = block_tables.data_ptr<int32_t>();
-  for (int64_t i = 0; i < s; ++i) {  // every read stays inside the cache
-    TORCH_CHECK(lens[i] >= 1 && lens[i] <= mb * bs, "decode_attention: context length ", lens[i], " out of range");
-    for (int64_t b = 0; b < (lens[i] + bs - 1) / bs; ++b)
-      TORCH_CHECK(tables[i * mb + b] >= 0 && tables[i * mb + b] < nb, "decode_attention: block id out of range");
-  }
+  tandem_kernels::check_decode_metadata("decode_attention", context_lens.data_ptr<int32_t>(),
+                                        block_tables.data_ptr<int32_t>(), s, block_tables.size(1), k_cache.size(1),
+                                        k_cache.size(0));
   auto out = torch::empty_like(q);
   switch (q.scalar_type()) {
     case at::kFloat: dispatch_cache<float>(q, k_cache, v_cache, context_lens, block_tables, out, scale); break;
@@ -407,6 +384,32 @@ torch::Tensor graph_attention(const torch::Tensor& q, const torch::Tensor& k, co
 }
 
 }  // namespace
+
+namespace tandem_kernels {
+
+void check_decode_metadata(const char* op, const int32_t* lens, const int32_t* tables, int64_t s, int64_t max_blocks,
+                           int64_t block_size, int64_t num_blocks) {
+  for (int64_t i = 0; i < s; ++i) {  // every read stays inside the cache
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= max_blocks * block_size, op, ": context length ", lens[i], " out of range");
+    for (int64_t b = 0; b < (lens[i] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tables[i * max_blocks + b] >= 0 && tables[i * max_blocks + b] < num_blocks, op,
+                  ": block id out of range");
+  }
+}
+
+void decode_attention_rows(const float* q, const float* k_cache, const float* v_cache, const int32_t* lens,
+                           const int32_t* tables, float* out, int64_t s, int64_t hq, int64_t hkv, int64_t d,
+                           int64_t bs, int64_t max_blocks, float scale) {
+  decode_kernel(q, k_cache, v_cache, lens, tables, out, s, hq, hkv, d, bs, max_blocks, scale);
+}
+
+void decode_attention_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                           const int32_t* lens, const int32_t* tables, c10::BFloat16* out, int64_t s, int64_t hq,
+                           int64_t hkv, int64_t d, int64_t bs, int64_t max_blocks, float scale) {
+  decode_kernel(q, k_cache, v_cache, lens, tables, out, s, hq, hkv, d, bs, max_blocks, scale);
+}
+
+}  // namespace tandem_kernels
 
 // The graph's operator (its fake kernel for tracing is registered from Python: tandem_native/loader.py)
 TORCH_LIBRARY_FRAGMENT(tandem, m) {

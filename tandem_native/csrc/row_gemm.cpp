@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels.h"
 #include "tiles.h"
 
 namespace {
@@ -168,6 +169,15 @@ torch::Tensor tile_gemm_int8(const torch::Tensor& x, const torch::Tensor& q, con
 }
 
 }  // namespace
+
+namespace tandem_kernels {
+
+void row_gemm_rows(const float* x, const float* w, float* y, int64_t m, int64_t n, int64_t k) { run(x, w, y, m, n, k); }
+void row_gemm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t n, int64_t k) {
+  run(x, w, y, m, n, k);
+}
+
+}  // namespace tandem_kernels
 
 // A fragment of the `tandem` op library (every file adds its own); its fake kernel is registered from Python
 // (tandem_native/loader.py).

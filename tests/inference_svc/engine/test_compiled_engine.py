@@ -141,8 +141,9 @@ def test_compiled_decode_steps_attend_in_cpp_with_the_python_backends_results(qw
 
     prompts = [[5, 6, 7, 8] * 5, list(range(10, 47)), [3, 4, 5]]  # the last: one block (a table of width 1)
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
-    engine = make_engine(qwen3_dir, compile="on", enable_prefix_caching=False)  # both runs: the same steps
-    assert engine.runner.graph_decode
+    # both runs: the same steps, every decode through the graph (the decode runner's own test is below)
+    engine = make_engine(qwen3_dir, compile="on", enable_prefix_caching=False, decode_runner="off")
+    assert engine.runner.graph_decode and engine.runner.native_decode is None
     steps = recorded(engine)
     in_cpp = engine.generate(prompts, params)
     in_graph = sum(decode for decode, _ in steps)
@@ -151,7 +152,7 @@ def test_compiled_decode_steps_attend_in_cpp_with_the_python_backends_results(qw
     assert engine.runner.compiled is not None and engine.runner.compiled.eager_calls == 0
 
     monkeypatch.setattr(cpu_attention.GraphDecode, "serves", staticmethod(lambda cache: False))
-    python = make_engine(qwen3_dir, compile="on", enable_prefix_caching=False)  # every step: the Python backend
+    python = make_engine(qwen3_dir, compile="on", enable_prefix_caching=False, decode_runner="off")  # all Python
     assert not python.runner.graph_decode
     python_steps = recorded(python)
     in_python = python.generate(prompts, params)
@@ -161,6 +162,52 @@ def test_compiled_decode_steps_attend_in_cpp_with_the_python_backends_results(qw
     for i, ((decode, a), (_, b)) in enumerate(zip(steps, python_steps, strict=True)):
         assert torch.equal(a, b), f"step {i} ({'decode' if decode else 'prefill'}) differs"
     assert python.runner.compiled is not None and python.runner.compiled.eager_calls == 0
+
+
+@pytest.mark.skipif(not tandem_native.available(), reason="needs AVX-512 VNNI and a C++ compiler")
+def test_the_decode_runner_takes_the_short_decode_steps_within_the_graphs_tolerance(qwen3_dir, make_engine) -> None:
+    """Where it serves the model (the default), the decode runner runs the decode-only steps of up to its rows (the
+    projections' `row_gemm` rows: 2 for fp32 without speculation), the graph the longer ones and the prefills; its
+    logits are within the compiled step's tolerance of an engine whose graph runs every step, the tokens the same,
+    nothing falls back to eager, and the plan says which steps it takes."""
+
+    def recorded(engine) -> tuple[list[torch.Tensor], list[int]]:
+        runner, run = engine.runner, engine.runner.run
+        logits: list[torch.Tensor] = []
+        native_rows: list[int] = []
+        if runner.native_decode is not None:
+            hidden_states = runner.native_decode.hidden_states
+
+            def counted(input_ids, *args):
+                native_rows.append(int(input_ids.shape[0]))
+                return hidden_states(input_ids, *args)
+
+            runner.native_decode.hidden_states = counted
+
+        def recording_run(batch):
+            out = run(batch)
+            logits.append(out.sample.clone())
+            return out
+
+        runner.run = recording_run
+        return logits, native_rows
+
+    prompts = [[5, 6, 7, 8] * 5, list(range(10, 47)), [3, 4, 5]]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    engines = [make_engine(qwen3_dir, compile="on", enable_prefix_caching=False, decode_runner=mode)
+               for mode in ("auto", "off")]  # fmt: skip
+    plans = [{c.lever: c for c in e.load_plan.choices}["decode_runner"] for e in engines]
+    assert plans[0].value == "1-2 rows" and "one C++ call" in plans[0].reason
+    assert plans[1].value == "off" and engines[1].runner.native_decode is None
+    runs = [recorded(e) for e in engines]
+    outputs = [[r.token_ids for n in (3, 2, 1) for r in e.generate(prompts[:n], params)] for e in engines]
+    assert outputs[0] == outputs[1]
+    (logits, native_rows), (graph_logits, _) = runs
+    assert sorted(set(native_rows)) == [1, 2] and len(native_rows) >= 2 * NEW_TOKENS - 2
+    assert len(logits) == len(graph_logits) > len(native_rows)  # the same steps; 3-row decodes and prefills: graph
+    for i, (a, b) in enumerate(zip(logits, graph_logits, strict=True)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {i}")
+    assert all(e.runner.compiled is not None and e.runner.compiled.eager_calls == 0 for e in engines)
 
 
 @pytest.fixture(scope="module")
@@ -178,18 +225,24 @@ def wide_qwen3_dir(tmp_path_factory, small_tokenizer):
 
 
 @pytest.mark.skipif(not tandem_native.available(), reason="needs AVX-512 VNNI and a C++ compiler")
-@pytest.mark.parametrize("model", ["qwen3_dir", "wide_qwen3_dir"])
-def test_compiled_verify_rows_are_bitwise_the_rows_of_plain_decode_steps(model, make_engine, request) -> None:
+@pytest.mark.parametrize(("model", "decode_runner"), [("qwen3_dir", "auto"), ("wide_qwen3_dir", "auto"),
+                                                    ("wide_qwen3_dir", "off")])  # fmt: skip
+def test_compiled_verify_rows_are_bitwise_the_rows_of_plain_decode_steps(model, decode_runner, make_engine,
+                                                                         request) -> None:  # fmt: skip
     """Compiled on CPU, a verify step's K + 1 rows run the row kernel, whose arithmetic per row does not depend on
     the row count (`serving_model`), the decode attention, whose arithmetic per row is a plain decode's, and
     generated kernels that round each op's bf16 result as eager does (`shared_model.compiled`): so each verify
     row's logits are bitwise those of decoding its token alone. In bf16, where torch's matmul of K + 1 rows, or
-    the T == 1 and T >= 2 graphs' different fusions, would round otherwise."""
+    the T == 1 and T >= 2 graphs' different fusions, would round otherwise. The decode runner (on by default), which
+    takes both kinds of step here (up to 17 rows), keeps the property with its own per-row arithmetic; with it off
+    the graph runs both."""
     # no prefix cache: the plain run's prompt would be cached for the speculative one, whose last prompt tokens
     # would then run as a short chunk (the row kernel) where the plain run's ran in the prefill GEMM (bf16: other bits)
     engine = make_engine(request.getfixturevalue(model), dtype="bfloat16", compile="on", speculative="ngram",
-                         speculative_max_batch=0, speculative_verify_cost=0.0, enable_prefix_caching=False)  # fmt: skip
+                         speculative_max_batch=0, speculative_verify_cost=0.0, enable_prefix_caching=False,
+                         decode_runner=decode_runner)  # fmt: skip
     runner, run = engine.runner, engine.runner.run
+    assert (runner.native_decode is not None) == (decode_runner == "auto")
     checked: list[int] = []
 
     def checked_run(batch):

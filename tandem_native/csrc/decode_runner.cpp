@@ -1,0 +1,326 @@
+// The decode runner: a decode-only step of a few rows (one token, a speculative verify item, a handful of decodes)
+// through the whole decoder in one call, for a dense fp32 or bf16 model (shared_model/native_decode.py).
+//
+// It holds each layer's weights from load (the ServingDecoder's own tensors: no copy) and, per step, takes the token
+// ids, their positions, the paged KV cache and the step's metadata. Per layer: the input norm, the merged q/k/v
+// projection, the q and k heads' norms and RoPE, the K/V stores and the decode attention, the output projection and
+// residual, the post-attention norm, the merged gate/up projection, SiLU(gate) * up, the down projection and
+// residual; then the final norm. The projections are row_gemm.cpp's kernel and the attention paged_attention.cpp's,
+// called directly (kernels.h); the rest is here. What a compiled graph spends between its kernels (the dispatcher
+// per operator, a fresh output tensor each, a handle per graph input, dynamo's wrappers) is gone.
+//
+// Arithmetic: every row alone, in the same order at any row count (the kernels' property too), so a row's bits do not
+// depend on the others in the step: a verify item's rows score their drafts with a decode row's bits. The norms
+// are torch's (the mean of the squares in fp32 as a sum divided by the width, x times 1/sqrt(mean + eps) rounded to
+// the dtype, then times the weight, rounded); RoPE, SiLU-mul and the residual adds are computed in fp32 from the
+// stored dtype and rounded once (as inductor's fused kernels do: eager bf16 rounds after each op). The sums of the
+// norms run 16 lanes at a time, so they differ from torch's and inductor's in the last bits.
+//
+// The runner owns its scratch rows (sized for `max_rows` at construction) and serializes its calls on them; the
+// GIL is released while it runs.
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "float_rows.h"
+#include "kernels.h"
+#include "line_aligned.h"
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------- fp32 / bf16 rows
+// bf16 is carried as its bits (uint16_t); widening is exact (a 16-bit shift), narrowing rounds to nearest even.
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);  // NaN stays a (quiet) NaN, as c10's rounding
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(rounded));
+}
+// v rounded to the dtype and widened back (bf16's intermediate rounding; nothing for fp32)
+inline __m512 round_to(float*, __m512 v) { return v; }
+inline __m512 round_to(uint16_t*, __m512 v) {
+  alignas(64) uint16_t bits[16];
+  store16(bits, v, 0xffff);
+  return load16(bits, 0xffff);
+}
+
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
+
+// out[0, n) = weight * (x / sqrt(mean(x^2) + eps)), as shared_model.serving_model.rms_norm_into rounds it
+template <typename T>
+void rms_norm(const T* x, const T* weight, T* out, int64_t n, float eps) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = load16(x + i, lanes(n - i));
+    sum = _mm512_fmadd_ps(v, v, sum);
+  }
+  const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(sum) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    const __m512 normed = round_to(out, _mm512_mul_ps(load16(x + i, m), _mm512_set1_ps(inv)));
+    store16(out + i, _mm512_mul_ps(load16(weight + i, m), normed), m);
+  }
+}
+
+// x[0, n) += y[0, n), rounded once
+template <typename T>
+void add_into(T* x, const T* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    store16(x + i, _mm512_add_ps(load16(x + i, m), load16(y + i, m)), m);
+  }
+}
+
+// out[0, n) = silu(gate) * up in fp32, rounded once; silu(g) = g / (1 + e^-g), e^-|g| so the exponent never overflows
+template <typename T>
+void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    const __m512 g = load16(gate + i, m);
+    const __m512 e = tandem_rows::exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));  // e^-|g|
+    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 numerator = _mm512_mask_mul_ps(g, negative, g, e);  // g >= 0: g / (1 + e^-g); else g e^g / (1 + e^g)
+    const __m512 silu = _mm512_div_ps(numerator, _mm512_add_ps(one, e));
+    store16(out + i, _mm512_mul_ps(silu, load16(up + i, m)), m);
+  }
+}
+
+// x1, x2 (the head's halves, `half` each) rotated by cos/sin: out = (x1 c - x2 s, x2 c + x1 s), each product and sum
+// in fp32, rounded once
+template <typename T>
+void rope(const T* x, const T* cos, const T* sin, T* out, int64_t half) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = lanes(half - i);
+    const __m512 x1 = load16(x + i, m), x2 = load16(x + half + i, m), c = load16(cos + i, m), s = load16(sin + i, m);
+    store16(out + i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)), m);
+    store16(out + half + i, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)), m);
+  }
+}
+
+template <typename T>
+const T* ptr(const torch::Tensor& t) { return static_cast<const T*>(t.data_ptr()); }
+template <typename T>
+T* mut(torch::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+
+inline void row_gemm(const float* x, const torch::Tensor& w, float* y, int64_t m) {
+  tandem_kernels::row_gemm_rows(x, ptr<float>(w), y, m, w.size(0), w.size(1));
+}
+inline void row_gemm(const uint16_t* x, const torch::Tensor& w, uint16_t* y, int64_t m) {
+  tandem_kernels::row_gemm_rows(x, ptr<uint16_t>(w), y, m, w.size(0), w.size(1));
+}
+inline void attend(const float* q, const float* kc, const float* vc, const int32_t* lens, const int32_t* tables,
+                   float* out, int64_t s, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t mb, float scale) {
+  tandem_kernels::decode_attention_rows(q, kc, vc, lens, tables, out, s, hq, hkv, d, bs, mb, scale);
+}
+inline void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int32_t* lens,
+                   const int32_t* tables, uint16_t* out, int64_t s, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
+                   int64_t mb, float scale) {
+  using B = c10::BFloat16;
+  tandem_kernels::decode_attention_rows(reinterpret_cast<const B*>(q), reinterpret_cast<const B*>(kc),
+                                        reinterpret_cast<const B*>(vc), lens, tables, reinterpret_cast<B*>(out), s,
+                                        hq, hkv, d, bs, mb, scale);
+}
+
+struct Layer {
+  torch::Tensor input_norm, qkv, o_proj, post_norm, gate_up, down_proj;  // [H], [Q + 2 KV, H], [H, Q], [H],
+                                                                          // [2 I, H], [H, I]
+  std::optional<torch::Tensor> qk_norm;                                   // [Hq + Hkv, D]: q heads', then k heads'
+};
+
+class DecodeRunner {
+ public:
+  // layers: per layer [input_norm, qkv, o_proj, post_norm, gate_up, down_proj]; qk_norms: per layer, or None for a
+  // model without q/k norms; embed [V, H]; final_norm [H]; rope_cos, rope_sin [P, D / 2]; all one dtype (fp32 or
+  // bf16), contiguous, on the CPU.
+  DecodeRunner(const std::vector<std::vector<torch::Tensor>>& layers,
+               const std::vector<std::optional<torch::Tensor>>& qk_norms, torch::Tensor embed, torch::Tensor final_norm,
+               torch::Tensor rope_cos, torch::Tensor rope_sin, int64_t num_heads, int64_t num_kv_heads,
+               int64_t head_dim, double eps, double scale, int64_t max_rows)
+      : embed_(std::move(embed)), final_norm_(std::move(final_norm)), rope_cos_(std::move(rope_cos)),
+        rope_sin_(std::move(rope_sin)), hq_(num_heads), hkv_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale),
+        max_rows_(max_rows) {
+    TORCH_CHECK(!layers.empty() && layers.size() == qk_norms.size(), "DecodeRunner: one qk_norm entry per layer");
+    dtype_ = embed_.scalar_type();
+    TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "DecodeRunner: fp32 or bf16 weights only, got ",
+                dtype_);
+    TORCH_CHECK(hq_ > 0 && hkv_ > 0 && hq_ % hkv_ == 0 && d_ % 16 == 0 && max_rows_ >= 1,
+                "DecodeRunner: heads must divide, head_dim be a multiple of 16, max_rows at least 1");
+    h_ = embed_.size(1);
+    const int64_t q = hq_ * d_, kv = hkv_ * d_;
+    check("embed", embed_, {embed_.size(0), h_});
+    check("final_norm", final_norm_, {h_});
+    check("rope_cos", rope_cos_, {rope_cos_.size(0), d_ / 2});
+    check("rope_sin", rope_sin_, {rope_cos_.size(0), d_ / 2});
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const auto& w = layers[i];
+      TORCH_CHECK(w.size() == 6, "DecodeRunner: layer ", i, " needs 6 tensors, got ", w.size());
+      Layer l{w[0], w[1], w[2], w[3], w[4], w[5], qk_norms[i]};
+      check("input_norm", l.input_norm, {h_});
+      check("qkv", l.qkv, {q + 2 * kv, h_});
+      check("o_proj", l.o_proj, {h_, q});
+      check("post_norm", l.post_norm, {h_});
+      TORCH_CHECK(l.gate_up.dim() == 2 && l.gate_up.size(0) % 2 == 0, "DecodeRunner: gate_up must be [2 I, H]");
+      inter_ = l.gate_up.size(0) / 2;
+      check("gate_up", l.gate_up, {2 * inter_, h_});
+      check("down_proj", l.down_proj, {h_, inter_});
+      if (l.qk_norm) check("qk_norm", *l.qk_norm, {hq_ + hkv_, d_});
+      layers_.push_back(std::move(l));
+    }
+    TORCH_CHECK(h_ % 32 == 0 && q % 32 == 0 && inter_ % 32 == 0,
+                "DecodeRunner: hidden, q and intermediate sizes must be multiples of 32 (row_gemm's K)");
+    const int64_t elem = embed_.element_size(), r = max_rows_;
+    for (auto* buffer : {&x_, &normed_, &out_}) buffer->resize(r * h_ * elem);
+    qkv_.resize(r * (q + 2 * kv) * elem);
+    q_.resize(r * q * elem);
+    attn_.resize(r * q * elem);
+    act_.resize(r * 2 * inter_ * elem);
+    head_.resize(d_ * elem);
+  }
+
+  int64_t max_rows() const { return max_rows_; }
+
+  // input_ids, positions [T] int64 (T <= max_rows); kv_cache [L, 2, num_blocks, block_size, Hkv, D] in the weights'
+  // dtype (written at slot_mapping); slot_mapping [T] int64; context_lens [T] int32; block_tables [T, max_blocks]
+  // int32 -> final-norm hidden states [T, H]. Everything is checked before the cache is written.
+  torch::Tensor hidden_states(const torch::Tensor& input_ids, const torch::Tensor& positions, torch::Tensor& kv_cache,
+                              const torch::Tensor& slot_mapping, const torch::Tensor& context_lens,
+                              const torch::Tensor& block_tables) {
+    const int64_t t = input_ids.numel();
+    TORCH_CHECK(t >= 1 && t <= max_rows_, "DecodeRunner: ", t, " rows; it runs 1 to ", max_rows_);
+    const auto is = [&](const torch::Tensor& x, at::ScalarType type) {
+      return x.is_cpu() && x.scalar_type() == type && x.is_contiguous() && x.dim() == 1 && x.size(0) == t;
+    };
+    TORCH_CHECK(is(input_ids, at::kLong) && is(positions, at::kLong) && is(slot_mapping, at::kLong),
+                "DecodeRunner: input_ids, positions and slot_mapping must be contiguous int64 [T]");
+    TORCH_CHECK(is(context_lens, at::kInt), "DecodeRunner: context_lens must be contiguous int32 [T]");
+    TORCH_CHECK(block_tables.is_cpu() && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                    block_tables.dim() == 2 && block_tables.size(0) == t,
+                "DecodeRunner: block_tables must be contiguous int32 [T, max_blocks]");
+    TORCH_CHECK(kv_cache.is_cpu() && kv_cache.scalar_type() == dtype_ && kv_cache.is_contiguous() &&
+                    kv_cache.dim() == 6 && kv_cache.size(0) == static_cast<int64_t>(layers_.size()) &&
+                    kv_cache.size(1) == 2 && kv_cache.size(4) == hkv_ && kv_cache.size(5) == d_,
+                "DecodeRunner: kv_cache must be contiguous [L, 2, num_blocks, block_size, Hkv, D] in the weights' "
+                "dtype");
+    const int64_t nb = kv_cache.size(2), bs = kv_cache.size(3), mb = block_tables.size(1);
+    const auto* ids = input_ids.data_ptr<int64_t>();
+    const auto* pos = positions.data_ptr<int64_t>();
+    const auto* slots = slot_mapping.data_ptr<int64_t>();
+    for (int64_t i = 0; i < t; ++i) {
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < embed_.size(0), "DecodeRunner: token id ", ids[i], " out of range");
+      TORCH_CHECK(pos[i] >= 0 && pos[i] < rope_cos_.size(0), "DecodeRunner: position ", pos[i], " out of range");
+      TORCH_CHECK(slots[i] >= 0 && slots[i] < nb * bs, "DecodeRunner: slot ", slots[i], " out of range");
+    }
+    tandem_kernels::check_decode_metadata("DecodeRunner", context_lens.data_ptr<int32_t>(),
+                                          block_tables.data_ptr<int32_t>(), t, mb, bs, nb);
+    auto out = torch::empty({t, h_}, embed_.options());
+    pybind11::gil_scoped_release released;
+    std::lock_guard<std::mutex> lock(mutex_);
+    const Step step{ids, pos, slots, context_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(), t, nb, bs, mb};
+    if (dtype_ == at::kFloat) {
+      run<float>(step, kv_cache, mut<float>(out));
+    } else {
+      run<uint16_t>(step, kv_cache, reinterpret_cast<uint16_t*>(out.data_ptr()));
+    }
+    return out;
+  }
+
+ private:
+  struct Step {
+    const int64_t *ids, *pos, *slots;
+    const int32_t *lens, *tables;
+    int64_t t, num_blocks, block_size, max_blocks;
+  };
+
+  void check(const char* what, const torch::Tensor& w, std::vector<int64_t> shape) const {
+    TORCH_CHECK(w.is_cpu() && w.scalar_type() == dtype_ && w.is_contiguous() && w.sizes() == at::IntArrayRef(shape),
+                "DecodeRunner: ", what, " must be a contiguous CPU tensor of shape ", at::IntArrayRef(shape),
+                " in the embedding's dtype; got ", w.sizes(), " ", w.scalar_type());
+  }
+
+  template <typename T>
+  static T* rows(tandem_aligned::LineVector<char>& buffer) { return reinterpret_cast<T*>(buffer.data()); }
+
+  template <typename T>
+  void run(const Step& s, torch::Tensor& kv_cache, T* hidden) {
+    const int64_t t = s.t, q_size = hq_ * d_, kv_size = hkv_ * d_, qkv_size = q_size + 2 * kv_size;
+    const int64_t half = d_ / 2, layer_stride = 2 * s.num_blocks * s.block_size * kv_size;
+    const float eps = static_cast<float>(eps_);
+    T *x = rows<T>(x_), *normed = rows<T>(normed_), *out = rows<T>(out_), *qkv = rows<T>(qkv_), *q = rows<T>(q_);
+    T *attn = rows<T>(attn_), *act = rows<T>(act_), *head = rows<T>(head_);
+    for (int64_t i = 0; i < t; ++i) std::memcpy(x + i * h_, ptr<T>(embed_) + s.ids[i] * h_, h_ * sizeof(T));
+    T* cache = mut<T>(kv_cache);
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const Layer& l = layers_[li];
+      T* k_cache = cache + li * layer_stride;
+      T* v_cache = k_cache + layer_stride / 2;
+      for (int64_t i = 0; i < t; ++i) rms_norm(x + i * h_, ptr<T>(l.input_norm), normed + i * h_, h_, eps);
+      row_gemm(normed, l.qkv, qkv, t);
+      for (int64_t i = 0; i < t; ++i) {
+        const T* row = qkv + i * qkv_size;
+        const T* cos = ptr<T>(rope_cos_) + s.pos[i] * half;
+        const T* sin = ptr<T>(rope_sin_) + s.pos[i] * half;
+        for (int64_t j = 0; j < hq_ + hkv_; ++j) {  // q heads to q_, k heads to their cache slot
+          const T* in = row + j * d_;
+          if (l.qk_norm) rms_norm(in, ptr<T>(*l.qk_norm) + j * d_, head, d_, eps), in = head;
+          T* dest = j < hq_ ? q + (i * hq_ + j) * d_ : k_cache + (s.slots[i] * hkv_ + j - hq_) * d_;
+          rope(in, cos, sin, dest, half);
+        }
+        std::memcpy(v_cache + s.slots[i] * kv_size, row + q_size + kv_size, kv_size * sizeof(T));
+      }
+      attend(q, k_cache, v_cache, s.lens, s.tables, attn, t, hq_, hkv_, d_, s.block_size, s.max_blocks,
+             static_cast<float>(scale_));
+      row_gemm(attn, l.o_proj, out, t);
+      add_into(x, out, t * h_);
+      for (int64_t i = 0; i < t; ++i) rms_norm(x + i * h_, ptr<T>(l.post_norm), normed + i * h_, h_, eps);
+      row_gemm(normed, l.gate_up, act, t);  // [t, 2 I]: gate, then up
+      for (int64_t i = 0; i < t; ++i)  // SiLU-mul in place: row i's I products land in act's first t * I values
+        silu_mul(act + i * 2 * inter_, act + i * 2 * inter_ + inter_, act + i * inter_, inter_);
+      row_gemm(act, l.down_proj, out, t);
+      add_into(x, out, t * h_);
+    }
+    for (int64_t i = 0; i < t; ++i) rms_norm(x + i * h_, ptr<T>(final_norm_), hidden + i * h_, h_, eps);
+  }
+
+  std::vector<Layer> layers_;
+  torch::Tensor embed_, final_norm_, rope_cos_, rope_sin_;
+  at::ScalarType dtype_;
+  int64_t hq_, hkv_, d_, h_ = 0, inter_ = 0;
+  double eps_, scale_;
+  int64_t max_rows_;
+  std::mutex mutex_;  // the scratch rows below are one step's
+  tandem_aligned::LineVector<char> x_, normed_, out_, qkv_, q_, attn_, act_, head_;
+};
+
+}  // namespace
+
+void register_decode_runner(pybind11::module_& m) {
+  pybind11::class_<DecodeRunner>(m, "DecodeRunner",
+                                 "A decode-only step of up to max_rows rows through a dense fp32/bf16 decoder, in C++")
+      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&,
+                          const std::vector<std::optional<torch::Tensor>>&, torch::Tensor, torch::Tensor,
+                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double, int64_t>(),
+           pybind11::arg("layers"), pybind11::arg("qk_norms"), pybind11::arg("embed"), pybind11::arg("final_norm"),
+           pybind11::arg("rope_cos"), pybind11::arg("rope_sin"), pybind11::arg("num_heads"),
+           pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
+           pybind11::arg("max_rows"))
+      .def_property_readonly("max_rows", &DecodeRunner::max_rows)
+      .def("hidden_states", &DecodeRunner::hidden_states, pybind11::arg("input_ids"), pybind11::arg("positions"),
+           pybind11::arg("kv_cache"), pybind11::arg("slot_mapping"), pybind11::arg("context_lens"),
+           pybind11::arg("block_tables"));
+}

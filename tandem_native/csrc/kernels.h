@@ -1,0 +1,32 @@
+// Entry points one kernel file offers the others (the decode runner calls the row GEMM and the decode attention
+// directly, without a tensor or the dispatcher between them). The tensor-level operators stay in their own files.
+// bf16 is passed as its bits (uint16_t) or as at::BFloat16, as each kernel stores it.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+
+namespace tandem_kernels {
+
+// y[m, n] = x[m, k] w[n, k]^T by row_gemm.cpp's kernel (k a multiple of 32; each row's bits independent of m), over
+// torch's intra-op threads.
+void row_gemm_rows(const float* x, const float* w, float* y, int64_t m, int64_t n, int64_t k);
+void row_gemm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t n, int64_t k);
+
+// Checks a decode step's metadata against a cache of `num_blocks` blocks of `block_size` tokens: every context
+// length in [1, max_blocks * block_size] and every block it reads in [0, num_blocks). `op` names the caller in
+// the error.
+void check_decode_metadata(const char* op, const int32_t* lens, const int32_t* tables, int64_t s, int64_t max_blocks,
+                           int64_t block_size, int64_t num_blocks);
+
+// paged_attention.cpp's decode attention (metadata checked by the caller): q [s, hq, d] over caches
+// [num_blocks, bs, hkv, d] of q's dtype -> out [s, hq, d].
+void decode_attention_rows(const float* q, const float* k_cache, const float* v_cache, const int32_t* lens,
+                           const int32_t* tables, float* out, int64_t s, int64_t hq, int64_t hkv, int64_t d,
+                           int64_t bs, int64_t max_blocks, float scale);
+void decode_attention_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                           const int32_t* lens, const int32_t* tables, c10::BFloat16* out, int64_t s, int64_t hq,
+                           int64_t hkv, int64_t d, int64_t bs, int64_t max_blocks, float scale);
+
+}  // namespace tandem_kernels
