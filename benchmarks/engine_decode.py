@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="auto")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--thread-governor", default="auto", choices=["auto", "off"])
+    ap.add_argument("--decode-runner", default="auto", choices=["auto", "off"])
     ap.add_argument("--n-gen", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--n-gen must be at least 2 and --reps at least 1")
     config = EngineConfig(
         dtype=args.dtype, quantization=args.quantization, threads=args.threads, compile=args.compile, device="cpu",
-        thread_governor=args.thread_governor,
+        thread_governor=args.thread_governor, decode_runner=args.decode_runner,
     )  # fmt: skip
     engine = Engine.from_bundle(args.model, config)
     decode_rate(engine, args.n_gen, "warm-up", 3)

@@ -83,7 +83,8 @@ def run_pairs(engine: Engine, peer: Callable[[], float], pairs: int, reps: int, 
 def run_precision(precision: str, args: argparse.Namespace, bundle: Path, gguf: Path, tools) -> dict[str, Any]:
     dtype, quant = engine_flags(precision)
     config = EngineConfig(dtype=dtype, quantization=quant, threads=str(args.threads), compile=args.compile,
-                          device="cpu", thread_governor=args.thread_governor)  # fmt: skip
+                          device="cpu", thread_governor=args.thread_governor,
+                          decode_runner=args.decode_runner)  # fmt: skip
     t0 = time.monotonic()
     engine = Engine.from_bundle(bundle, config)
     engine_decode.decode_rate(engine, args.n_gen, "warm-up", 3)
@@ -101,7 +102,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"Paired batch-1 decode, {results['date']}, {results['machine']['model']} ({results['machine']['cores']} "
         f"cores, {cpu_peer.flags_line(results['machine'])}), commit {results['commit']}, {results['threads']} threads, "
-        f"Tandem's thread governor {results['thread_governor']}, tg{results['n_gen']}:",
+        f"Tandem's thread governor {results['thread_governor']}, decode runner {results['decode_runner']}, "
+        f"tg{results['n_gen']}:",
         "",
         "| precision (Tandem / GGUF) | pairs | llama-bench tok/s (median) | Tandem tok/s (median) | ratio median | "
         "quartiles | pairs ≥ 1.0 |",
@@ -129,6 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--thread-governor", default="off", choices=["auto", "off"],
                    help="Tandem's --thread-governor: off by default, as the peer's own run just before would count as "
                    "another process's load at the engine's first poll (it polls at its steps only here)")  # fmt: skip
+    p.add_argument("--decode-runner", default="auto", choices=["auto", "off"],
+                   help="Tandem's --decode-runner (off: the compiled graph runs every step)")  # fmt: skip
     p.add_argument("--reps", type=int, default=3, help="Tandem requests per pair (llama-bench: its own 5)")
     p.add_argument("--n-gen", type=int, default=64, help="generated tokens (llama-bench -n)")
     p.add_argument("--hidden", type=int, default=768)
@@ -169,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": shlex.join([Path(sys.executable).name, *sys.argv] if argv is None else [__file__, *argv]),
         "machine": cpu_peer.cpu_summary(), "commit": cpu_peer.git_commit(cpu_peer.REPO), "threads": args.threads,
-        "n_gen": args.n_gen, "reps": args.reps, "thread_governor": args.thread_governor, "model": str(bundle),
+        "n_gen": args.n_gen, "reps": args.reps, "thread_governor": args.thread_governor,
+        "decode_runner": args.decode_runner, "model": str(bundle),
         "cases": [],
     }  # fmt: skip
     for precision in args.precision_list:  # each in a fresh interpreter

@@ -61,10 +61,11 @@ def test_summary_median_quartiles_and_share_at_parity() -> None:
         paired.summary([])
     pairs = [{"llama": 100.0, "tandem": 100.0 * r, "ratio": r} for r in ratios]
     results = {"date": "2026-12-06T17:38:04+00:00", "machine": paired.cpu_peer.cpu_summary(), "commit": "abc1234",
-               "threads": 2, "thread_governor": "off", "n_gen": 64, "command": "python benchmarks/paired_decode.py",
+               "threads": 2, "thread_governor": "off", "decode_runner": "auto", "n_gen": 64,
+               "command": "python benchmarks/paired_decode.py",
                "cases": [{"precision": "fp32", "gguf": "model-F32.gguf", "pairs": pairs, **s}]}  # fmt: skip
     table = paired.markdown(results)
-    assert "thread governor off" in table
+    assert "thread governor off, decode runner auto" in table
     tandem = statistics.median(p["tandem"] for p in pairs)
     row = f"| fp32 / F32 | 8 | 100.0 | {tandem:.1f} | **{s['median']:.2f}** | {s['q1']:.2f}-{s['q3']:.2f} | 50% |"
     assert row in table
