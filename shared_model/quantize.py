@@ -60,6 +60,7 @@ Contract:
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -216,6 +217,21 @@ def _has_kernel(op: str, device: torch.device) -> bool:
 
 
 # ------------------------------------------------------------------------------------ the module
+class RowKernel(NamedTuple):
+    """A `QuantizedLinear`'s row kernel and its operator's arguments (`QuantizedLinear.row_kernel`)."""
+
+    name: str
+    """'int8_gemv' or 'int4_gemv' (`torch.ops.tandem.<name>`)."""
+    rows: int
+    """Calls of 1 to this many rows run it."""
+    weight: torch.Tensor
+    """int8 [N, K], or int4 codes in the kernel's blocked layout [N, K / 2]."""
+    scales: torch.Tensor
+    """int8: [N]; int4: scales and zeros [2, N, K / group]."""
+    group: int
+    """The operator's group argument (int8: its activation groups; int4: the weight's groups)."""
+
+
 class QuantizedLinear(nn.Module):
     """A linear layer whose weight is stored int8 (per row) or int4 (per group); see the module docstring."""
 
@@ -292,6 +308,18 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)  # [..., N]
+
+    def row_kernel(self) -> RowKernel | None:
+        """Tandem's kernel that `forward` runs for calls of the fewest rows, with its arguments: `int8_gemv` for one
+        row, `int4_gemv` for up to the int4 row kernel's rows; None where it runs none there (torch's kernels, tiles
+        from the first row, or a bias). The decode runner (`shared_model.native_decode`) calls it for those rows."""
+        if not self._row_kernel or self.bias is not None:
+            return None
+        if self.kind == "int8":
+            return RowKernel("int8_gemv", 1, self.qweight, self.scales, self._group)
+        if not self._gemv_rows:
+            return None
+        return RowKernel("int4_gemv", self._gemv_rows, self.qweight, self.scales_and_zeros, self.group_size)
 
     def method(self) -> tuple[str, str]:
         """(The method this layer runs, its row-count table in words): what `forward` does, for the load plan."""

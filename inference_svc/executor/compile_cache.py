@@ -4,11 +4,12 @@ next one, keyed by everything the compiled graphs depend on.
 Contract:
 - `cache_key(bundle_path, config, native, dtype)` is the dict of what a compiled step depends on: the model and any
   draft model (config.json and the weights' checksums, or names and sizes without a Tandem manifest), the served
-  dtype, the flags that change the graph (quantization, group size, int4 kernel, Tandem's CPU kernels on or
-  off), torch's intra-op thread count (inductor generates its CPU kernels for it) and whether the kernels read the
-  count at each call instead (`dynamic_threads`: the thread governor's steps), Tandem's graph code (a hash of
-  the decoder's and the compiled wrapper's source), torch's and Python's versions, and the CPU (model name and
-  instruction-set flags from /proc/cpuinfo). `digest(key)` names its entry.
+  dtype, the flags that change the graph or which graphs the warm-up compiles (quantization, group size, int4
+  kernel, Tandem's CPU kernels on or off, the speculative default, the decode runner), torch's intra-op thread
+  count (inductor generates its CPU kernels for it) and whether the kernels read the count at each call instead
+  (`dynamic_threads`: the thread governor's steps), Tandem's graph code (a hash of the decoder's and the compiled
+  wrapper's source), torch's and Python's versions, and the CPU (model name and instruction-set flags from
+  /proc/cpuinfo). `digest(key)` names its entry.
 - An entry is a folder `<cache dir>/<digest>/` holding `torch/`, a torch inductor cache folder (the FX graphs,
   AOTAutograd entries, generated sources and their compiled libraries for this key's graphs, and under
   `tandem-packages/<decoder>/<KV layout>/` each decoder's saved dynamo packages: `shared_model.compiled`,
@@ -98,6 +99,7 @@ def cache_key(
         "cpu_kernels": "tandem" if native else "off",
         "native_build": tandem_native.build_dir().name if native else "none",  # the custom ops the graphs call
         "speculative": str(getattr(config, "speculative", "off")),  # picks the projections' row table
+        "decode_runner": str(getattr(config, "decode_runner", "auto")),  # its steps' graphs are not compiled
         "threads": str(torch.get_num_threads()),  # inductor's CPU kernels are generated for this many threads
         "dynamic_threads": "on" if dynamic_threads else "off",  # ... or read the count at each call, unguarded
         "graph_code": _code_hash(),

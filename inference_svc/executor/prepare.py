@@ -31,8 +31,9 @@ Contract:
      through the whole decoder as one C++ call (`shared_model.native_decode.NativeDecode`) instead of the graph,
      and up to how many rows: the rows up to which its projections' table runs `tandem::row_gemm` (the runner's
      kernel, so a row keeps the kernel its row count picks). Only with the step compiled (an eager engine keeps the
-     training decoder's bits), Tandem's kernels, the torch attention ops, a KV cache in the weights' dtype, and a
-     dense fp32 or bf16 model (`NativeDecode.unsupported`).
+     training decoder's bits), Tandem's kernels, the torch attention ops, a KV cache in the weights' dtype, and an
+     fp32 or bf16 model whose projections have row kernels (`NativeDecode.unsupported`: dense ones `row_gemm`,
+     int8's `int8_gemv` for one row, int4's `int4_gemv`), as many rows as the fewest a projection's kernel takes.
   8. `compile_cache`: whether the compile loaded a saved entry (`inference_svc.executor.compile_cache`).
 - `prepare(bundle, config, device)` runs 1-4 and returns the model and its choices; `choose_attention`,
   `choose_compile` and `sampler_choice` make 5-7. The engine assembles them into its `LoadPlan`
@@ -247,7 +248,7 @@ def choose_decode_runner(
         return 0, Choice(name, "off", "the step runs eagerly: the runner takes a compiled engine's decode steps")
     bounds = None if row_table is None else row_table.gemm_bounds()
     if not native or bounds is None:
-        return 0, Choice(name, "off", "the projections do not run tandem::row_gemm (the runner's kernel)")
+        return 0, Choice(name, "off", "the projections do not run Tandem's row kernels (the runner's)")
     if attention != "torch":
         return 0, Choice(name, "off", f"the {attention} attention backend (the runner attends as the torch ops do)")
     dtype = model.embed_tokens.weight.dtype
@@ -257,8 +258,8 @@ def choose_decode_runner(
     why_not = NativeDecode.unsupported(model)
     if why_not is not None:
         return 0, Choice(name, "off", why_not)
-    rows = bounds[0]
-    why = (f"decode-only steps of 1-{rows} rows (those its projections run tandem::row_gemm for) through the whole "
+    rows = NativeDecode.most_rows(model, bounds[0])
+    why = (f"decode-only steps of 1-{rows} rows (those its projections run their row kernels for) through the whole "
            "decoder as one C++ call; the compiled graph for the rest")  # fmt: skip
     return rows, Choice(name, f"1-{rows} rows", why)
 

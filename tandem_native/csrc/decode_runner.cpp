@@ -1,12 +1,14 @@
 // The decode runner: a decode-only step of a few rows (one token, a speculative verify item, a handful of decodes)
-// through the whole decoder in one call, for a dense fp32 or bf16 model (shared_model/native_decode.py).
+// through the whole decoder in one call, for an fp32 or bf16 model whose projections are dense or quantized with a
+// row kernel (shared_model/native_decode.py).
 //
 // It holds each layer's weights from load (the ServingDecoder's own tensors: no copy) and, per step, takes the token
 // ids, their positions, the paged KV cache and the step's metadata. Per layer: the input norm, the merged q/k/v
 // projection, the q and k heads' norms and RoPE, the K/V stores and the decode attention, the output projection and
 // residual, the post-attention norm, the merged gate/up projection, SiLU(gate) * up, the down projection and
-// residual; then the final norm. The projections are row_gemm.cpp's kernel and the attention paged_attention.cpp's,
-// called directly (kernels.h); the rest is here. What a compiled graph spends between its kernels (the dispatcher
+// residual; then the final norm. The projections are the kernels their modules run for these rows (row_gemm.cpp's
+// for a dense weight, int8_gemv.cpp's for an int8 weight's one row, int4_gemv.cpp's for int4 codes) and the attention
+// paged_attention.cpp's, called directly (kernels.h); the rest is here. What a compiled graph spends between its kernels (the dispatcher
 // per operator, a fresh output tensor each, a handle per graph input, dynamo's wrappers) is gone.
 //
 // Arithmetic: every row alone, in the same order at any row count (the kernels' property too), so a row's bits do not
@@ -26,7 +28,9 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "float_rows.h"
@@ -118,11 +122,39 @@ const T* ptr(const torch::Tensor& t) { return static_cast<const T*>(t.data_ptr()
 template <typename T>
 T* mut(torch::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
 
-inline void row_gemm(const float* x, const torch::Tensor& w, float* y, int64_t m) {
-  tandem_kernels::row_gemm_rows(x, ptr<float>(w), y, m, w.size(0), w.size(1));
-}
-inline void row_gemm(const uint16_t* x, const torch::Tensor& w, uint16_t* y, int64_t m) {
-  tandem_kernels::row_gemm_rows(x, ptr<uint16_t>(w), y, m, w.size(0), w.size(1));
+// One projection y [m, n] = x [m, k] W^T, by the kernel its module runs for these rows: the dense weight through
+// row_gemm (raw rows, nothing allocated), or an int8 weight's one row through int8_gemv, or int4 codes' rows through
+// int4_gemv (the operators themselves, over the runner's rows viewed as a tensor).
+struct Projection {
+  enum Kind { kRowGemm, kInt8Gemv, kInt4Gemv } kind;
+  torch::Tensor weight;  // [n, k] dense, int8 [n, k] or int4 codes [n, k / 2]
+  torch::Tensor scales;  // int8: [n]; int4: [2, n, k / group]; undefined for dense
+  int64_t group, n, k;   // group: int8's activation groups, int4's weight groups (0 for dense)
+
+  template <typename T>
+  void operator()(const T* x, T* y, int64_t m, at::ScalarType dtype) const {
+    if (kind == kRowGemm) {
+      tandem_kernels::row_gemm_rows(x, ptr<T>(weight), y, m, n, k);
+      return;
+    }
+    auto rows = torch::from_blob(const_cast<T*>(x), {m, k}, torch::dtype(dtype));
+    const torch::Tensor out = kind == kInt8Gemv ? tandem_kernels::int8_gemv_op(rows[0], weight, scales, group)
+                                                : tandem_kernels::int4_gemv_op(rows, weight, scales, group);
+    std::memcpy(y, out.data_ptr(), m * n * sizeof(T));
+  }
+};
+
+// A projection from Python's description: (kind, weight, scales or None, group, out_features, in_features)
+using ProjectionSpec = std::tuple<std::string, torch::Tensor, std::optional<torch::Tensor>, int64_t, int64_t, int64_t>;
+
+Projection projection(const ProjectionSpec& spec) {
+  const auto& [kind, weight, scales, group, n, k] = spec;
+  const auto which = kind == "row_gemm"    ? Projection::kRowGemm
+                     : kind == "int8_gemv" ? Projection::kInt8Gemv
+                     : kind == "int4_gemv" ? Projection::kInt4Gemv
+                                           : throw std::invalid_argument("DecodeRunner: unknown projection kind " + kind);
+  TORCH_CHECK(which == Projection::kRowGemm || scales.has_value(), "DecodeRunner: a ", kind, " projection needs scales");
+  return {which, weight, scales.value_or(torch::Tensor()), group, n, k};
 }
 inline void attend(const float* q, const float* kc, const float* vc, const int32_t* lens, const int32_t* tables,
                    float* out, int64_t s, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t mb, float scale) {
@@ -138,24 +170,26 @@ inline void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, co
 }
 
 struct Layer {
-  torch::Tensor input_norm, qkv, o_proj, post_norm, gate_up, down_proj;  // [H], [Q + 2 KV, H], [H, Q], [H],
-                                                                          // [2 I, H], [H, I]
-  std::optional<torch::Tensor> qk_norm;                                   // [Hq + Hkv, D]: q heads', then k heads'
+  torch::Tensor input_norm, post_norm;     // [H] each
+  Projection qkv, o_proj, gate_up, down;   // [Q + 2 KV, H], [H, Q], [2 I, H], [H, I]
+  std::optional<torch::Tensor> qk_norm;    // [Hq + Hkv, D]: q heads', then k heads'
 };
 
 class DecodeRunner {
  public:
-  // layers: per layer [input_norm, qkv, o_proj, post_norm, gate_up, down_proj]; qk_norms: per layer, or None for a
-  // model without q/k norms; embed [V, H]; final_norm [H]; rope_cos, rope_sin [P, D / 2]; all one dtype (fp32 or
-  // bf16), contiguous, on the CPU.
-  DecodeRunner(const std::vector<std::vector<torch::Tensor>>& layers,
+  // norms: per layer [input_norm, post_norm]; projections: per layer [qkv, o_proj, gate_up, down_proj], each a
+  // ProjectionSpec; qk_norms: per layer, or None for a model without q/k norms; embed [V, H]; final_norm [H];
+  // rope_cos, rope_sin [P, D / 2]; every float tensor in one dtype (fp32 or bf16), contiguous, on the CPU.
+  DecodeRunner(const std::vector<std::vector<torch::Tensor>>& norms,
+               const std::vector<std::vector<ProjectionSpec>>& projections,
                const std::vector<std::optional<torch::Tensor>>& qk_norms, torch::Tensor embed, torch::Tensor final_norm,
                torch::Tensor rope_cos, torch::Tensor rope_sin, int64_t num_heads, int64_t num_kv_heads,
                int64_t head_dim, double eps, double scale, int64_t max_rows)
       : embed_(std::move(embed)), final_norm_(std::move(final_norm)), rope_cos_(std::move(rope_cos)),
         rope_sin_(std::move(rope_sin)), hq_(num_heads), hkv_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale),
         max_rows_(max_rows) {
-    TORCH_CHECK(!layers.empty() && layers.size() == qk_norms.size(), "DecodeRunner: one qk_norm entry per layer");
+    TORCH_CHECK(!norms.empty() && norms.size() == qk_norms.size() && norms.size() == projections.size(),
+                "DecodeRunner: norms, projections and qk_norms for every layer");
     dtype_ = embed_.scalar_type();
     TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "DecodeRunner: fp32 or bf16 weights only, got ",
                 dtype_);
@@ -167,18 +201,20 @@ class DecodeRunner {
     check("final_norm", final_norm_, {h_});
     check("rope_cos", rope_cos_, {rope_cos_.size(0), d_ / 2});
     check("rope_sin", rope_sin_, {rope_cos_.size(0), d_ / 2});
-    for (size_t i = 0; i < layers.size(); ++i) {
-      const auto& w = layers[i];
-      TORCH_CHECK(w.size() == 6, "DecodeRunner: layer ", i, " needs 6 tensors, got ", w.size());
-      Layer l{w[0], w[1], w[2], w[3], w[4], w[5], qk_norms[i]};
+    for (size_t i = 0; i < norms.size(); ++i) {
+      TORCH_CHECK(norms[i].size() == 2 && projections[i].size() == 4, "DecodeRunner: layer ", i,
+                  " needs 2 norms and 4 projections");
+      const auto& p = projections[i];
+      Layer l{norms[i][0], norms[i][1], projection(p[0]), projection(p[1]), projection(p[2]), projection(p[3]),
+              qk_norms[i]};
       check("input_norm", l.input_norm, {h_});
-      check("qkv", l.qkv, {q + 2 * kv, h_});
-      check("o_proj", l.o_proj, {h_, q});
       check("post_norm", l.post_norm, {h_});
-      TORCH_CHECK(l.gate_up.dim() == 2 && l.gate_up.size(0) % 2 == 0, "DecodeRunner: gate_up must be [2 I, H]");
-      inter_ = l.gate_up.size(0) / 2;
-      check("gate_up", l.gate_up, {2 * inter_, h_});
-      check("down_proj", l.down_proj, {h_, inter_});
+      TORCH_CHECK(l.gate_up.n % 2 == 0, "DecodeRunner: gate_up must be [2 I, H]");
+      inter_ = l.gate_up.n / 2;
+      check("qkv", l.qkv, q + 2 * kv, h_);
+      check("o_proj", l.o_proj, h_, q);
+      check("gate_up", l.gate_up, 2 * inter_, h_);
+      check("down_proj", l.down, h_, inter_);
       if (l.qk_norm) check("qk_norm", *l.qk_norm, {hq_ + hkv_, d_});
       layers_.push_back(std::move(l));
     }
@@ -253,6 +289,15 @@ class DecodeRunner {
                 " in the embedding's dtype; got ", w.sizes(), " ", w.scalar_type());
   }
 
+  // a projection's shape, and a dense one's weight ([n, k] in the dtype; the quantized operators check theirs)
+  void check(const char* what, const Projection& p, int64_t n, int64_t k) const {
+    TORCH_CHECK(p.n == n && p.k == k, "DecodeRunner: ", what, " must map ", k, " inputs to ", n, " outputs, got ",
+                p.k, " to ", p.n);
+    if (p.kind == Projection::kRowGemm) check(what, p.weight, {n, k});
+    TORCH_CHECK(p.kind != Projection::kInt8Gemv || max_rows_ == 1, "DecodeRunner: an int8_gemv projection takes "
+                "one row a call: max_rows must be 1");
+  }
+
   template <typename T>
   static T* rows(tandem_aligned::LineVector<char>& buffer) { return reinterpret_cast<T*>(buffer.data()); }
 
@@ -270,7 +315,7 @@ class DecodeRunner {
       T* k_cache = cache + li * layer_stride;
       T* v_cache = k_cache + layer_stride / 2;
       for (int64_t i = 0; i < t; ++i) rms_norm(x + i * h_, ptr<T>(l.input_norm), normed + i * h_, h_, eps);
-      row_gemm(normed, l.qkv, qkv, t);
+      l.qkv(normed, qkv, t, dtype_);
       for (int64_t i = 0; i < t; ++i) {
         const T* row = qkv + i * qkv_size;
         const T* cos = ptr<T>(rope_cos_) + s.pos[i] * half;
@@ -285,13 +330,13 @@ class DecodeRunner {
       }
       attend(q, k_cache, v_cache, s.lens, s.tables, attn, t, hq_, hkv_, d_, s.block_size, s.max_blocks,
              static_cast<float>(scale_));
-      row_gemm(attn, l.o_proj, out, t);
+      l.o_proj(attn, out, t, dtype_);
       add_into(x, out, t * h_);
       for (int64_t i = 0; i < t; ++i) rms_norm(x + i * h_, ptr<T>(l.post_norm), normed + i * h_, h_, eps);
-      row_gemm(normed, l.gate_up, act, t);  // [t, 2 I]: gate, then up
+      l.gate_up(normed, act, t, dtype_);  // [t, 2 I]: gate, then up
       for (int64_t i = 0; i < t; ++i)  // SiLU-mul in place: row i's I products land in act's first t * I values
         silu_mul(act + i * 2 * inter_, act + i * 2 * inter_ + inter_, act + i * inter_, inter_);
-      row_gemm(act, l.down_proj, out, t);
+      l.down(act, out, t, dtype_);
       add_into(x, out, t * h_);
     }
     for (int64_t i = 0; i < t; ++i) rms_norm(x + i * h_, ptr<T>(final_norm_), hidden + i * h_, h_, eps);
@@ -311,11 +356,11 @@ class DecodeRunner {
 
 void register_decode_runner(pybind11::module_& m) {
   pybind11::class_<DecodeRunner>(m, "DecodeRunner",
-                                 "A decode-only step of up to max_rows rows through a dense fp32/bf16 decoder, in C++")
-      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&,
+                                 "A decode-only step of up to max_rows rows through an fp32/bf16 decoder, in C++")
+      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, const std::vector<std::vector<ProjectionSpec>>&,
                           const std::vector<std::optional<torch::Tensor>>&, torch::Tensor, torch::Tensor,
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double, int64_t>(),
-           pybind11::arg("layers"), pybind11::arg("qk_norms"), pybind11::arg("embed"), pybind11::arg("final_norm"),
+           pybind11::arg("norms"), pybind11::arg("projections"), pybind11::arg("qk_norms"), pybind11::arg("embed"), pybind11::arg("final_norm"),
            pybind11::arg("rope_cos"), pybind11::arg("rope_sin"), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
            pybind11::arg("max_rows"))

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "int4_layout.h"
+#include "kernels.h"
 
 namespace {
 
@@ -366,6 +367,11 @@ torch::Tensor int4_dequantize(const torch::Tensor& codes, const torch::Tensor& s
 }
 
 }  // namespace
+
+at::Tensor tandem_kernels::int4_gemv_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_and_zeros,
+                                        int64_t group) {
+  return int4_gemv(x, codes, scales_and_zeros, group);
+}
 
 // A fragment of the `tandem` op library (every file adds its own); its fake kernel is registered from Python
 // (tandem_native/loader.py).

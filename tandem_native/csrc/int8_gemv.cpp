@@ -16,6 +16,8 @@
 #include <limits>
 #include <vector>
 
+#include "kernels.h"
+
 namespace {
 
 constexpr int64_t kRows = 8;  // weight rows per pass over the activation
@@ -127,6 +129,11 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& w, const to
 }
 
 }  // namespace
+
+at::Tensor tandem_kernels::int8_gemv_op(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                                        int64_t group) {
+  return int8_gemv(x, w, scales, group);
+}
 
 // A C++ operator, so that a step calls it through the dispatcher without a Python wrapper's cost per call;
 // its fake kernel for tracing is registered from Python (tandem_native/loader.py).

@@ -3,6 +3,7 @@
 // bf16 is passed as its bits (uint16_t) or as at::BFloat16, as each kernel stores it.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
@@ -28,5 +29,12 @@ void decode_attention_rows(const float* q, const float* k_cache, const float* v_
 void decode_attention_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                            const int32_t* lens, const int32_t* tables, c10::BFloat16* out, int64_t s, int64_t hq,
                            int64_t hkv, int64_t d, int64_t bs, int64_t max_blocks, float scale);
+
+// The quantized row operators as the `tandem` library registers them (tensors in and out): int8_gemv.cpp's
+// x [K] times an int8 weight [N, K] with per-row scales -> [N]; int4_gemv.cpp's x [M, K] (M <= 16) times int4 codes
+// in its blocked layout -> [M, N].
+at::Tensor int8_gemv_op(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int64_t group);
+at::Tensor int4_gemv_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_and_zeros,
+                        int64_t group);
 
 }  // namespace tandem_kernels

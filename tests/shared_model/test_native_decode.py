@@ -1,7 +1,7 @@
 """The decode runner (`shared_model.native_decode`, `tandem_native/csrc/decode_runner.cpp`) against the serving
-decoder it replaces for short decode-only steps: the same hidden states within the compiled step's tolerance, the
-same K/V written, a row's bits independent of the other rows of its step, and refusals before anything is
-written."""
+decoder it replaces for short decode-only steps, dense and quantized: the same hidden states within the compiled
+step's tolerance, the same K/V written, a row's bits independent of the other rows of its step, and refusals before
+anything is written."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
 
 def _model(dtype: torch.dtype, **overrides) -> ServingDecoder:
     torch.manual_seed(0)
-    config = tiny_config(hidden_size=64, intermediate_size=96, **overrides)
+    config = tiny_config(**{"hidden_size": 64, "intermediate_size": 96, **overrides})
     model = CausalLM(config).to(dtype).eval()
     with torch.no_grad():  # norms away from one, so a wrong weight shows
         for name, p in model.named_parameters():
@@ -145,12 +145,31 @@ def test_refusals_name_the_fault_and_write_nothing() -> None:
     assert torch.equal(step.cache.data, before)
 
 
+@pytest.mark.parametrize(("kind", "rows"), [("int8", 1), ("int4", 1), ("int4", 5)])
+def test_quantized_projections_run_their_row_kernels(kind: str, rows: int) -> None:
+    """int8's one row through `int8_gemv`, int4's rows through `int4_gemv` (the kernels `QuantizedLinear` runs for
+    those rows, activations rounded to int8 as theirs are): the serving decoder's step within the bf16 tolerance;
+    the runner's rows capped by the fewest a projection's kernel takes (int8: one)."""
+    model = quantize_weights(_model(torch.bfloat16, intermediate_size=128), kind, group_size=32)  # int8's groups: 64
+    kernel = model.layers[0].qkv.row_kernel()
+    assert kernel is not None and kernel.name == f"{kind}_gemv"
+    runner = NativeDecode(model, 17)
+    assert runner.max_rows == kernel.rows and NativeDecode.most_rows(model, 2) == min(2, kernel.rows)
+    positions = [(1, 60 + i) for i in range(rows)]
+    ours, theirs = _Step(model, positions), _Step(model, positions)
+    with torch.inference_mode():
+        got = ours.native(runner)
+        want = theirs.reference(model)
+    assert (got.float() - want.float()).abs().max() <= TOL[torch.bfloat16] * want.float().abs().max()
+
+
 def test_models_the_runner_does_not_serve_say_why() -> None:
     assert NativeDecode.unsupported(_model(torch.float32)) is None
     assert "head_dim 24" in NativeDecode.unsupported(_model(torch.float32, head_dim=24))
     assert "float16" in NativeDecode.unsupported(_model(torch.float16))
-    quantized = _model(torch.float32)
-    quantize_weights(quantized, "int8")
-    assert "QuantizedLinear" in NativeDecode.unsupported(quantized)
+    torch_kernels = quantize_weights(_model(torch.bfloat16), "int8", row_kernels=False)
+    assert "QuantizedLinear without a row kernel" in NativeDecode.unsupported(torch_kernels)
     with pytest.raises(ValueError, match="cannot serve this model"):
-        NativeDecode(quantized, 4)
+        NativeDecode(torch_kernels, 4)
+    with pytest.raises(ValueError, match="max_rows must be at least 1"):
+        NativeDecode(_model(torch.float32), 0)
