@@ -20,9 +20,8 @@ Contract:
 - Arithmetic (`tandem_native/csrc/decode_runner.cpp`): the projections are the kernels their modules run for those
   rows and the attention `tandem::paged_attention`'s, so a row's bits do not depend on the other rows of its step
   (a verify item's rows score drafts with a decode row's bits); the norms, RoPE, SiLU-mul and residuals are its
-  own, with torch's rounding points for the norms and one rounding per fused op elsewhere, as inductor's kernels;
-  the norms' sums run in another order than torch's. So it matches the compiled step to within its tolerance, not
-  bit for bit.
+  own, rounded where eager rounds (as the compiled graph does too), the norms' sums in another order than torch's.
+  So it matches the compiled step to within its tolerance, not bit for bit.
 - Why: a batch-1 decode step through the compiled graph spends about a sixth of its time between the kernels (the
   dispatcher, a fresh output per operator, a handle per graph input, dynamo's wrappers: docs/benchmarks.md §39);
   here the kernels run back to back. Which steps take it is the engine's load-time choice

@@ -32,9 +32,9 @@ INT4_KERNELS = ("auto", "torch")
 OMP_WAIT_POLICIES = ("auto", "passive", "bounded", "active")
 """`omp_wait` values (`inference_svc.executor.threads` applies them)."""
 THREAD_GOVERNOR_MODES = ("auto", "off")
+"""`thread_governor` values (`inference_svc.executor.governor`)."""
 DECODE_RUNNER_MODES = ("auto", "off")
 """`decode_runner` values (`inference_svc.executor.prepare.choose_decode_runner`)."""
-"""`thread_governor` values (`inference_svc.executor.governor`)."""
 DEFAULT_COMPILE_CACHE = "~/.cache/tandem/compile"
 
 _UNITS = {
@@ -138,9 +138,10 @@ class EngineConfig:
     AVX-512 BW/VL/VNNI and a C++ compiler is present) or 'off' (torch's kernels everywhere)."""
     decode_runner: str = "auto"
     """A compiled engine's short decode-only steps (a token per sequence, or a verify item, up to the rows its
-    projections run `tandem::row_gemm` for) through the whole decoder as one C++ call (`shared_model.native_decode`)
-    instead of the compiled graph: 'auto' (where it serves the model: a dense fp32 or bf16 model with Tandem's
-    kernels, a KV cache in the weights' dtype) or 'off' (the graph for every step)."""
+    projections run their row kernels for) through the whole decoder as one C++ call (`shared_model.native_decode`)
+    instead of the compiled graph: 'auto' (where it serves the model: fp32 or bf16 with Tandem's kernels, every
+    projection dense or quantized with a row kernel, a KV cache in the weights' dtype) or 'off' (the graph for
+    every step)."""
     int4_kernel: str = "auto"
     """int4 layers' kernel: 'auto' (Tandem's int4 GEMV and its layout where the CPU kernels run, activations rounded
     to int8 per group as llama.cpp's Q4_0) or 'torch' (torch's packed int4 kernel and layout)."""

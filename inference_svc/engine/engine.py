@@ -152,8 +152,10 @@ class Engine:
         self.draft_runner = None
         if draft is not None and draft_model is not None:
             draft_table = executor.choose_row_table(config, native, draft.dtype) if compile_step else None
-            draft_rows, _ = executor.choose_decode_runner(config, compile_step, native, self.attention_backend,
-                                                          draft_table, draft_model, self.kv_dtype)  # fmt: skip
+            draft_rows, draft_choice = executor.choose_decode_runner(config, compile_step, native,
+                                                                     self.attention_backend, draft_table,
+                                                                     draft_model, self.kv_dtype)  # fmt: skip
+            runner_choice = executor.with_draft(runner_choice, draft_choice)
             self.draft_runner = ModelRunner(draft_model, draft.config, num_blocks, bs, draft.dtype, device, backend,
                                             prompt_logprobs=False, kv_dtype=self.kv_dtype,
                                             compiled=compile_step, native=native, row_table=draft_table,

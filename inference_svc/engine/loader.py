@@ -180,10 +180,12 @@ def warm_up(
         for rows in sorted({5, *bounds, *(b + 1 for b in bounds)}):  # each side of each branch, a verify's 5
             if 2 < rows <= n:
                 runner.run([ScheduledSeq(seqs[1], n + 1 - rows, rows)])
-        native = [] if runner.native_decode is None else [runner.native_decode.max_rows + 1]  # the graph's first
+        # one row past the decode runner's steps: where it takes every step above, that step traces the graph
+        native = [] if runner.native_decode is None else [runner.native_decode.max_rows + 1]
         for rows in sorted({*bounds, *(b + 1 for b in bounds), longest + 1, *native}):  # decode-only steps of that many
-            if QUERY_CHUNK_MAX < rows <= n:  # rows (verify items of several sequences): a graph of their own
-                runner.run([ScheduledSeq(seqs[0], n + 1 - rows + j, 1) for j in range(rows)])
+            if QUERY_CHUNK_MAX < rows <= 2 * n:  # rows (verify items of several sequences): a graph of their own
+                half = -(-rows // 2)  # rows over both sequences: steps longer than one sequence in a small pool
+                runner.run([ScheduledSeq(seqs[j % 2], n + 1 - half + j // 2, 1) for j in range(rows)])
 
     if packages is not None:  # the graphs' inputs differ with the KV pool and the decode steps' attention
         kv = runner.cache.data  # [L, 2, num_blocks, block_size, Hkv, D]

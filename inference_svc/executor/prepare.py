@@ -259,9 +259,15 @@ def choose_decode_runner(
     if why_not is not None:
         return 0, Choice(name, "off", why_not)
     rows = NativeDecode.most_rows(model, bounds[0])
-    why = (f"decode-only steps of 1-{rows} rows (those its projections run their row kernels for) through the whole "
+    span = "1 row" if rows == 1 else f"1-{rows} rows"
+    why = (f"decode-only steps of {span} (those its projections run their row kernels for) through the whole "
            "decoder as one C++ call; the compiled graph for the rest")  # fmt: skip
-    return rows, Choice(name, f"1-{rows} rows", why)
+    return rows, Choice(name, span, why)
+
+
+def with_draft(target: Choice, draft: Choice) -> Choice:
+    """The `decode_runner` choice of an engine with a draft model: the target's, the draft's in the reason."""
+    return Choice(target.lever, target.value, f"{target.reason}; the draft model: {draft.value} ({draft.reason})")
 
 
 def decode_runner_dropped() -> Choice:

@@ -7,16 +7,18 @@
 // projection, the q and k heads' norms and RoPE, the K/V stores and the decode attention, the output projection and
 // residual, the post-attention norm, the merged gate/up projection, SiLU(gate) * up, the down projection and
 // residual; then the final norm. The projections are the kernels their modules run for these rows (row_gemm.cpp's
-// for a dense weight, int8_gemv.cpp's for an int8 weight's one row, int4_gemv.cpp's for int4 codes) and the attention
-// paged_attention.cpp's, called directly (kernels.h); the rest is here. What a compiled graph spends between its kernels (the dispatcher
-// per operator, a fresh output tensor each, a handle per graph input, dynamo's wrappers) is gone.
+// for a dense weight, int8_gemv.cpp's for an int8 weight's one row, int4_gemv.cpp's for int4 codes) and the
+// attention paged_attention.cpp's, called directly (kernels.h); the rest is here. What a compiled graph spends
+// between its kernels (the dispatcher per operator, a fresh output tensor each, a handle per graph input, dynamo's
+// wrappers) is gone.
 //
 // Arithmetic: every row alone, in the same order at any row count (the kernels' property too), so a row's bits do not
 // depend on the others in the step: a verify item's rows score their drafts with a decode row's bits. The norms
 // are torch's (the mean of the squares in fp32 as a sum divided by the width, x times 1/sqrt(mean + eps) rounded to
-// the dtype, then times the weight, rounded); RoPE, SiLU-mul and the residual adds are computed in fp32 from the
-// stored dtype and rounded once (as inductor's fused kernels do: eager bf16 rounds after each op). The sums of the
-// norms run 16 lanes at a time, so they differ from torch's and inductor's in the last bits.
+// the dtype, then times the weight, rounded); RoPE, SiLU-mul and the residual adds round each op's result to the
+// dtype, as eager does (and the compiled graph, whose inductor kernels emulate those casts). The norms' sums run 16
+// lanes at a time, so they differ from torch's and inductor's in the last bits, and in fp32 the compiler may fuse a
+// product and a sum into one rounding.
 //
 // The runner owns its scratch rows (sized for `max_rows` at construction) and serializes its calls on them; the
 // GIL is released while it runs.
@@ -28,7 +30,6 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -47,21 +48,20 @@ inline __m512 load16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
+// v rounded to bf16 (nearest even; NaN stays a quiet NaN, as c10's rounding), the bits in each lane's low half
+inline __m512i bf16_bits(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);  // NaN stays a (quiet) NaN, as c10's rounding
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(rounded));
+  const __m512i biased = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb);
+  const __m512i rounded = _mm512_srli_epi32(biased, 16);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
 }
-// v rounded to the dtype and widened back (bf16's intermediate rounding; nothing for fp32)
+inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+// v rounded to the dtype and widened back (bf16's rounding of an op's result; nothing for fp32)
 inline __m512 round_to(float*, __m512 v) { return v; }
-inline __m512 round_to(uint16_t*, __m512 v) {
-  alignas(64) uint16_t bits[16];
-  store16(bits, v, 0xffff);
-  return load16(bits, 0xffff);
-}
+inline __m512 round_to(uint16_t*, __m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
 
 inline __mmask16 lanes(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
 
@@ -90,7 +90,8 @@ void add_into(T* x, const T* y, int64_t n) {
   }
 }
 
-// out[0, n) = silu(gate) * up in fp32, rounded once; silu(g) = g / (1 + e^-g), e^-|g| so the exponent never overflows
+// out[0, n) = silu(gate) * up, each op's result rounded to the dtype as eager rounds it (the compiled graph too:
+// inductor's emulate_precision_casts); silu(g) = g / (1 + e^-g), from e^-|g| so the exponent never overflows
 template <typename T>
 void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.f);
@@ -100,20 +101,21 @@ void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
     const __m512 e = tandem_rows::exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));  // e^-|g|
     const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
     const __m512 numerator = _mm512_mask_mul_ps(g, negative, g, e);  // g >= 0: g / (1 + e^-g); else g e^g / (1 + e^g)
-    const __m512 silu = _mm512_div_ps(numerator, _mm512_add_ps(one, e));
+    const __m512 silu = round_to(out, _mm512_div_ps(numerator, _mm512_add_ps(one, e)));
     store16(out + i, _mm512_mul_ps(silu, load16(up + i, m)), m);
   }
 }
 
-// x1, x2 (the head's halves, `half` each) rotated by cos/sin: out = (x1 c - x2 s, x2 c + x1 s), each product and sum
-// in fp32, rounded once
+// x1, x2 (the head's halves, `half` each) rotated by cos/sin: out = (x1 c - x2 s, x2 c + x1 s), each product and
+// sum rounded to the dtype as eager rounds it (serving_model.rope_into)
 template <typename T>
 void rope(const T* x, const T* cos, const T* sin, T* out, int64_t half) {
+  const auto mul = [out](__m512 a, __m512 b) { return round_to(out, _mm512_mul_ps(a, b)); };
   for (int64_t i = 0; i < half; i += 16) {
     const __mmask16 m = lanes(half - i);
     const __m512 x1 = load16(x + i, m), x2 = load16(x + half + i, m), c = load16(cos + i, m), s = load16(sin + i, m);
-    store16(out + i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)), m);
-    store16(out + half + i, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)), m);
+    store16(out + i, _mm512_sub_ps(mul(x1, c), mul(x2, s)), m);
+    store16(out + half + i, _mm512_add_ps(mul(x2, c), mul(x1, s)), m);
   }
 }
 
@@ -125,6 +127,8 @@ T* mut(torch::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
 // One projection y [m, n] = x [m, k] W^T, by the kernel its module runs for these rows: the dense weight through
 // row_gemm (raw rows, nothing allocated), or an int8 weight's one row through int8_gemv, or int4 codes' rows through
 // int4_gemv (the operators themselves, over the runner's rows viewed as a tensor).
+constexpr int64_t kInt4MaxRows = 16;  // int4_gemv.cpp's rows per call
+
 struct Projection {
   enum Kind { kRowGemm, kInt8Gemv, kInt4Gemv } kind;
   torch::Tensor weight;  // [n, k] dense, int8 [n, k] or int4 codes [n, k / 2]
@@ -140,6 +144,8 @@ struct Projection {
     auto rows = torch::from_blob(const_cast<T*>(x), {m, k}, torch::dtype(dtype));
     const torch::Tensor out = kind == kInt8Gemv ? tandem_kernels::int8_gemv_op(rows[0], weight, scales, group)
                                                 : tandem_kernels::int4_gemv_op(rows, weight, scales, group);
+    TORCH_CHECK(out.numel() == m * n && out.scalar_type() == dtype, "DecodeRunner: a ", m, "-row call of a projection ",
+                "to ", n, " outputs returned ", out.sizes(), " ", out.scalar_type());
     std::memcpy(y, out.data_ptr(), m * n * sizeof(T));
   }
 };
@@ -149,11 +155,13 @@ using ProjectionSpec = std::tuple<std::string, torch::Tensor, std::optional<torc
 
 Projection projection(const ProjectionSpec& spec) {
   const auto& [kind, weight, scales, group, n, k] = spec;
+  TORCH_CHECK(kind == "row_gemm" || kind == "int8_gemv" || kind == "int4_gemv",
+              "DecodeRunner: unknown projection kind ", kind);
   const auto which = kind == "row_gemm"    ? Projection::kRowGemm
                      : kind == "int8_gemv" ? Projection::kInt8Gemv
-                     : kind == "int4_gemv" ? Projection::kInt4Gemv
-                                           : throw std::invalid_argument("DecodeRunner: unknown projection kind " + kind);
-  TORCH_CHECK(which == Projection::kRowGemm || scales.has_value(), "DecodeRunner: a ", kind, " projection needs scales");
+                                           : Projection::kInt4Gemv;
+  TORCH_CHECK(which == Projection::kRowGemm || scales.has_value(), "DecodeRunner: a ", kind,
+              " projection needs scales");
   return {which, weight, scales.value_or(torch::Tensor()), group, n, k};
 }
 inline void attend(const float* q, const float* kc, const float* vc, const int32_t* lens, const int32_t* tables,
@@ -209,7 +217,8 @@ class DecodeRunner {
               qk_norms[i]};
       check("input_norm", l.input_norm, {h_});
       check("post_norm", l.post_norm, {h_});
-      TORCH_CHECK(l.gate_up.n % 2 == 0, "DecodeRunner: gate_up must be [2 I, H]");
+      TORCH_CHECK(l.gate_up.n % 2 == 0 && (i == 0 || l.gate_up.n == 2 * inter_),
+                  "DecodeRunner: gate_up must be [2 I, H], I the same in every layer");
       inter_ = l.gate_up.n / 2;
       check("qkv", l.qkv, q + 2 * kv, h_);
       check("o_proj", l.o_proj, h_, q);
@@ -294,8 +303,12 @@ class DecodeRunner {
     TORCH_CHECK(p.n == n && p.k == k, "DecodeRunner: ", what, " must map ", k, " inputs to ", n, " outputs, got ",
                 p.k, " to ", p.n);
     if (p.kind == Projection::kRowGemm) check(what, p.weight, {n, k});
+    TORCH_CHECK(p.kind == Projection::kRowGemm || (p.weight.dim() == 2 && p.weight.size(0) == n),
+                "DecodeRunner: ", what, "'s quantized weight must have ", n, " rows");
     TORCH_CHECK(p.kind != Projection::kInt8Gemv || max_rows_ == 1, "DecodeRunner: an int8_gemv projection takes "
                 "one row a call: max_rows must be 1");
+    TORCH_CHECK(p.kind != Projection::kInt4Gemv || max_rows_ <= kInt4MaxRows, "DecodeRunner: an int4_gemv projection ",
+                "takes at most ", kInt4MaxRows, " rows a call");
   }
 
   template <typename T>
@@ -357,10 +370,12 @@ class DecodeRunner {
 void register_decode_runner(pybind11::module_& m) {
   pybind11::class_<DecodeRunner>(m, "DecodeRunner",
                                  "A decode-only step of up to max_rows rows through an fp32/bf16 decoder, in C++")
-      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, const std::vector<std::vector<ProjectionSpec>>&,
+      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&,
+                          const std::vector<std::vector<ProjectionSpec>>&,
                           const std::vector<std::optional<torch::Tensor>>&, torch::Tensor, torch::Tensor,
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double, int64_t>(),
-           pybind11::arg("norms"), pybind11::arg("projections"), pybind11::arg("qk_norms"), pybind11::arg("embed"), pybind11::arg("final_norm"),
+           pybind11::arg("norms"), pybind11::arg("projections"), pybind11::arg("qk_norms"), pybind11::arg("embed"),
+           pybind11::arg("final_norm"),
            pybind11::arg("rope_cos"), pybind11::arg("rope_sin"), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
            pybind11::arg("max_rows"))

@@ -83,3 +83,48 @@ def test_a_plan_summarises_in_one_line() -> None:
     assert plan.summary() == "cpu_kernels=off compile=on"
     assert plan.as_dicts()[1] == {"lever": "compile", "value": "on", "reason": "--compile on"}
     assert len(plan) == 2
+
+
+def test_the_decode_runner_choice_names_its_rows_or_why_it_is_off() -> None:
+    """`choose_decode_runner`: the rows it takes (the dense projections' `row_gemm` rows, int8's one row), and for
+    each condition that turns it off, a reason naming it; with a draft model, the draft's choice in the reason."""
+    import torch
+
+    from inference_svc.executor import prepare as executor
+    from shared_model.model import build_model
+    from shared_model.quantize import quantize_weights
+    from shared_model.serving_model import compiled_row_table, fuse_projections
+    from tests.conftest import tiny_config
+
+    model = fuse_projections(build_model(tiny_config(), seed=0).eval())  # fp32
+    table = compiled_row_table(torch.float32, tiles=False, exact_verify=True)  # row_gemm for 1-17 rows
+    on, f32 = EngineConfig(device="cpu"), torch.float32
+
+    def choose(config=on, compiled=True, native=True, attention="torch", row_table=table, m=model, kv=f32):
+        return executor.choose_decode_runner(config, compiled, native, attention, row_table, m, kv)
+
+    off = {
+        "--decode-runner off": choose(config=EngineConfig(device="cpu", decode_runner="off")),
+        "runs eagerly": choose(compiled=False),
+        "Tandem's row kernels": choose(native=False),
+        "triton attention backend": choose(attention="triton"),
+        "the KV cache is torch.bfloat16": choose(kv=torch.bfloat16),
+    }
+    for why, (rows, choice) in off.items():
+        assert rows == 0 and choice.value == "off" and why in choice.reason, (why, choice)
+    if not NATIVE:
+        rows, choice = choose()
+        assert rows == 0 and "native library" in choice.reason
+        return
+    rows, choice = choose()
+    assert rows == 17 and choice.value == "1-17 rows" and "one C++ call" in choice.reason
+    int8 = quantize_weights(build_model(tiny_config(), seed=0).eval(), "int8")  # fp32: int8 computes in bf16
+    rows, choice = choose(m=int8)
+    assert rows == 0 and "layer 0's qkv computes in torch.bfloat16" in choice.reason
+    int8 = quantize_weights(build_model(tiny_config(), seed=0).to(torch.bfloat16).eval(), "int8")
+    rows, choice = choose(m=int8, kv=torch.bfloat16)
+    assert rows == 1 and choice.value == "1 row"
+    both = executor.with_draft(choose()[1], choose(compiled=False)[1])
+    assert both.value == "1-17 rows" and both.reason.endswith(
+        "the draft model: off (the step runs eagerly: the runner takes a compiled engine's decode steps)"
+    )
