@@ -29,11 +29,12 @@ Contract:
      A compile that then fails under 'auto' leaves the step eager, and the engine records that (`compile_failed`).
   7b. `decode_runner` (`EngineConfig.decode_runner`): whether a compiled engine's short decode-only steps run
      through the whole decoder as one C++ call (`shared_model.native_decode.NativeDecode`) instead of the graph,
-     and up to how many rows: the rows up to which its projections' table runs `tandem::row_gemm` (the runner's
-     kernel, so a row keeps the kernel its row count picks). Only with the step compiled (an eager engine keeps the
-     training decoder's bits), Tandem's kernels, the torch attention ops, a KV cache in the weights' dtype, and an
-     fp32 or bf16 model whose projections have row kernels (`NativeDecode.unsupported`: dense ones `row_gemm`,
-     int8's `int8_gemv` for one row, int4's `int4_gemv`), as many rows as the fewest a projection's kernel takes.
+     and up to how many rows: those the dense row table runs `tandem::row_gemm` for, or fewer where a quantized
+     projection's row kernel takes fewer (`NativeDecode.most_rows`), so every projection keeps the kernel its row
+     count picks. Only with the step compiled (an eager engine keeps the training decoder's bits), Tandem's
+     kernels, the torch attention ops, a KV cache in the weights' dtype, and an fp32 or bf16 model whose
+     projections have row kernels (`NativeDecode.unsupported`: dense ones `row_gemm`, int8's `int8_gemv` for one
+     row, int4's `int4_gemv`).
   8. `compile_cache`: whether the compile loaded a saved entry (`inference_svc.executor.compile_cache`).
 - `prepare(bundle, config, device)` runs 1-4 and returns the model and its choices; `choose_attention`,
   `choose_compile` and `sampler_choice` make 5-7. The engine assembles them into its `LoadPlan`
