@@ -1,4 +1,4 @@
-"""The decode runner: a decode-only step of a few rows through an fp32 or bf16 `ServingDecoder`, in one C++ call.
+"""The decode runner: a decode-only step through an fp32 or bf16 `ServingDecoder`, in one C++ call.
 
 Contract:
 - `NativeDecode.unsupported(model)` says why the runner cannot serve `model` here (a phrase), or None: it needs
@@ -8,9 +8,9 @@ Contract:
   `int4_gemv`), no adapter-wrapped projection, a head size that is a multiple of 16 and one dtype throughout.
 - `NativeDecode(model, max_rows)` holds the model's own tensors (the embedding, each layer's norms and merged
   projections, the q/k norms, the RoPE tables, the final norm: no copy; the decoder must not change after it).
-  It takes steps of up to `most_rows(model, max_rows)` rows (`max_rows`: the dense projections' `row_gemm` rows;
-  fewer where a quantized projection's row kernel takes fewer), so each projection runs the kernel its module
-  runs for that row count.
+  It takes steps of up to `most_rows(model, max_rows)` rows (fewer than `max_rows` where a projection's kernels
+  take fewer: a dense one's row table, `tandem::row_gemm` then `tandem::tile_gemm`; a quantized one's row kernel),
+  so each projection runs the kernel its module runs for that row count.
   `hidden_states(input_ids, positions, kv_cache, slot_mapping, context_lens, block_tables)`: T tokens (1 <= T <=
   max_rows), each a decode query at its position over its sequence's cached context (context_lens counts the
   token itself), with the KV cache and metadata of `inference_svc.attention.native_cpu.GraphDecode` -> the final-norm
@@ -42,12 +42,14 @@ from shared_model.serving_model import ServingDecoder, ServingLinear
 DTYPES = (torch.float32, torch.bfloat16)
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down_proj")
 """Each layer's projections, in the order the runner takes them."""
-Spec = tuple[str, torch.Tensor, torch.Tensor | None, int, int, int]
-"""A projection as the runner takes it: (kernel, weight, scales or None, group, out_features, in_features)."""
+Spec = tuple[str, torch.Tensor, torch.Tensor | None, int, int, int, int, int]
+"""A projection as the runner takes it: (kernel, weight, scales or None, group, out_features, in_features, row_max,
+tile_max); the last two a dense weight's row table (`tandem::row_gemm` up to row_max rows, `tandem::tile_gemm` up to
+tile_max), 0 for a quantized one."""
 
 
 class NativeDecode:
-    """A decoder's short decode-only steps in one C++ call (see the module docstring)."""
+    """A decoder's decode-only steps in one C++ call (see the module docstring)."""
 
     def __init__(self, model: ServingDecoder, max_rows: int) -> None:
         why = self.unsupported(model)
@@ -60,7 +62,7 @@ class NativeDecode:
         module: Any = tandem_native.library()
         self._runner = module.DecodeRunner(
             [[ly.input_norm.detach(), ly.post_attention_norm.detach()] for ly in model.layers],
-            [[_spec(getattr(ly, name)) for name in PROJECTIONS] for ly in model.layers],
+            [[_spec(getattr(ly, name), self.max_rows) for name in PROJECTIONS] for ly in model.layers],
             [None if ly.qk_norm is None else ly.qk_norm.contiguous() for ly in model.layers],
             model.embed_tokens.weight.detach(), model.final_norm.detach(), model.rope_cos, model.rope_sin,
             first.num_heads, first.num_kv_heads, first.head_dim, float(model.eps), float(first.scale), self.max_rows,
@@ -90,16 +92,19 @@ class NativeDecode:
         return None
 
     @staticmethod
-    def most_rows(model: ServingDecoder, dense_rows: int) -> int:
-        """The most rows a step of the runner takes: `dense_rows` (those the dense projections' table runs
-        `tandem::row_gemm` for), or fewer where a quantized projection's row kernel takes fewer (int8's one row)."""
-        rows = dense_rows
+    def most_rows(model: ServingDecoder, rows: int) -> int:
+        """The most rows a step of the runner takes: `rows`, or fewer where a projection's kernel takes fewer (a
+        dense one's row table: `tandem::row_gemm`, then `tandem::tile_gemm`, up to its `gemm_bounds`; a quantized
+        one's row kernel: int8's one row, int4's `int4_gemv` rows)."""
         for layer in model.layers:
             for name in PROJECTIONS:
                 linear = getattr(layer, name)
-                kernel = linear.row_kernel() if isinstance(linear, QuantizedLinear) else None
-                if kernel is not None:
-                    rows = min(rows, kernel.rows)
+                if isinstance(linear, QuantizedLinear):
+                    kernel = linear.row_kernel()
+                    if kernel is not None:
+                        rows = min(rows, kernel.rows)
+                elif isinstance(linear, ServingLinear):
+                    rows = min(rows, _dense_bounds(linear, rows)[1])
         return rows
 
     def hidden_states(
@@ -116,10 +121,18 @@ class NativeDecode:
         return self._runner.hidden_states(input_ids, positions, kv_cache, slot_mapping, context_lens, block_tables)
 
 
-def _spec(linear: nn.Module) -> Spec:
+def _dense_bounds(linear: ServingLinear, rows: int) -> tuple[int, int]:
+    """(row_max, tile_max) of a dense projection: its compiled row table's `tandem::table_gemm` bounds; without one,
+    `row_gemm` for every row the runner takes."""
+    bounds = None if linear.row_table is None else linear.row_table.gemm_bounds()
+    return bounds if bounds is not None else (rows, rows)
+
+
+def _spec(linear: nn.Module, rows: int) -> Spec:
     if isinstance(linear, QuantizedLinear):
         kernel = linear.row_kernel()
         assert kernel is not None  # unsupported() said so
-        return kernel.name, kernel.weight, kernel.scales, kernel.group, linear.out_features, linear.in_features
+        return kernel.name, kernel.weight, kernel.scales, kernel.group, linear.out_features, linear.in_features, 0, 0
     assert isinstance(linear, ServingLinear)
-    return "row_gemm", linear.weight.detach(), None, 0, linear.out_features, linear.in_features
+    row_max, tile_max = _dense_bounds(linear, rows)
+    return "row_gemm", linear.weight.detach(), None, 0, linear.out_features, linear.in_features, row_max, tile_max

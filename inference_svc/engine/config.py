@@ -137,11 +137,11 @@ class EngineConfig:
     """Tandem's C++ CPU kernels (row GEMM, int8/int4 GEMV, decode attention, sampling): 'auto' (where the CPU has
     AVX-512 BW/VL/VNNI and a C++ compiler is present) or 'off' (torch's kernels everywhere)."""
     decode_runner: str = "auto"
-    """A compiled engine's short decode-only steps (a token per sequence, or a verify item, up to the rows its
-    projections run their row kernels for) through the whole decoder as one C++ call (`shared_model.native_decode`)
-    instead of the compiled graph: 'auto' (where it serves the model: fp32 or bf16 with Tandem's kernels, every
-    projection dense or quantized with a row kernel, a KV cache in the weights' dtype) or 'off' (the graph for
-    every step)."""
+    """A compiled engine's decode-only steps (a token per sequence, or verify items, up to the rows its projections
+    run Tandem's kernels for: `tandem::row_gemm`, then AMX `tandem::tile_gemm`, or a quantized row kernel) through
+    the whole decoder as one C++ call (`shared_model.native_decode`) instead of the compiled graph: 'auto' (where it
+    serves the model: fp32 or bf16 with Tandem's kernels, every projection dense or quantized with a row kernel, a
+    KV cache in the weights' dtype) or 'off' (the graph for every step)."""
     int4_kernel: str = "auto"
     """int4 layers' kernel: 'auto' (Tandem's int4 GEMV and its layout where the CPU kernels run, activations rounded
     to int8 per group as llama.cpp's Q4_0) or 'torch' (torch's packed int4 kernel and layout)."""

@@ -134,7 +134,7 @@ class ModelRunner:
         if decode_rows and (not self.graph_decode or lora is not None):
             raise ValueError("decode_rows needs a compiled step whose decode attention runs in C++, without LoRA")
         self.native_decode = NativeDecode(model, decode_rows) if decode_rows else None
-        """The decode runner of the short decode-only steps (None: the graph runs every step)."""
+        """The decode runner of the decode-only steps it takes (None: the graph runs every step)."""
         self.peak_workspace_bytes = 0
         # the prefill fields of a decode-only step (read-only constants, as `_prepare` would build them)
         self._no_prefill_cu = torch.zeros(1, dtype=torch.int32, device=device)

@@ -79,6 +79,8 @@ _GRAPH_SOURCES = (
     "shared_model/attention.py",
     "shared_model/model.py",
     "inference_svc/attention/native_cpu.py",
+    "shared_model/native_decode.py",  # the steps the runner takes need no graph
+    "inference_svc/engine/loader.py",  # which steps the warm-up traces
 )
 """Tandem's files whose code the compiled graphs trace or call (a change to them makes every old entry a miss)."""
 log = logging.getLogger(__name__)

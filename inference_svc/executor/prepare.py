@@ -27,9 +27,10 @@ Contract:
      on a CPU for a model of at least `COMPILE_AUTO_MIN_PARAMS` parameters when inductor can build kernels here,
      and never with LoRA slots (the traced step takes no per-row adapter indices; 'on' with LoRA is refused).
      A compile that then fails under 'auto' leaves the step eager, and the engine records that (`compile_failed`).
-  7b. `decode_runner` (`EngineConfig.decode_runner`): whether a compiled engine's short decode-only steps run
+  7b. `decode_runner` (`EngineConfig.decode_runner`): whether a compiled engine's decode-only steps run
      through the whole decoder as one C++ call (`shared_model.native_decode.NativeDecode`) instead of the graph,
-     and up to how many rows: those the dense row table runs `tandem::row_gemm` for, or fewer where a quantized
+     and up to how many rows: those the dense row table runs Tandem's kernels for (`tandem::row_gemm`, then AMX
+     `tandem::tile_gemm` where the table has tiles: `RowTable.gemm_bounds`), or fewer where a quantized
      projection's row kernel takes fewer (`NativeDecode.most_rows`), so every projection keeps the kernel its row
      count picks. Only with the step compiled (an eager engine keeps the training decoder's bits), Tandem's
      kernels, the torch attention ops, a KV cache in the weights' dtype, and an fp32 or bf16 model whose
@@ -259,9 +260,9 @@ def choose_decode_runner(
     why_not = NativeDecode.unsupported(model)
     if why_not is not None:
         return 0, Choice(name, "off", why_not)
-    rows = NativeDecode.most_rows(model, bounds[0])
+    rows = NativeDecode.most_rows(model, bounds[1])
     span = "1 row" if rows == 1 else f"1-{rows} rows"
-    why = (f"decode-only steps of {span} (those its projections run their row kernels for) through the whole "
+    why = (f"decode-only steps of {span} (those its projections run Tandem's kernels for) through the whole "
            "decoder as one C++ call; the compiled graph for the rest")  # fmt: skip
     return rows, Choice(name, span, why)
 

@@ -1,4 +1,4 @@
-// The decode runner: a decode-only step of a few rows (one token, a speculative verify item, a handful of decodes)
+// The decode runner: a decode-only step (one token, a speculative verify item, a token for each of many streams)
 // through the whole decoder in one call, for an fp32 or bf16 model whose projections are dense or quantized with a
 // row kernel (shared_model/native_decode.py).
 //
@@ -7,8 +7,9 @@
 // projection, the q and k heads' norms and RoPE, the K/V stores and the decode attention, the output projection and
 // residual, the post-attention norm, the merged gate/up projection, SiLU(gate) * up, the down projection and
 // residual; then the final norm. The projections are the kernels their modules run for these rows (row_gemm.cpp's
-// for a dense weight, int8_gemv.cpp's for an int8 weight's one row, int4_gemv.cpp's for int4 codes) and the
-// attention paged_attention.cpp's, called directly (kernels.h); the rest is here. What a compiled graph spends
+// row_gemm or, past its rows, AMX tile_gemm for a dense weight, by the weight's row table; int8_gemv.cpp's for an
+// int8 weight's one row; int4_gemv.cpp's for int4 codes) and the attention paged_attention.cpp's, called directly
+// (kernels.h); the rest is here, split by rows over torch's intra-op threads where a step has enough of them. What a compiled graph spends
 // between its kernels (the dispatcher per operator, a fresh output tensor each, a handle per graph input, dynamo's
 // wrappers) is gone.
 //
@@ -23,8 +24,10 @@
 // The runner owns its scratch rows (sized for `max_rows` at construction) and serializes its calls on them; the
 // GIL is released while it runs.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -32,11 +35,13 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "float_rows.h"
 #include "kernels.h"
 #include "line_aligned.h"
+#include "tiles.h"
 
 namespace {
 
@@ -125,19 +130,30 @@ template <typename T>
 T* mut(torch::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
 
 // One projection y [m, n] = x [m, k] W^T, by the kernel its module runs for these rows: the dense weight through
-// row_gemm (raw rows, nothing allocated), or an int8 weight's one row through int8_gemv, or int4 codes' rows through
-// int4_gemv (the operators themselves, over the runner's rows viewed as a tensor).
+// its row table's kernel (row_gemm up to row_max rows, tile_gemm up to tile_max: raw rows, nothing allocated), or an
+// int8 weight's one row through int8_gemv, or int4 codes' rows through int4_gemv (the operators themselves, over the
+// runner's rows viewed as a tensor).
 constexpr int64_t kInt4MaxRows = 16;  // int4_gemv.cpp's rows per call
+constexpr int64_t kMaxHeadDim = 512;  // a head's scratch row lives on the stack
 
 struct Projection {
   enum Kind { kRowGemm, kInt8Gemv, kInt4Gemv } kind;
-  torch::Tensor weight;  // [n, k] dense, int8 [n, k] or int4 codes [n, k / 2]
-  torch::Tensor scales;  // int8: [n]; int4: [2, n, k / group]; undefined for dense
-  int64_t group, n, k;   // group: int8's activation groups, int4's weight groups (0 for dense)
+  torch::Tensor weight;      // [n, k] dense, int8 [n, k] or int4 codes [n, k / 2]
+  torch::Tensor scales;      // int8: [n]; int4: [2, n, k / group]; undefined for dense
+  int64_t group, n, k;       // group: int8's activation groups, int4's weight groups (0 for dense)
+  int64_t row_max, tile_max;  // dense: row_gemm up to row_max rows, tile_gemm (bf16) up to tile_max
+
+  // the most rows a call takes
+  int64_t most_rows() const {
+    return kind == kRowGemm ? std::max(row_max, tile_max) : kind == kInt8Gemv ? 1 : kInt4MaxRows;
+  }
 
   template <typename T>
   void operator()(const T* x, T* y, int64_t m, at::ScalarType dtype) const {
     if (kind == kRowGemm) {
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (m > row_max) return tandem_kernels::tile_gemm_rows(x, ptr<T>(weight), y, m, n, k);
+      }
       tandem_kernels::row_gemm_rows(x, ptr<T>(weight), y, m, n, k);
       return;
     }
@@ -150,11 +166,14 @@ struct Projection {
   }
 };
 
-// A projection from Python's description: (kind, weight, scales or None, group, out_features, in_features)
-using ProjectionSpec = std::tuple<std::string, torch::Tensor, std::optional<torch::Tensor>, int64_t, int64_t, int64_t>;
+// A projection from Python's description: (kind, weight, scales or None, group, out_features, in_features, row_max,
+// tile_max); the last two a dense weight's row table (row_gemm up to row_max rows, tile_gemm up to tile_max: equal
+// for none), 0 for a quantized one.
+using ProjectionSpec = std::tuple<std::string, torch::Tensor, std::optional<torch::Tensor>, int64_t, int64_t, int64_t,
+                                  int64_t, int64_t>;
 
 Projection projection(const ProjectionSpec& spec) {
-  const auto& [kind, weight, scales, group, n, k] = spec;
+  const auto& [kind, weight, scales, group, n, k, row_max, tile_max] = spec;
   TORCH_CHECK(kind == "row_gemm" || kind == "int8_gemv" || kind == "int4_gemv",
               "DecodeRunner: unknown projection kind ", kind);
   const auto which = kind == "row_gemm"    ? Projection::kRowGemm
@@ -162,7 +181,11 @@ Projection projection(const ProjectionSpec& spec) {
                                            : Projection::kInt4Gemv;
   TORCH_CHECK(which == Projection::kRowGemm || scales.has_value(), "DecodeRunner: a ", kind,
               " projection needs scales");
-  return {which, weight, scales.value_or(torch::Tensor()), group, n, k};
+  TORCH_CHECK(which != Projection::kRowGemm || (row_max >= 1 && tile_max >= row_max), "DecodeRunner: a row_gemm ",
+              "projection needs 1 <= row_max <= tile_max, got ", row_max, " and ", tile_max);
+  TORCH_CHECK(tile_max == row_max || (weight.scalar_type() == at::kBFloat16 && tandem_tiles::amx_bf16_ready()),
+              "DecodeRunner: tile_gemm rows need a bf16 weight and AMX-BF16 tiles");
+  return {which, weight, scales.value_or(torch::Tensor()), group, n, k, row_max, tile_max};
 }
 inline void attend(const float* q, const float* kc, const float* vc, const int32_t* lens, const int32_t* tables,
                    float* out, int64_t s, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t mb, float scale) {
@@ -201,8 +224,9 @@ class DecodeRunner {
     dtype_ = embed_.scalar_type();
     TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "DecodeRunner: fp32 or bf16 weights only, got ",
                 dtype_);
-    TORCH_CHECK(hq_ > 0 && hkv_ > 0 && hq_ % hkv_ == 0 && d_ % 16 == 0 && max_rows_ >= 1,
-                "DecodeRunner: heads must divide, head_dim be a multiple of 16, max_rows at least 1");
+    TORCH_CHECK(hq_ > 0 && hkv_ > 0 && hq_ % hkv_ == 0 && d_ % 16 == 0 && d_ <= kMaxHeadDim && max_rows_ >= 1,
+                "DecodeRunner: heads must divide, head_dim be a multiple of 16 up to ", kMaxHeadDim,
+                ", max_rows at least 1");
     h_ = embed_.size(1);
     const int64_t q = hq_ * d_, kv = hkv_ * d_;
     check("embed", embed_, {embed_.size(0), h_});
@@ -235,7 +259,7 @@ class DecodeRunner {
     q_.resize(r * q * elem);
     attn_.resize(r * q * elem);
     act_.resize(r * 2 * inter_ * elem);
-    head_.resize(d_ * elem);
+    mid_.resize(r * inter_ * elem);
   }
 
   int64_t max_rows() const { return max_rows_; }
@@ -305,14 +329,21 @@ class DecodeRunner {
     if (p.kind == Projection::kRowGemm) check(what, p.weight, {n, k});
     TORCH_CHECK(p.kind == Projection::kRowGemm || (p.weight.dim() == 2 && p.weight.size(0) == n),
                 "DecodeRunner: ", what, "'s quantized weight must have ", n, " rows");
-    TORCH_CHECK(p.kind != Projection::kInt8Gemv || max_rows_ == 1, "DecodeRunner: an int8_gemv projection takes "
-                "one row a call: max_rows must be 1");
-    TORCH_CHECK(p.kind != Projection::kInt4Gemv || max_rows_ <= kInt4MaxRows, "DecodeRunner: an int4_gemv projection ",
-                "takes at most ", kInt4MaxRows, " rows a call");
+    TORCH_CHECK(max_rows_ <= p.most_rows(), "DecodeRunner: ", what, "'s kernel takes at most ", p.most_rows(),
+                " rows a call (", p.kind == Projection::kRowGemm ? "its row table's" : p.kind == Projection::kInt8Gemv
+                ? "int8_gemv's" : "int4_gemv's", "): max_rows ", max_rows_, " is more");
   }
 
   template <typename T>
   static T* rows(tandem_aligned::LineVector<char>& buffer) { return reinterpret_cast<T*>(buffer.data()); }
+
+  // Rows [0, t) of `body(i)`, split over torch's intra-op threads `grain` rows at a time at least.
+  template <typename F>
+  static void each_row(int64_t t, int64_t grain, const F& body) {
+    at::parallel_for(0, t, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) body(i);
+    });
+  }
 
   template <typename T>
   void run(const Step& s, torch::Tensor& kv_cache, T* hidden) {
@@ -320,16 +351,20 @@ class DecodeRunner {
     const int64_t half = d_ / 2, layer_stride = 2 * s.num_blocks * s.block_size * kv_size;
     const float eps = static_cast<float>(eps_);
     T *x = rows<T>(x_), *normed = rows<T>(normed_), *out = rows<T>(out_), *qkv = rows<T>(qkv_), *q = rows<T>(q_);
-    T *attn = rows<T>(attn_), *act = rows<T>(act_), *head = rows<T>(head_);
+    T *attn = rows<T>(attn_), *act = rows<T>(act_), *mid = rows<T>(mid_);
+    // rows a chunk of the elementwise work takes at least: a pool loop costs about a microsecond, a row of a norm
+    // about a third of one at hidden 768
+    const int64_t grain = std::max<int64_t>(1, 4096 / h_);
     for (int64_t i = 0; i < t; ++i) std::memcpy(x + i * h_, ptr<T>(embed_) + s.ids[i] * h_, h_ * sizeof(T));
     T* cache = mut<T>(kv_cache);
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& l = layers_[li];
       T* k_cache = cache + li * layer_stride;
       T* v_cache = k_cache + layer_stride / 2;
-      for (int64_t i = 0; i < t; ++i) rms_norm(x + i * h_, ptr<T>(l.input_norm), normed + i * h_, h_, eps);
+      each_row(t, grain, [&](int64_t i) { rms_norm(x + i * h_, ptr<T>(l.input_norm), normed + i * h_, h_, eps); });
       l.qkv(normed, qkv, t, dtype_);
-      for (int64_t i = 0; i < t; ++i) {
+      each_row(t, 1, [&](int64_t i) {
+        alignas(64) T head[kMaxHeadDim];
         const T* row = qkv + i * qkv_size;
         const T* cos = ptr<T>(rope_cos_) + s.pos[i] * half;
         const T* sin = ptr<T>(rope_sin_) + s.pos[i] * half;
@@ -340,19 +375,22 @@ class DecodeRunner {
           rope(in, cos, sin, dest, half);
         }
         std::memcpy(v_cache + s.slots[i] * kv_size, row + q_size + kv_size, kv_size * sizeof(T));
-      }
+      });
       attend(q, k_cache, v_cache, s.lens, s.tables, attn, t, hq_, hkv_, d_, s.block_size, s.max_blocks,
              static_cast<float>(scale_));
       l.o_proj(attn, out, t, dtype_);
-      add_into(x, out, t * h_);
-      for (int64_t i = 0; i < t; ++i) rms_norm(x + i * h_, ptr<T>(l.post_norm), normed + i * h_, h_, eps);
+      each_row(t, grain, [&](int64_t i) {
+        add_into(x + i * h_, out + i * h_, h_);
+        rms_norm(x + i * h_, ptr<T>(l.post_norm), normed + i * h_, h_, eps);
+      });
       l.gate_up(normed, act, t, dtype_);  // [t, 2 I]: gate, then up
-      for (int64_t i = 0; i < t; ++i)  // SiLU-mul in place: row i's I products land in act's first t * I values
-        silu_mul(act + i * 2 * inter_, act + i * 2 * inter_ + inter_, act + i * inter_, inter_);
-      l.down(act, out, t, dtype_);
-      add_into(x, out, t * h_);
+      each_row(t, std::max<int64_t>(1, grain * h_ / inter_), [&](int64_t i) {
+        silu_mul(act + i * 2 * inter_, act + i * 2 * inter_ + inter_, mid + i * inter_, inter_);
+      });
+      l.down(mid, out, t, dtype_);
+      each_row(t, grain, [&](int64_t i) { add_into(x + i * h_, out + i * h_, h_); });
     }
-    for (int64_t i = 0; i < t; ++i) rms_norm(x + i * h_, ptr<T>(final_norm_), hidden + i * h_, h_, eps);
+    each_row(t, grain, [&](int64_t i) { rms_norm(x + i * h_, ptr<T>(final_norm_), hidden + i * h_, h_, eps); });
   }
 
   std::vector<Layer> layers_;
@@ -362,7 +400,7 @@ class DecodeRunner {
   double eps_, scale_;
   int64_t max_rows_;
   std::mutex mutex_;  // the scratch rows below are one step's
-  tandem_aligned::LineVector<char> x_, normed_, out_, qkv_, q_, attn_, act_, head_;
+  tandem_aligned::LineVector<char> x_, normed_, out_, qkv_, q_, attn_, act_, mid_;
 };
 
 }  // namespace

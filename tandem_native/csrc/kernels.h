@@ -14,6 +14,9 @@ namespace tandem_kernels {
 // torch's intra-op threads.
 void row_gemm_rows(const float* x, const float* w, float* y, int64_t m, int64_t n, int64_t k);
 void row_gemm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t n, int64_t k);
+// The same product, bf16, by tile_gemm's kernel (AMX tiles for whole tiles of 16 weight rows, row_gemm's for the
+// rest: each row's bits independent of m); AMX must be usable (row_gemm_tiles()).
+void tile_gemm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t n, int64_t k);
 
 // Checks a decode step's metadata against a cache of `num_blocks` blocks of `block_size` tokens: every context
 // length in [1, max_blocks * block_size] and every block it reads in [0, num_blocks). `op` names the caller in

@@ -130,9 +130,7 @@ torch::Tensor tile_gemm(const torch::Tensor& x, const torch::Tensor& w) {
   const auto xc = x.contiguous();
   auto y = torch::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  const int64_t n_tiles = n / kTile;
-  if (n_tiles > 0) run_amx(bits(xc), StoredRows<uint16_t>{bits(w), k}, nullptr, bits(y), m, n, k, n_tiles);
-  if (n_tiles * kTile < n) run<uint16_t>(bits(xc), bits(w), bits(y), m, n, k, n_tiles * kTile);
+  tandem_kernels::tile_gemm_rows(bits(xc), bits(w), bits(y), m, n, k);
   return y;
 }
 
@@ -175,6 +173,12 @@ namespace tandem_kernels {
 void row_gemm_rows(const float* x, const float* w, float* y, int64_t m, int64_t n, int64_t k) { run(x, w, y, m, n, k); }
 void row_gemm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t n, int64_t k) {
   run(x, w, y, m, n, k);
+}
+void tile_gemm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t n, int64_t k) {
+  TORCH_CHECK(amx_bf16_ready(), "tile_gemm: this process cannot use AMX-BF16 tiles (see row_gemm_tiles())");
+  const int64_t n_tiles = n / kTile;
+  if (n_tiles > 0) run_amx(x, StoredRows<uint16_t>{w, k}, nullptr, y, m, n, k, n_tiles);
+  if (n_tiles * kTile < n) run<uint16_t>(x, w, y, m, n, k, n_tiles * kTile);
 }
 
 }  // namespace tandem_kernels

@@ -1,5 +1,5 @@
 """The decode runner (`shared_model.native_decode`, `tandem_native/csrc/decode_runner.cpp`) against the serving
-decoder it replaces for short decode-only steps, dense and quantized: the same hidden states within the compiled
+decoder it replaces for decode-only steps, dense and quantized: the same hidden states within the compiled
 step's tolerance, the same K/V written, a row's bits independent of the other rows of its step, and refusals before
 anything is written."""
 
@@ -15,7 +15,7 @@ from inference_svc.engine.kv_cache import KVCache
 from shared_model.model import CausalLM
 from shared_model.native_decode import NativeDecode
 from shared_model.quantize import quantize_weights
-from shared_model.serving_model import ServingDecoder, fuse_projections
+from shared_model.serving_model import ServingDecoder, compiled_row_table, fuse_projections, set_row_kernels
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.skipif(not tandem_native.available(), reason="Tandem's native library does not run here")
@@ -93,6 +93,34 @@ def test_the_runner_computes_the_serving_decoders_step(dtype: torch.dtype, qk_no
     for slot in ours.meta.slot_mapping.tolist():
         untouched[slot // BLOCK, slot % BLOCK] = False
     assert torch.equal(ours.cache.data[:, :, untouched], theirs.cache.data[:, :, untouched])
+
+
+@pytest.mark.skipif(not tandem_native.tiles(), reason="tile_gemm needs AMX-BF16 tiles")
+def test_a_many_row_step_runs_the_tables_tile_kernel_as_the_decoder_does() -> None:
+    """bf16 under the compiled step's tiled row table: a step of 39 rows (past `row_gemm`'s rows: `tile_gemm`'s)
+    through the runner is the serving decoder's step under the same table, within the tolerance, with the K/V
+    stored as it stores them; the runner takes the table's rows, no more."""
+    model = _model(torch.bfloat16)
+    table = compiled_row_table(torch.bfloat16, tiles=True, exact_verify=False)
+    bounds = table.gemm_bounds()
+    assert bounds is not None and bounds[0] < 39 <= bounds[1]
+    assert set_row_kernels(model, table) > 0
+    try:
+        assert NativeDecode.most_rows(model, 10_000) == bounds[1]
+        rows = [(s, 4 + 9 * i + s) for s in range(3) for i in range(13)]  # 13 queries in each of 3 sequences
+        ours, theirs = _Step(model, rows), _Step(model, rows)
+        with torch.inference_mode():
+            got = ours.native(NativeDecode(model, 64))
+            want = theirs.reference(model)
+    finally:
+        set_row_kernels(model, None)
+    scale = want.float().abs().max()
+    assert got.shape == want.shape and (got.float() - want.float()).abs().max() <= TOL[torch.bfloat16] * scale
+    k_got, k_want = ours.cache.data[:, 0].float(), theirs.cache.data[:, 0].float()
+    assert (k_got - k_want).abs().max() <= TOL[torch.bfloat16] * k_want.abs().max()
+    # layer 0's V: the same embedding rows, normed (sums in another order), through the same tile_gemm kernel
+    v_got, v_want = ours.cache.data[0, 1].float(), theirs.cache.data[0, 1].float()
+    assert torch.allclose(v_got, v_want, rtol=TOL[torch.bfloat16], atol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

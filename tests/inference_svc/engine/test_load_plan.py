@@ -124,6 +124,14 @@ def test_the_decode_runner_choice_names_its_rows_or_why_it_is_off() -> None:
     int8 = quantize_weights(build_model(tiny_config(), seed=0).to(torch.bfloat16).eval(), "int8")
     rows, choice = choose(m=int8, kv=torch.bfloat16)
     assert rows == 1 and choice.value == "1 row"
+    # a bf16 table with AMX tiles: the runner takes every row its table runs Tandem's kernels for (row_gemm, then
+    # tile_gemm), not row_gemm's alone (a rule over the table: no AMX needed to choose it)
+    tiled = compiled_row_table(torch.bfloat16, tiles=True, exact_verify=False)
+    bounds = tiled.gemm_bounds()
+    assert bounds is not None and bounds[1] > bounds[0]
+    bf16 = fuse_projections(build_model(tiny_config(), seed=0).to(torch.bfloat16).eval())
+    rows, choice = choose(row_table=tiled, m=bf16, kv=torch.bfloat16)
+    assert rows == bounds[1] and choice.value == f"1-{bounds[1]} rows"
     both = executor.with_draft(choose()[1], choose(compiled=False)[1])
     assert both.value == "1-17 rows" and both.reason.endswith(
         "the draft model: off (the step runs eagerly: the runner takes a compiled engine's decode steps)"
