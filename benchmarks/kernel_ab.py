@@ -6,13 +6,15 @@ runs of a benchmark minutes apart cannot tell the change from the host. Here bot
 taking turns round by round on the same weights, so the host's drift moves both sides of each ratio alike.
 
 What it does:
-1. Reads the kernel's file (`--kernel row_gemm`: tandem_native/csrc/row_gemm.cpp; `int4_gemv`: int4_gemv.cpp) and
+1. Reads the kernel's file (`--kernel row_gemm` or `tile_gemm`, bf16 only: tandem_native/csrc/row_gemm.cpp;
+   `int4_gemv`: int4_gemv.cpp) and
    the headers beside it at `--baseline` (a git revision, through `git show`) and in this checkout, renames the op
    namespace (`tandem` -> `tandem_ab_base` / `tandem_ab_new`), leaves out the module's Python registrations, and
    builds each alone with the library's own flags (`tandem_native.loader.FLAGS`) under
    `~/.cache/tandem/kernel_ab/<hash of the source>`.
-2. Checks what each computes: at 1-4 rows, whether the two builds give the same bits, and each one's largest
-   difference from the fp32 reference (`x @ w.T` for row_gemm; `shared_model.int4_gemv.reference` for int4).
+2. Checks what each computes: at 1-4 rows and `--rows`, whether the two builds give the same bits, and each one's
+   largest difference from the fp32 reference (`x @ w.T` for the dense kernels; `shared_model.int4_gemv.reference`
+   for int4).
 3. Times one token's projections of the decoder (`--hidden`, `--intermediate`, `--kv-size`, `--layers`, and the
    LM head of `--vocab` rows for row_gemm: the int4 model's LM head is an int8 copy): every matrix its own weights,
    called back to back from Python, `--rounds` rounds in turns (the order reversed every round), per thread count;
@@ -20,6 +22,7 @@ What it does:
 
     .venv/bin/python benchmarks/kernel_ab.py --baseline HEAD~1 --kernel row_gemm --dtype fp32
     .venv/bin/python benchmarks/kernel_ab.py --baseline e613777 --kernel int4_gemv --rows 1 --threads 2,1
+    .venv/bin/python benchmarks/kernel_ab.py --baseline HEAD --kernel tile_gemm --dtype bf16 --rows 64
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ from tandem_native import loader
 
 REPO = Path(__file__).resolve().parents[1]
 CSRC = "tandem_native/csrc"
-KERNELS = {"row_gemm": "row_gemm.cpp", "int4_gemv": "int4_gemv.cpp"}
+KERNELS = {"row_gemm": "row_gemm.cpp", "tile_gemm": "row_gemm.cpp", "int4_gemv": "int4_gemv.cpp"}
+DENSE = ("row_gemm", "tile_gemm")
+"""The dense kernels (bf16 or fp32 weights; `tile_gemm`: bf16 on AMX tiles, for many rows)."""
 CACHE = Path.home() / ".cache" / "tandem" / "kernel_ab"
 GROUP = 64
 """int4 group size (the serving default)."""
@@ -99,13 +104,13 @@ class Projections:
     def __init__(self, kernel: str, dtype: torch.dtype, args: argparse.Namespace) -> None:
         h, f, kv = args.hidden, args.intermediate, args.kv_size
         shapes = [(h + 2 * kv, h), (h, h), (2 * f, h), (h, f)] * args.layers  # [N, K]: qkv, o, gate_up, down
-        if kernel == "row_gemm":
+        if kernel in DENSE:
             shapes.append((args.vocab, h))
         gen = torch.Generator().manual_seed(0)
         self.kernel, self.mats, self.bytes = kernel, [], 0
         for n, k in shapes:
             w = torch.randn(n, k, generator=gen) * 0.02
-            if kernel == "row_gemm":
+            if kernel in DENSE:
                 wt = w.to(dtype)
                 self.mats.append(((wt,), k))
                 self.bytes += wt.numel() * wt.element_size()
@@ -117,12 +122,12 @@ class Projections:
                 self.bytes += codes.numel() + sz.numel() * sz.element_size()
 
     def call(self, ns, x: torch.Tensor, operands: tuple) -> torch.Tensor:
-        if self.kernel == "row_gemm":
-            return ns.row_gemm(x, operands[0])
+        if self.kernel in DENSE:
+            return getattr(ns, self.kernel)(x, operands[0])
         return ns.int4_gemv(x, operands[0], operands[1], GROUP)
 
     def reference(self, x: torch.Tensor, operands: tuple) -> torch.Tensor:
-        if self.kernel == "row_gemm":
+        if self.kernel in DENSE:
             return x.float() @ operands[0].float().t()
         return int4_gemv.reference(x, operands[0], operands[1], GROUP).float()
 
@@ -158,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     proj = Projections(args.kernel, dtype, args)
     gen = torch.Generator().manual_seed(1)
     operands, k = proj.mats[2]  # gate_up: the widest projection
-    x = torch.randn(4, k, generator=gen).to(dtype)
-    for m in range(1, 5):
+    x = torch.randn(max(4, args.rows), k, generator=gen).to(dtype)
+    for m in sorted({1, 2, 3, 4, args.rows}):
         out = {name: proj.call(ns, x[:m], operands) for name, ns in sides.items()}
         ref = proj.reference(x[:m], operands)
         diffs = ", ".join(f"{name} {(o.float() - ref).abs().max().item():.3g}" for name, o in out.items())
