@@ -27,4 +27,7 @@ def test_bad_flags_are_refused(capsys: pytest.CaptureFixture) -> None:
     ab = load_benchmark("decode_runner_ab")
     with pytest.raises(SystemExit):
         ab.main(["model", "--rounds", "0"])
-    assert "--rounds and --requests must be at least 1" in capsys.readouterr().err
+    assert "--rounds, --requests and --streams must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.main(["model", "--streams", "0"])
+    assert "--streams must be at least 1" in capsys.readouterr().err
