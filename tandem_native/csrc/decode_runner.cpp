@@ -9,9 +9,9 @@
 // residual; then the final norm. The projections are the kernels their modules run for these rows (row_gemm.cpp's
 // row_gemm or, past its rows, AMX tile_gemm for a dense weight, by the weight's row table; int8_gemv.cpp's for an
 // int8 weight's one row; int4_gemv.cpp's for int4 codes) and the attention paged_attention.cpp's, called directly
-// (kernels.h); the rest is here, split by rows over torch's intra-op threads where a step has enough of them. What a compiled graph spends
-// between its kernels (the dispatcher per operator, a fresh output tensor each, a handle per graph input, dynamo's
-// wrappers) is gone.
+// (kernels.h); the rest is here, split by rows over torch's intra-op threads where a step has enough of them. What
+// a compiled graph spends between its kernels (the dispatcher per operator, a fresh output tensor each, a handle per
+// graph input, dynamo's wrappers) is gone.
 //
 // Arithmetic: every row alone, in the same order at any row count (the kernels' property too), so a row's bits do not
 // depend on the others in the step: a verify item's rows score their drafts with a decode row's bits. The norms
