@@ -352,9 +352,10 @@ class DecodeRunner {
     const float eps = static_cast<float>(eps_);
     T *x = rows<T>(x_), *normed = rows<T>(normed_), *out = rows<T>(out_), *qkv = rows<T>(qkv_), *q = rows<T>(q_);
     T *attn = rows<T>(attn_), *act = rows<T>(act_), *mid = rows<T>(mid_);
-    // rows a chunk of the elementwise work takes at least: a pool loop costs about a microsecond, a row of a norm
-    // about a third of one at hidden 768
+    // rows a thread's share of the elementwise work holds at least (about 4096 values): an OpenMP region costs
+    // more than a few rows' norms, so a step of a few rows runs them on the calling thread
     const int64_t grain = std::max<int64_t>(1, 4096 / h_);
+    const int64_t head_grain = std::max<int64_t>(1, 4096 / ((hq_ + hkv_) * d_));
     for (int64_t i = 0; i < t; ++i) std::memcpy(x + i * h_, ptr<T>(embed_) + s.ids[i] * h_, h_ * sizeof(T));
     T* cache = mut<T>(kv_cache);
     for (size_t li = 0; li < layers_.size(); ++li) {
@@ -363,7 +364,7 @@ class DecodeRunner {
       T* v_cache = k_cache + layer_stride / 2;
       each_row(t, grain, [&](int64_t i) { rms_norm(x + i * h_, ptr<T>(l.input_norm), normed + i * h_, h_, eps); });
       l.qkv(normed, qkv, t, dtype_);
-      each_row(t, 1, [&](int64_t i) {
+      each_row(t, head_grain, [&](int64_t i) {
         alignas(64) T head[kMaxHeadDim];
         const T* row = qkv + i * qkv_size;
         const T* cos = ptr<T>(rope_cos_) + s.pos[i] * half;
