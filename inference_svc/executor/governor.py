@@ -16,11 +16,12 @@ Contract:
   process's utime + stime, all its threads) and computes `others`: CPUs' worth of time that other processes (and
   the kernel, and a hypervisor's steal) kept busy on `cpus` since the previous reading. The CPUs the ceiling leaves
   unused (a cgroup quota of 2 CPUs on a 4-CPU cpuset: 2) absorb that load first: what is left over (`excess`) is
-  what competes with this process's threads. `decide` is the rule, pure: for the k-th thread given up,
-  excess >= (k - 1) + `DROP` takes it away; it comes back once excess < (k - 1) + `RESTORE`; never below one
-  thread. Polls are `interval` (`INTERVAL`) seconds apart; a reading `idle_gap` (`IDLE_GAP`) seconds or more after
-  the previous one (an engine stepped by hand, with pauses) is a new baseline, not a decision: an average over a
-  long gap says little about now, and the next poll, an interval later, decides. A reading in which no clock tick
+  what competes with this process's threads. `decide` is the rule, pure: the k-th thread is given up when
+  excess >= (k - 1) + `BUSY` in `HOLD` consecutive readings (this one and the one before), and comes back at the
+  first reading below that; never below one thread. Polls are `interval` (`INTERVAL`) seconds apart; a reading
+  `idle_gap` (`IDLE_GAP`) seconds or more after the previous one (an engine stepped by hand, with pauses) is a new
+  baseline, not a decision: an average over a long gap says little about now, and the next poll, an interval
+  later, decides (and cannot give a thread up: it has no reading before it). A reading in which no clock tick
   passed on these CPUs decides nothing either.
 - Each change calls `torch.set_num_threads(active)` on the polling thread and is logged once at INFO with the load
   that caused it; `changes` counts them. Tandem's kernels (`at::parallel_for`), oneDNN's and inductor's kernels
@@ -37,15 +38,21 @@ Contract:
 
 Thresholds: beside one busy process, a step on every CPU shares one of them with it, so the other process gets
 about half of that CPU while Tandem's threads run (less when the engine thread lands there too, more while the
-workers sleep between requests): `DROP` sits well below half a CPU. A benchmark client or a metrics scraper on the
-same machine keeps well under it (docs/benchmarks.md §30). `RESTORE` below `DROP` keeps a load near the edge from
-flipping the count every second.
+workers sleep between requests): `BUSY` sits well below half a CPU. Once a thread is given up, such a process takes
+the CPU it freed, a whole CPU's worth, far above `BUSY`: the count stays down while it runs and comes back the
+first second after it stops. A light neighbour stays below `BUSY` at either count: the benchmark client, whose share
+grows with the server's token rate (0.07 CPU at 16 streams and ~600 tok/s, 0.15-0.23 at 64 streams and 1,100-1,800
+tok/s: docs/benchmarks.md §30, §42), or a metrics scraper. A burst (a client process starting, a neighbour's job of
+a second) shows in one reading, not two: `HOLD` keeps it from taking a thread away. (Until §42 the rule gave a
+thread up on one reading and back only below a second, lower threshold of 0.15 CPU: a 64-stream load's own client
+sat above that, so one burst kept the server on one thread until the load ended.)
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from inference_svc.executor.plan import Choice
@@ -55,10 +62,10 @@ INTERVAL = 1.0
 """Seconds between two readings (and so between two decisions)."""
 IDLE_GAP = 3.0
 """A reading this many seconds or more after the previous one starts a new baseline instead of deciding."""
-DROP = 0.3
-"""CPUs' worth of other processes' load that takes one thread away (k-1 + DROP takes the k-th)."""
-RESTORE = 0.15
-"""The k-th thread given up comes back once other processes' load is below k-1 + RESTORE CPUs."""
+BUSY = 0.3
+"""CPUs' worth of other processes' load that counts against one thread (k-1 + BUSY against the k-th)."""
+HOLD = 2
+"""Consecutive readings at or above a threshold before the thread it counts against is given up."""
 log = logging.getLogger(__name__)
 
 
@@ -67,13 +74,15 @@ def given_up(others: float, threshold: float) -> int:
     return 0 if others < threshold else math.floor(others - threshold + 1e-9) + 1
 
 
-def decide(ceiling: int, active: int, others: float) -> int:
-    """The thread count for the next interval: `ceiling` the most, `active` the count now, `others` the CPUs' worth
-    of load other processes kept over the last interval beyond the CPUs the ceiling leaves unused (the module
-    docstring's `excess`)."""
+def decide(ceiling: int, active: int, recent: Sequence[float]) -> int:
+    """The thread count for the next interval: `ceiling` the most, `active` the count now, `recent` the CPUs' worth
+    of load other processes kept over the last intervals, oldest first, the last one's last (each beyond the CPUs
+    the ceiling leaves unused: the module docstring's `excess`; at least one). A thread is given up only where the
+    last `HOLD` readings all ask for it (fewer readings give none up), and given back at the first that does not."""
     held = ceiling - active
-    drop, keep = given_up(others, DROP), given_up(others, RESTORE)
-    held = max(drop, min(held, keep))  # more given up at once; given back only below RESTORE
+    now = given_up(recent[-1], BUSY)
+    sustained = given_up(min(recent[-HOLD:]), BUSY) if len(recent) >= HOLD else 0
+    held = max(sustained, min(held, now))
     return max(1, ceiling - held)
 
 
@@ -96,6 +105,8 @@ class ThreadGovernor:
         """The count the steps run on now (set on the polling thread)."""
         self.others: float | None = None
         """Other processes' load on `cpus` over the last interval, in CPUs (None: not measured yet)."""
+        self._recent: list[float] = []
+        """The last `HOLD` readings' excess (oldest first), since the last baseline."""
         self.changes = 0
         self.due = 0.0 if enabled and ceiling > 1 else math.inf
         """When the next poll is due (`time.monotonic()` seconds); infinity when disabled."""
@@ -118,12 +129,14 @@ class ThreadGovernor:
         last, self._last = self._last, (now, ticks, own)
         self.due = now + self.interval
         if last is None or now - last[0] >= self.idle_gap:
+            self._recent = []
             return  # a new baseline
         if not any(ticks.get(c, (0, 0))[1] > last[1].get(c, (0, 0))[1] for c in self.cpus):
             return  # no clock tick on these CPUs since the last reading: nothing measured
         self.others = others_ticks(last[1], ticks, self.cpus, own - last[2])
         spare = max(0, len(self.cpus) - self.ceiling)  # CPUs this process's threads never need
-        active = decide(self.ceiling, self.active, max(0.0, self.others - spare))
+        self._recent = [*self._recent, max(0.0, self.others - spare)][-HOLD:]
+        active = decide(self.ceiling, self.active, self._recent)
         if active != self.active:
             self._apply(active)
             log.info("thread governor: other processes kept %.2f CPUs busy on this process's %d over %.1f s: %d "
@@ -154,6 +167,6 @@ def resolve(flag: str, ceiling: int, cpu: bool) -> tuple[bool, Choice]:
         return False, Choice("thread_governor", "off", "--thread-governor auto: one thread, nothing to give up")
     return True, Choice("thread_governor", "on", (
         f"--thread-governor auto: up to {ceiling} threads, one fewer for each CPU other processes keep busy on this "
-        f"process's CPUs ({DROP:g} CPU takes one away, below {RESTORE:g} it comes back), read from /proc every "
-        f"{INTERVAL:g} s between steps"
+        f"process's CPUs ({BUSY:g} CPU in {HOLD} readings in a row takes one away, one reading below gives it "
+        f"back), read from /proc every {INTERVAL:g} s between steps"
     ))  # fmt: skip
