@@ -87,9 +87,12 @@ DEFAULT_PRECISIONS = ("bf16", "int8", "int4")
 QUANTIZED = {"int8": "Q8_0", "int4": "Q4_0"}
 GGUF_TYPE = {"fp32": "F32", **QUANTIZED}  # bf16: --llama-dense-type
 SERVED_NAME = "peer"
-SETTLE_S = 1.0
-"""Seconds between one server's round and the next server's with `--interleave` (vLLM's libiomp5 and llama.cpp's
-threads spin a while after their last step)."""
+SETTLE_S = 2.5
+"""Seconds between one server's round and the next server's with `--interleave`, so that each round starts on a quiet
+machine: vLLM's libiomp5 workers keep about one CPU busy for a second after its last step (0.98 CPU in the first
+second, 0.01 after: docs/benchmarks.md §42) and llama.cpp's threads spin a while too, and a server that follows one
+second later still shares the machine with them; Tandem's thread governor, which counts that spin as a neighbour,
+then reads one quiet second before the round."""
 
 
 def log(msg: str) -> None:
