@@ -43,7 +43,9 @@ the CPU it freed, a whole CPU's worth, far above `BUSY`: the count stays down wh
 first second after it stops. A light neighbour stays below `BUSY` at either count: the benchmark client, whose share
 grows with the server's token rate (0.07 CPU at 16 streams and ~600 tok/s, 0.15-0.23 at 64 streams and 1,100-1,800
 tok/s: docs/benchmarks.md §30, §42), or a metrics scraper. A burst (a client process starting, a neighbour's job of
-a second) shows in one reading, not two: `HOLD` keeps it from taking a thread away. (Until §42 the rule gave a
+a second) shows in one reading, not two: `HOLD` keeps it from taking a thread away. A neighbour that hovers at
+`BUSY` can move the count every few seconds (two readings down, one up); beside such a light load both counts run
+about as fast. (Until §42 the rule gave a
 thread up on one reading and back only below a second, lower threshold of 0.15 CPU: a 64-stream load's own client
 sat above that, so one burst kept the server on one thread until the load ended.)
 """
@@ -80,9 +82,9 @@ def decide(ceiling: int, active: int, recent: Sequence[float]) -> int:
     the ceiling leaves unused: the module docstring's `excess`; at least one). A thread is given up only where the
     last `HOLD` readings all ask for it (fewer readings give none up), and given back at the first that does not."""
     held = ceiling - active
-    now = given_up(recent[-1], BUSY)
+    latest = given_up(recent[-1], BUSY)
     sustained = given_up(min(recent[-HOLD:]), BUSY) if len(recent) >= HOLD else 0
-    held = max(sustained, min(held, now))
+    held = max(sustained, min(held, latest))
     return max(1, ceiling - held)
 
 
@@ -153,6 +155,7 @@ class ThreadGovernor:
     def _disable(self, why: str) -> None:
         log.warning("thread governor: off (%s); %d threads from here on", why, self.ceiling)
         self.due = math.inf
+        self._last, self._recent = None, []
         if self.active != self.ceiling:
             self._apply(self.ceiling)
 

@@ -69,6 +69,8 @@ def test_the_rule_gives_threads_up_one_per_cpu_on_two_readings_and_back_on_one()
     assert decide(4, 4, [9.0, 9.0]) == 1  # never below one
     assert decide(4, 4, [9.0]) == 4  # one reading (the first after a baseline) gives nothing up
     assert decide(4, 4, [0.0, 9.0]) == 4  # a burst of one interval gives nothing up
+    assert decide(4, 4, [0.0, 9.0, 9.0]) == 1  # the last HOLD readings decide, not older ones
+    assert decide(4, 3, [BUSY, 1.0 + BUSY]) == 3  # a second thread only once two readings ask for it
     assert decide(4, 3, [9.0, BUSY - 0.01]) == 4  # back at the first reading below BUSY
     assert decide(4, 3, [0.0, BUSY]) == 3  # kept while a reading asks for it
     assert decide(4, 2, [1.0 + BUSY, 1.0]) == 3  # one CPU's load left: one thread back
@@ -200,6 +202,20 @@ def test_a_reading_without_a_tick_decides_nothing(tmp_path: Path, monkeypatch) -
     assert gov.active == 1
     gov.poll(3.0)  # the files did not change: no clock tick, no information (not "the others left")
     assert gov.active == 1 and gov.others == pytest.approx(1.0)
+
+
+def test_a_reading_without_a_tick_keeps_the_readings_before_it(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    proc = Proc(tmp_path, 2)
+    gov = ThreadGovernor(2, (0, 1), root=tmp_path)
+    gov.poll(0.0)
+    proc.advance(busy={1: 0.5}, own=1.5)
+    gov.poll(1.0)
+    gov.poll(2.0)  # no tick: neither a reading of the load nor a reason to forget the one before
+    assert gov.active == 2
+    proc.advance(busy={1: 0.5}, own=1.5)
+    gov.poll(3.0)  # the second reading in a row that asks for a thread
+    assert gov.active == 1
 
 
 def test_unreadable_proc_turns_it_off_at_the_ceiling(tmp_path: Path, monkeypatch) -> None:
