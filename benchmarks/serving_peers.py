@@ -89,10 +89,9 @@ GGUF_TYPE = {"fp32": "F32", **QUANTIZED}  # bf16: --llama-dense-type
 SERVED_NAME = "peer"
 SETTLE_S = 2.5
 """Seconds between one server's round and the next server's with `--interleave`, so that each round starts on a quiet
-machine: vLLM's libiomp5 workers keep about one CPU busy for a second after its last step (0.98 CPU in the first
-second, 0.01 after: docs/benchmarks.md §42) and llama.cpp's threads spin a while too, and a server that follows one
-second later still shares the machine with them; Tandem's thread governor, which counts that spin as a neighbour,
-then reads one quiet second before the round."""
+machine: vLLM's libiomp5 workers keep a CPU busy for about a second after its last step and llama.cpp's threads spin
+a while too (docs/benchmarks.md §42), and Tandem's thread governor, which counts that spin as a neighbour, then reads
+one quiet second before the round."""
 
 
 def log(msg: str) -> None:

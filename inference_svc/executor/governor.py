@@ -40,14 +40,13 @@ Thresholds: beside one busy process, a step on every CPU shares one of them with
 about half of that CPU while Tandem's threads run (less when the engine thread lands there too, more while the
 workers sleep between requests): `BUSY` sits well below half a CPU. Once a thread is given up, such a process takes
 the CPU it freed, a whole CPU's worth, far above `BUSY`: the count stays down while it runs and comes back the
-first second after it stops. A light neighbour stays below `BUSY` at either count: the benchmark client, whose share
-grows with the server's token rate (0.07 CPU at 16 streams and ~600 tok/s, 0.15-0.23 at 64 streams and 1,100-1,800
-tok/s: docs/benchmarks.md §30, §42), or a metrics scraper. A burst (a client process starting, a neighbour's job of
-a second) shows in one reading, not two: `HOLD` keeps it from taking a thread away. A neighbour that hovers at
-`BUSY` can move the count every few seconds (two readings down, one up); beside such a light load both counts run
-about as fast. (Until §42 the rule gave a
-thread up on one reading and back only below a second, lower threshold of 0.15 CPU: a 64-stream load's own client
-sat above that, so one burst kept the server on one thread until the load ended.)
+first second after it stops. A light neighbour stays below `BUSY` at either count: a metrics scraper, or a
+benchmark client, whose share grows with the server's token rate and stays under it at 64 streams
+(docs/benchmarks.md §30, §42). A burst (a client process starting, a neighbour's job of a second) shows in one
+reading, not two: `HOLD` keeps it from taking a thread away. A neighbour that hovers at `BUSY` can move the count
+every few seconds (two readings down, one up); beside such a light load both counts run about as fast. (Until §42
+a thread went on one reading and came back only below 0.15 CPU, which a 64-stream load's own client exceeds: one
+burst kept the server on one thread until the load ended.)
 """
 
 from __future__ import annotations
