@@ -7,22 +7,23 @@ taking turns round by round on the same weights, so the host's drift moves both 
 
 What it does:
 1. Reads the kernel's file (`--kernel row_gemm` or `tile_gemm`, bf16 only: tandem_native/csrc/row_gemm.cpp;
-   `int4_gemv`: int4_gemv.cpp) and
+   `int4_gemv`: int4_gemv.cpp; `int8_gemv`, one row only: int8_gemv.cpp) and
    the headers beside it at `--baseline` (a git revision, through `git show`) and in this checkout, renames the op
    namespace (`tandem` -> `tandem_ab_base` / `tandem_ab_new`), leaves out the module's Python registrations, and
    builds each alone with the library's own flags (`tandem_native.loader.FLAGS`) under
    `~/.cache/tandem/kernel_ab/<hash of the source>`.
 2. Checks what each computes: at 1-4 rows and `--rows`, whether the two builds give the same bits, and each one's
    largest difference from the fp32 reference (`x @ w.T` for the dense kernels; `shared_model.int4_gemv.reference`
-   for int4).
+   for int4, `shared_model.int8_gemv.reference` for int8).
 3. Times one token's projections of the decoder (`--hidden`, `--intermediate`, `--kv-size`, `--layers`, and the
-   LM head of `--vocab` rows for row_gemm: the int4 model's LM head is an int8 copy): every matrix its own weights,
+   LM head of `--vocab` rows but for int4, whose model's LM head is an int8 copy): every matrix its own weights,
    called back to back from Python, `--rounds` rounds in turns (the order reversed every round), per thread count;
    prints each build's median ms a token, GB/s of weight bytes, and new / base (> 1: this checkout faster).
 
     .venv/bin/python benchmarks/kernel_ab.py --baseline HEAD~1 --kernel row_gemm --dtype fp32
     .venv/bin/python benchmarks/kernel_ab.py --baseline e613777 --kernel int4_gemv --rows 1 --threads 2,1
     .venv/bin/python benchmarks/kernel_ab.py --baseline HEAD --kernel tile_gemm --dtype bf16 --rows 64
+    .venv/bin/python benchmarks/kernel_ab.py --baseline 24cbd50 --kernel int8_gemv --dtype bf16
 """
 
 from __future__ import annotations
@@ -38,13 +39,18 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load
 
-from shared_model import int4_gemv
-from shared_model.quantize import quantize_int4
+from shared_model import int4_gemv, int8_gemv
+from shared_model.quantize import quantize_int4, quantize_int8
 from tandem_native import loader
 
 REPO = Path(__file__).resolve().parents[1]
 CSRC = "tandem_native/csrc"
-KERNELS = {"row_gemm": "row_gemm.cpp", "tile_gemm": "row_gemm.cpp", "int4_gemv": "int4_gemv.cpp"}
+KERNELS = {
+    "row_gemm": "row_gemm.cpp",
+    "tile_gemm": "row_gemm.cpp",
+    "int4_gemv": "int4_gemv.cpp",
+    "int8_gemv": "int8_gemv.cpp",
+}
 DENSE = ("row_gemm", "tile_gemm")
 """The dense kernels (bf16 or fp32 weights; `tile_gemm`: bf16 on AMX tiles, for many rows)."""
 CACHE = Path.home() / ".cache" / "tandem" / "kernel_ab"
@@ -104,7 +110,7 @@ class Projections:
     def __init__(self, kernel: str, dtype: torch.dtype, args: argparse.Namespace) -> None:
         h, f, kv = args.hidden, args.intermediate, args.kv_size
         shapes = [(h + 2 * kv, h), (h, h), (2 * f, h), (h, f)] * args.layers  # [N, K]: qkv, o, gate_up, down
-        if kernel in DENSE:
+        if kernel != "int4_gemv":  # the int4 model's LM head is an int8 copy (int8_gemv's)
             shapes.append((args.vocab, h))
         gen = torch.Generator().manual_seed(0)
         self.kernel, self.mats, self.bytes = kernel, [], 0
@@ -114,6 +120,11 @@ class Projections:
                 wt = w.to(dtype)
                 self.mats.append(((wt,), k))
                 self.bytes += wt.numel() * wt.element_size()
+            elif kernel == "int8_gemv":
+                q, s = quantize_int8(w)
+                sc = s.to(dtype)  # [N]
+                self.mats.append(((q, sc), k))
+                self.bytes += q.numel() + sc.numel() * sc.element_size()
             else:
                 q, s, z = quantize_int4(w, GROUP)
                 codes = int4_gemv.pack(q, GROUP)  # a fresh tensor: 64-byte aligned, as the kernel requires
@@ -124,11 +135,15 @@ class Projections:
     def call(self, ns, x: torch.Tensor, operands: tuple) -> torch.Tensor:
         if self.kernel in DENSE:
             return getattr(ns, self.kernel)(x, operands[0])
+        if self.kernel == "int8_gemv":  # one row: x [1, K] -> [1, N]
+            return ns.int8_gemv(x[0], operands[0], operands[1], int8_gemv.activation_group(x.shape[1]))[None]
         return ns.int4_gemv(x, operands[0], operands[1], GROUP)
 
     def reference(self, x: torch.Tensor, operands: tuple) -> torch.Tensor:
         if self.kernel in DENSE:
             return x.float() @ operands[0].float().t()
+        if self.kernel == "int8_gemv":
+            return int8_gemv.reference(x[0], operands[0], operands[1]).float()[None]
         return int4_gemv.reference(x, operands[0], operands[1], GROUP).float()
 
     def token(self, ns, xs: dict[int, torch.Tensor]) -> None:
@@ -141,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", required=True, help="git revision whose kernel is the baseline")
     p.add_argument("--kernel", choices=sorted(KERNELS), default="row_gemm")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="row_gemm's weights and activations; int4's activations and scales")  # fmt: skip
+                   help="row_gemm's weights and activations; int4's and int8's activations and scales")  # fmt: skip
     p.add_argument("--rows", type=int, default=1, help="activation rows a call (decode streams)")
     p.add_argument("--threads", default="2", help="comma-separated intra-op thread counts")
     p.add_argument("--rounds", type=int, default=9)
@@ -155,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"the native kernels cannot run here: {loader.unsupported()}")
     if args.rows < 1 or args.rounds < 1:
         p.error("--rows and --rounds must be at least 1")
+    if args.kernel == "int8_gemv" and args.rows != 1:
+        p.error("int8_gemv takes one row (--rows 1)")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     sides = {
         "base": build(args.kernel, args.baseline, "tandem_ab_base"),
@@ -164,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(1)
     operands, k = proj.mats[2]  # gate_up: the widest projection
     x = torch.randn(max(4, args.rows), k, generator=gen).to(dtype)
-    for m in sorted({1, 2, 3, 4, args.rows}):
+    for m in [1] if args.kernel == "int8_gemv" else sorted({1, 2, 3, 4, args.rows}):
         out = {name: proj.call(ns, x[:m], operands) for name, ns in sides.items()}
         ref = proj.reference(x[:m], operands)
         diffs = ", ".join(f"{name} {(o.float() - ref).abs().max().item():.3g}" for name, o in out.items())

@@ -16,10 +16,10 @@
 // [2, N, G] (scales, then zeros: a tile's 16 are contiguous), with no shuffle. The activation bytes are laid out
 // the same way once per call (tile t of a block pairs lane l with group (16t + l) % G).
 //
-// Each pass reads a few weight blocks (several for independent chains, the next pass's prefetched meanwhile) and
-// multiplies them by up to 4 activation rows at once, in registers; more rows (at most kMaxRows) go 4 at a time,
-// each time over the whole weight, which stays in the cache between them (interleaving the row chunks within a
-// pass measured slower). A row's result is the same at any row count. Passes are split over torch's intra-op
+// Each pass reads a few weight blocks (several for independent chains, the next pass's prefetched into L2
+// meanwhile) and multiplies them by up to 4 activation rows at once, in registers; more rows (at most kMaxRows) go
+// 4 at a time, each time over the whole weight, which stays in the cache between them (interleaving the row chunks
+// within a pass measured slower). A row's result is the same at any row count. Passes are split over torch's intra-op
 // threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -170,7 +170,7 @@ __attribute__((always_inline)) inline void tile_dots(const Activations& a, const
   for (int64_t j = 0; j < sh.steps; ++j, off += 64, xt += 128) {
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i)
-      _mm_prefetch(reinterpret_cast<const char*>(next + i * block_bytes + off), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + i * block_bytes + off), _MM_HINT_T1);
     __m512i xl[M], xh[M];
 #pragma GCC unroll 8
     for (int r = 0; r < M; ++r)

@@ -4,8 +4,9 @@
 // xq = nearbyint(x * (1 / s_g)), as shared_model/int8_gemv.py's reference does); each group's int8 dot products
 // run on vpdpbusd (unsigned x signed bytes: |xq| times w with xq's sign moved onto w), are summed in int32 over
 // the group (at most 256 products of |127| x |127|: no overflow), then scaled in fp32. Eight weight rows share
-// each load of the activation's bytes, while the next eight are prefetched (measured with benchmarks/gemv_probe.py:
-// docs/benchmarks-archive.md §7). Rows are split over torch's intra-op threads.
+// each load of the activation's bytes, while the next eight are prefetched into L2 (measured with
+// benchmarks/gemv_probe.py: docs/benchmarks-archive.md §7; L2 rather than L1: docs/benchmarks.md §43). Rows are
+// split over torch's intra-op threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -83,7 +84,7 @@ torch::Tensor int8_gemv_typed(const torch::Tensor& x, const torch::Tensor& w, co
         for (int64_t r = 0; r < regs; ++r) {
           const int64_t off = g * group + r * 64;
           for (int64_t i = 0; i < kRows; ++i)
-            _mm_prefetch(reinterpret_cast<const char*>(next + i * k + off), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(next + i * k + off), _MM_HINT_T1);
           const __m512i xa = _mm512_load_si512(xabs + off);
           const __mmask64 neg = negative[off / 64];
           for (int64_t i = 0; i < rows; ++i) {

@@ -16,8 +16,8 @@
 // each 16 x 32 block of codes is widened to bf16 (exactly) in L1 on its way into the tile, and each sum is scaled
 // once, so the weight streams from memory at one byte a parameter. The tiles themselves are tiles.h's.
 // Memory: four weight rows per pass. The first pair of activation rows streams them from memory while the next
-// pass's rows are prefetched (into L2 for fp32, L1 for bf16; without it the loop waited on memory:
-// benchmarks/gemv_probe.py, docs/benchmarks-archive.md §7); later pairs find them in L1/L2. bf16 widens to fp32
+// pass's rows are prefetched into L2 (without it the loop waited on memory: benchmarks/gemv_probe.py,
+// docs/benchmarks-archive.md §7); later pairs find them in L1/L2. bf16 widens to fp32
 // exactly by a 16-bit shift (no AVX512_BF16 needed). Passes are split over torch's intra-op threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -52,9 +52,9 @@ inline void dot_rows(const T* x, const T* const row[kRows], int64_t k, int64_t r
   for (int m = 0; m < MR; ++m)
     for (int64_t i = 0; i < kRows; ++i) a[m][i] = b[m][i] = _mm512_setzero_ps();
   constexpr int64_t kLines = 32 * sizeof(T) / 64;  // cache lines of one row's 32 columns
-  // fp32's next rows go to L2 (eight lines a step into L1 evict lines the pass has still to read), bf16's four to
-  // L1 (either measured the same): docs/benchmarks.md §38
-  constexpr auto kHint = sizeof(T) == 4 ? _MM_HINT_T1 : _MM_HINT_T0;
+  // The next rows go to L2, in both dtypes: fp32's eight lines a step into L1 evicted lines the pass has still to
+  // read (docs/benchmarks.md §38), and an AMD Zen 4 streamed bf16 at two thirds of its bandwidth with an L1 hint (§43)
+  constexpr auto kHint = _MM_HINT_T1;
   for (int64_t c = 0; c < k; c += 32) {
     __m512 x0[MR], x1[MR];
     for (int m = 0; m < MR; ++m) x0[m] = load16(x + m * k + c), x1[m] = load16(x + m * k + c + 16);
