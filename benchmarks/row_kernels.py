@@ -4,10 +4,11 @@ A step of R rows (R streams decoding, a verify step's drafts, a prefill chunk) r
 activation rows. This times, for `--matrices` weight matrices of `--rows` x `--cols` (more than the caches hold with
 the defaults), median of `--rounds` interleaved rounds so that every kernel sees the same machine load:
 bf16 `tandem::row_gemm` (fused multiply-adds), `tandem::tile_gemm` (AMX tiles, where this CPU has them), `F.linear`
-and oneDNN's prepacked linear (the weight reordered once, for reference); int8 `tandem::tile_gemm_int8`, torch's
-`_weight_int8pack_mm` and dequantize + `F.linear` (what an int8 layer ran past 4 rows before the tiles). Prints ms per
-matrix and each kernel's ratio to `F.linear`, and which kernel `serving_model.compiled_row_table` picks at each row
-count, so the table's bounds can be checked on the machine of the day (docs/benchmarks.md: the row kernels' table).
+and oneDNN's prepacked linear (the weight reordered once, for reference); int8 `tandem::tile_gemm_int8`,
+`tandem::int8_gemv` (VNNI, activations rounded to int8), torch's `_weight_int8pack_mm` and dequantize + `F.linear`
+(what an int8 layer ran past 4 rows before the tiles and `int8_gemv`'s rows). Prints ms per matrix and each kernel's
+ratio to `F.linear`, and which kernel `serving_model.compiled_row_table` (and an int8 layer) picks at each row count,
+so the bounds can be checked on the machine of the day (docs/benchmarks.md: the row kernels' table, §43).
 
     .venv/bin/python benchmarks/row_kernels.py [--threads 2] [--row-counts 1,2,3,4,8,16,32,64,128]
 """
@@ -24,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 import tandem_native
-from shared_model.quantize import quantize_int8
-from shared_model.serving_model import compiled_row_table
+from shared_model import int8_gemv
+from shared_model.quantize import int8_gemv_rows, quantize_int8
+from shared_model.serving_model import TILE_MAX_ROWS, compiled_row_table
 
 
 def _ms(fn: Callable[[], object], calls: int) -> float:
@@ -39,11 +41,13 @@ def _time_row_count(
     x: torch.Tensor, dense: list, packed: list, int8: list, tiles: bool, rounds: int
 ) -> dict[str, float]:
     """Median ms per matrix of each kernel for the activation rows `x`, over interleaved rounds."""
+    group = int8_gemv.activation_group(x.shape[1])
     kernels: dict[str, Callable[[], object]] = {
         "row_gemm": lambda: [torch.ops.tandem.row_gemm(x, w) for w in dense],
         "F.linear": lambda: [F.linear(x, w) for w in dense],
         "packed": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in packed],
         "int8 packed": lambda: [torch.ops.aten._weight_int8pack_mm(x, q, s) for q, s in int8],
+        "int8_gemv": lambda: [torch.ops.tandem.int8_gemv(x, q, s, group) for q, s in int8],
         "int8 dequant": lambda: [F.linear(x, q.to(torch.bfloat16).mul_(s[:, None])) for q, s in int8],
     }
     if tiles:
@@ -84,16 +88,21 @@ def main(argv: list[str] | None = None) -> int:
     int8 = [quantize_int8(w.float()) for w in dense]
     int8 = [(q, s.bfloat16()) for q, s in int8]
     table = compiled_row_table(torch.bfloat16, tiles=tiles, exact_verify=False)
+    int8_rows = int8_gemv_rows(torch.bfloat16, torch.device("cpu"))
     print(f"{args.matrices} x [{n}, {k}] bf16 weights, {args.threads} threads, AMX tiles: {tiles}")
     print(f"compiled row table: {table.describe()}")
     print(
-        "rows | row_gemm | tile_gemm | F.linear | oneDNN packed | int8 tiles | int8 packed | int8 dequant+GEMM | table"
+        "rows | row_gemm | tile_gemm | F.linear | oneDNN packed | int8 tiles | int8_gemv | int8 packed "
+        "| int8 dequant+GEMM | table | int8 table"
     )
     for rows in (int(r) for r in args.row_counts.split(",")):
         x = torch.randn(rows, k, generator=gen).bfloat16()
         med = _time_row_count(x, dense, packed, int8, tiles, args.rounds)
-        cells = [_cell(med, c) for c in ("row_gemm", "tile_gemm", "F.linear", "packed", "int8 tiles", "int8 packed")]
-        print(f"{rows} | " + " | ".join(cells) + f" | {_cell(med, 'int8 dequant')} | {table.kernel(rows)}")
+        names = ("row_gemm", "tile_gemm", "F.linear", "packed", "int8 tiles", "int8_gemv", "int8 packed")
+        cells = [_cell(med, c) for c in names]
+        int8_kernel = "int8_gemv" if rows <= int8_rows else "tiles" if tiles and rows <= TILE_MAX_ROWS else "dequant"
+        print(f"{rows} | " + " | ".join(cells) + f" | {_cell(med, 'int8 dequant')} | {table.kernel(rows)} | "
+              f"{int8_kernel}")  # fmt: skip
     return 0
 
 

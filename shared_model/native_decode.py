@@ -4,8 +4,8 @@ Contract:
 - `NativeDecode.unsupported(model)` says why the runner cannot serve `model` here (a phrase), or None: it needs
   Tandem's native library (`tandem_native`), fp32 or bf16 on the CPU, every projection of every layer either a
   bias-free `ServingLinear` that `tandem::row_gemm` takes (contiguous, widths a multiple of 32) or a
-  `QuantizedLinear` with a row kernel (`QuantizedLinear.row_kernel`: int8's `int8_gemv` for one row, int4's
-  `int4_gemv`), no adapter-wrapped projection, a head size that is a multiple of 16 and one dtype throughout.
+  `QuantizedLinear` with a row kernel (`QuantizedLinear.row_kernel`: int8's `int8_gemv`, int4's `int4_gemv`), no
+  adapter-wrapped projection, a head size that is a multiple of 16 and one dtype throughout.
 - `NativeDecode(model, max_rows)` holds the model's own tensors (the embedding, each layer's norms and merged
   projections, the q/k norms, the RoPE tables, the final norm: no copy; the decoder must not change after it).
   It takes steps of up to `most_rows(model, max_rows)` rows (fewer than `max_rows` where a projection's kernels
@@ -45,7 +45,7 @@ PROJECTIONS = ("qkv", "o_proj", "gate_up", "down_proj")
 Spec = tuple[str, torch.Tensor, torch.Tensor | None, int, int, int, int, int]
 """A projection as the runner takes it: (kernel, weight, scales or None, group, out_features, in_features, row_max,
 tile_max); the last two a dense weight's row table (`tandem::row_gemm` up to row_max rows, `tandem::tile_gemm` up to
-tile_max), 0 for a quantized one."""
+tile_max), both its row kernel's most rows for a quantized one."""
 
 
 class NativeDecode:
@@ -95,7 +95,7 @@ class NativeDecode:
     def most_rows(model: ServingDecoder, rows: int) -> int:
         """The most rows a step of the runner takes: `rows`, or fewer where a projection's kernel takes fewer (a
         dense one's row table: `tandem::row_gemm`, then `tandem::tile_gemm`, up to its `gemm_bounds`; a quantized
-        one's row kernel: int8's one row, int4's `int4_gemv` rows)."""
+        one's row kernel: int8's `int8_gemv` rows, int4's `int4_gemv` rows)."""
         for layer in model.layers:
             for name in PROJECTIONS:
                 linear = getattr(layer, name)
@@ -132,7 +132,8 @@ def _spec(linear: nn.Module, rows: int) -> Spec:
     if isinstance(linear, QuantizedLinear):
         kernel = linear.row_kernel()
         assert kernel is not None  # unsupported() said so
-        return kernel.name, kernel.weight, kernel.scales, kernel.group, linear.out_features, linear.in_features, 0, 0
+        n, k, most = linear.out_features, linear.in_features, kernel.rows
+        return kernel.name, kernel.weight, kernel.scales, kernel.group, n, k, most, most
     assert isinstance(linear, ServingLinear)
     row_max, tile_max = _dense_bounds(linear, rows)
     return "row_gemm", linear.weight.detach(), None, 0, linear.out_features, linear.in_features, row_max, tile_max

@@ -23,11 +23,12 @@ Contract:
 - `QuantizedLinear(x)` = x @ Wᵀ (+ bias) for x [..., in], computed in bf16 (or fp16 when the model is fp16) and
   returned in x's dtype: torch's CPU kernels are vectorized for 16-bit activations only (fp32 activations take a
   scalar path, several times slower), and the weight's rounding dominates the activation's anyway.
-  - One row of int8 on a CPU with AVX-512 VNNI (a batch-1 decode step; `int8_row_kernel`):
-    `shared_model.int8_gemv`, which also rounds the activation row to int8, in groups of up to 256 inputs with
-    one scale each, and multiplies bytes by bytes, as llama.cpp's Q8_0 does. So on such CPUs an int8 layer's
-    single-row output carries the activation's rounding too (at most half a step of max|x_g| / 127 per input);
-    its reference (`fake_quantized`) applies the same rounding.
+  - Up to `int8_gemv_rows` rows of int8 on a CPU with AVX-512 VNNI (decode steps; `int8_row_kernel`):
+    `shared_model.int8_gemv`, which also rounds each activation row to int8, in groups of up to 256 inputs with
+    one scale each, and multiplies bytes by bytes, as llama.cpp's Q8_0 does. So on such CPUs those outputs of an
+    int8 layer carry the activation's rounding too (at most half a step of max|x_g| / 127 per input); its
+    reference (`fake_quantized`) applies the same rounding. One row where AMX tiles take the rest (below), else up
+    to `int8_gemv.MAX_ROWS`.
   - From 2 up to `serving_model.TILE_MAX_ROWS` rows of int8 in bf16 on a CPU with AMX tiles (`int8_tile_kernel`):
     `tandem::tile_gemm_int8`, which widens the codes to bf16 on their way into the tiles (exactly) and scales each
     fp32 sum once: torch's `_weight_int8pack_mm` maths, with the weight read once for all the rows.
@@ -167,6 +168,13 @@ def int4_tile_kernel(group_size: int, dtype: torch.dtype, device: torch.device) 
     return dtype == torch.bfloat16 and int4_row_kernel(group_size, device) and tandem_native.tiles()
 
 
+def int8_gemv_rows(dtype: torch.dtype, device: torch.device) -> int:
+    """The most rows a call of an int8 layer with the row kernel (`int8_row_kernel`) runs through `int8_gemv`: one
+    where AMX tiles can take two and more (bf16 on such a CPU), else `int8_gemv.MAX_ROWS`."""
+    tiles = dtype == torch.bfloat16 and device.type == "cpu" and tandem_native.tiles()
+    return 1 if tiles else int8_gemv.MAX_ROWS
+
+
 def int4_gemv_rows(group_size: int, dtype: torch.dtype, device: torch.device) -> int:
     """The most rows a call of such an int4 layer (row kernels on, `int4_row_kernel`) runs through `int4_gemv`."""
     return INT4_TILE_MIN_ROWS - 1 if int4_tile_kernel(group_size, dtype, device) else int4_gemv.MAX_ROWS
@@ -185,7 +193,7 @@ def activation_rounding(
     if not row_kernels:
         return 0, 0
     if kind == "int8" and int8_row_kernel(in_features, device):
-        return int8_gemv.activation_group(in_features) or 0, 1
+        return int8_gemv.activation_group(in_features) or 0, int8_gemv_rows(dtype, device)
     if kind == "int4" and int4_row_kernel(group_size, device):
         return group_size, int4_gemv_rows(group_size, dtype, device)
     return 0, 0
@@ -204,8 +212,10 @@ def exact_weight_rows(
     fp32 sum); calls of more rows multiply the weight rounded to `dtype` (the dequantized path, and int4's tiles,
     which round each weight to bf16 as it does)."""
     if kind == "int8":
-        tiles = row_kernels and int8_tile_kernel(shape, dtype, device)
-        return TILE_MAX_ROWS if tiles else PACKED_MAX_ROWS
+        if row_kernels and int8_tile_kernel(shape, dtype, device):
+            return TILE_MAX_ROWS
+        gemv = row_kernels and int8_row_kernel(shape[1], device)
+        return max(PACKED_MAX_ROWS, int8_gemv_rows(dtype, device) if gemv else 0)
     if row_kernels and int4_row_kernel(group_size, device):
         return int4_gemv_rows(group_size, dtype, device)
     return PACKED_MAX_ROWS
@@ -255,7 +265,7 @@ class QuantizedLinear(nn.Module):
         self._int4_block_rows = 0  # int4 on CPU: rows per block of torch's packed layout, 0 when not recognized
         self._row_kernel = False  # a VNNI CPU: int8's single row, int4's decode batches run Tandem's kernels
         self._tile_kernel = False  # bf16 on an AMX CPU: int8's 2.., int4's INT4_TILE_MIN_ROWS.. up to TILE_MAX_ROWS
-        self._gemv_rows = 0  # int4 with the row kernel: the most rows of a call to tandem::int4_gemv
+        self._gemv_rows = 0  # with the row kernel: the most rows of a call to tandem::int8_gemv / int4_gemv
         if kind == "int8":
             q, scales = quantize_int8(weight)
             self.register_buffer("qweight", q)  # [N, K] int8
@@ -264,6 +274,8 @@ class QuantizedLinear(nn.Module):
             self._row_kernel = row_kernels and int8_row_kernel(self.in_features, device)
             self._tile_kernel = row_kernels and int8_tile_kernel(q.shape, self.dtype, device)
             self._group = int8_gemv.activation_group(self.in_features) or 0  # the kernel's activation groups
+            if self._row_kernel:
+                self._gemv_rows = int8_gemv_rows(self.dtype, device)
         else:
             q, scales, zeros = quantize_int4(weight, group_size)
             # [G, N, 2]: each group's scale and zero for every output row, as torch's kernels take them
@@ -290,8 +302,8 @@ class QuantizedLinear(nn.Module):
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
         rows = x2.shape[0]
-        if self._row_kernel and self.kind == "int8" and rows == 1:
-            y = torch.ops.tandem.int8_gemv(x2[0], self.qweight, self.scales, self._group)[None]  # [1, N]
+        if self._row_kernel and self.kind == "int8" and rows <= self._gemv_rows:
+            y = torch.ops.tandem.int8_gemv(x2, self.qweight, self.scales, self._group)  # [M, N]
         elif self._row_kernel and self.kind == "int4" and rows <= self._gemv_rows:
             y = torch.ops.tandem.int4_gemv(x2, self.qweight, self.scales_and_zeros, self.group_size)  # [M, N]
         elif self._tile_kernel and rows <= TILE_MAX_ROWS:
@@ -310,13 +322,13 @@ class QuantizedLinear(nn.Module):
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)  # [..., N]
 
     def row_kernel(self) -> RowKernel | None:
-        """Tandem's kernel that `forward` runs for calls of the fewest rows, with its arguments: `int8_gemv` for one
-        row, `int4_gemv` for up to the int4 row kernel's rows; None where it runs none there (torch's kernels, tiles
+        """Tandem's kernel that `forward` runs for calls of the fewest rows, with its arguments: `int8_gemv` and
+        `int4_gemv` for up to their row kernel's rows; None where it runs none there (torch's kernels, tiles
         from the first row, or a bias). The decode runner (`shared_model.native_decode`) calls it for those rows."""
         if not self._row_kernel or self.bias is not None:
             return None
         if self.kind == "int8":
-            return RowKernel("int8_gemv", 1, self.qweight, self.scales, self._group)
+            return RowKernel("int8_gemv", self._gemv_rows, self.qweight, self.scales, self._group)
         if not self._gemv_rows:
             return None
         return RowKernel("int4_gemv", self._gemv_rows, self.qweight, self.scales_and_zeros, self.group_size)
@@ -335,7 +347,7 @@ class QuantizedLinear(nn.Module):
             if self._tile_kernel:
                 return "int8_tiles", f"1-{TILE_MAX_ROWS} rows: tandem::tile_gemm_int8; more: dequantize + GEMM"
             if self._row_kernel:
-                table = f"1 row: tandem::int8_gemv (int8 activations); 2-{m}: packed int8; more: dequantize + GEMM"
+                table = f"{_span(1, self._gemv_rows)}: tandem::int8_gemv (int8 activations); more: dequantize + GEMM"
                 return "int8_gemv", table
             if not self._packed_kernel:
                 return "int8_dequantize", "every call: dequantize + GEMM (no packed int8 kernel for this device)"
@@ -360,7 +372,7 @@ class QuantizedLinear(nn.Module):
         if self.kind == "int8":
             if self._tile_kernel:
                 return (1, TILE_MAX_ROWS) if self._row_kernel else (TILE_MAX_ROWS,)
-            return (1, PACKED_MAX_ROWS) if self._row_kernel else (PACKED_MAX_ROWS,)
+            return (self._gemv_rows,) if self._row_kernel else (PACKED_MAX_ROWS,)
         if self._tile_kernel:
             return (self._gemv_rows, TILE_MAX_ROWS) if self._gemv_rows else (TILE_MAX_ROWS,)
         return (self._gemv_rows,) if self._row_kernel else (PACKED_MAX_ROWS,)

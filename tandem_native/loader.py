@@ -191,7 +191,7 @@ def _drop_stale_lock(lock: Path) -> None:
 def _register_fakes() -> None:
     @torch.library.register_fake("tandem::int8_gemv")
     def _(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-        return x.new_empty((q.shape[0],))
+        return x.new_empty((*x.shape[:-1], q.shape[0]))  # [N] or [M, N]
 
     @torch.library.register_fake("tandem::row_gemm")
     def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -34,8 +34,8 @@ Contract:
      projection's row kernel takes fewer (`NativeDecode.most_rows`), so every projection keeps the kernel its row
      count picks. Only with the step compiled (an eager engine keeps the training decoder's bits), Tandem's
      kernels, the torch attention ops, a KV cache in the weights' dtype, and an fp32 or bf16 model whose
-     projections have row kernels (`NativeDecode.unsupported`: dense ones `row_gemm`, int8's `int8_gemv` for one
-     row, int4's `int4_gemv`).
+     projections have row kernels (`NativeDecode.unsupported`: dense ones `row_gemm`, int8's `int8_gemv`, int4's
+     `int4_gemv`).
   8. `compile_cache`: whether the compile loaded a saved entry (`inference_svc.executor.compile_cache`).
 - `prepare(bundle, config, device)` runs 1-4 and returns the model and its choices; `choose_attention`,
   `choose_compile` and `sampler_choice` make 5-7. The engine assembles them into its `LoadPlan`

@@ -8,7 +8,7 @@
 // residual, the post-attention norm, the merged gate/up projection, SiLU(gate) * up, the down projection and
 // residual; then the final norm. The projections are the kernels their modules run for these rows (row_gemm.cpp's
 // row_gemm or, past its rows, AMX tile_gemm for a dense weight, by the weight's row table; int8_gemv.cpp's for an
-// int8 weight's one row; int4_gemv.cpp's for int4 codes) and the attention paged_attention.cpp's, called directly
+// int8 weight's rows; int4_gemv.cpp's for int4 codes) and the attention paged_attention.cpp's, called directly
 // (kernels.h); the rest is here, split by rows over torch's intra-op threads where a step has enough of them. What
 // a compiled graph spends between its kernels (the dispatcher per operator, a fresh output tensor each, a handle per
 // graph input, dynamo's wrappers) is gone.
@@ -131,7 +131,7 @@ T* mut(torch::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
 
 // One projection y [m, n] = x [m, k] W^T, by the kernel its module runs for these rows: the dense weight through
 // its row table's kernel (row_gemm up to row_max rows, tile_gemm up to tile_max: raw rows, nothing allocated), or an
-// int8 weight's one row through int8_gemv, or int4 codes' rows through int4_gemv (the operators themselves, over the
+// int8 weight's rows through int8_gemv, or int4 codes' rows through int4_gemv (the operators themselves, over the
 // runner's rows viewed as a tensor).
 constexpr int64_t kInt4MaxRows = 16;  // int4_gemv.cpp's rows per call
 constexpr int64_t kMaxHeadDim = 512;  // a head's scratch row lives on the stack
@@ -141,11 +141,11 @@ struct Projection {
   torch::Tensor weight;      // [n, k] dense, int8 [n, k] or int4 codes [n, k / 2]
   torch::Tensor scales;      // int8: [n]; int4: [2, n, k / group]; undefined for dense
   int64_t group, n, k;       // group: int8's activation groups, int4's weight groups (0 for dense)
-  int64_t row_max, tile_max;  // dense: row_gemm up to row_max rows, tile_gemm (bf16) up to tile_max
+  int64_t row_max, tile_max;  // dense: row_gemm up to row_max rows, tile_gemm (bf16) up to tile_max; int8: most rows
 
   // the most rows a call takes
   int64_t most_rows() const {
-    return kind == kRowGemm ? std::max(row_max, tile_max) : kind == kInt8Gemv ? 1 : kInt4MaxRows;
+    return kind == kRowGemm ? std::max(row_max, tile_max) : kind == kInt8Gemv ? row_max : kInt4MaxRows;
   }
 
   template <typename T>
@@ -158,7 +158,7 @@ struct Projection {
       return;
     }
     auto rows = torch::from_blob(const_cast<T*>(x), {m, k}, torch::dtype(dtype));
-    const torch::Tensor out = kind == kInt8Gemv ? tandem_kernels::int8_gemv_op(rows[0], weight, scales, group)
+    const torch::Tensor out = kind == kInt8Gemv ? tandem_kernels::int8_gemv_op(rows, weight, scales, group)
                                                 : tandem_kernels::int4_gemv_op(rows, weight, scales, group);
     TORCH_CHECK(out.numel() == m * n && out.scalar_type() == dtype, "DecodeRunner: a ", m, "-row call of a projection ",
                 "to ", n, " outputs returned ", out.sizes(), " ", out.scalar_type());
@@ -168,7 +168,7 @@ struct Projection {
 
 // A projection from Python's description: (kind, weight, scales or None, group, out_features, in_features, row_max,
 // tile_max); the last two a dense weight's row table (row_gemm up to row_max rows, tile_gemm up to tile_max: equal
-// for none), 0 for a quantized one.
+// for none), both the row kernel's most rows for a quantized one (int8_gemv's; int4_gemv's are kInt4MaxRows).
 using ProjectionSpec = std::tuple<std::string, torch::Tensor, std::optional<torch::Tensor>, int64_t, int64_t, int64_t,
                                   int64_t, int64_t>;
 
@@ -183,6 +183,8 @@ Projection projection(const ProjectionSpec& spec) {
               " projection needs scales");
   TORCH_CHECK(which != Projection::kRowGemm || (row_max >= 1 && tile_max >= row_max), "DecodeRunner: a row_gemm ",
               "projection needs 1 <= row_max <= tile_max, got ", row_max, " and ", tile_max);
+  TORCH_CHECK(which != Projection::kInt8Gemv || row_max >= 1, "DecodeRunner: an int8_gemv projection needs its most ",
+              "rows (at least 1), got ", row_max);
   TORCH_CHECK(tile_max == row_max || (weight.scalar_type() == at::kBFloat16 && tandem_tiles::amx_bf16_ready()),
               "DecodeRunner: tile_gemm rows need a bf16 weight and AMX-BF16 tiles");
   return {which, weight, scales.value_or(torch::Tensor()), group, n, k, row_max, tile_max};

@@ -34,7 +34,7 @@ void decode_attention_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache,
                            int64_t hkv, int64_t d, int64_t bs, int64_t max_blocks, float scale);
 
 // The quantized row operators as the `tandem` library registers them (tensors in and out): int8_gemv.cpp's
-// x [K] times an int8 weight [N, K] with per-row scales -> [N]; int4_gemv.cpp's x [M, K] (M <= 16) times int4 codes
+// x [K] or [M, K] times an int8 weight [N, K] with per-row scales -> [N] or [M, N]; int4_gemv.cpp's x [M, K] (M <= 16) times int4 codes
 // in its blocked layout -> [M, N].
 at::Tensor int8_gemv_op(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, int64_t group);
 at::Tensor int4_gemv_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_and_zeros,

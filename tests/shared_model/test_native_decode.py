@@ -173,16 +173,18 @@ def test_refusals_name_the_fault_and_write_nothing() -> None:
     assert torch.equal(step.cache.data, before)
 
 
-@pytest.mark.parametrize(("kind", "rows"), [("int8", 1), ("int4", 1), ("int4", 5)])
+@pytest.mark.parametrize(("kind", "rows"), [("int8", 1), ("int8", 5), ("int4", 1), ("int4", 5)])
 def test_quantized_projections_run_their_row_kernels(kind: str, rows: int) -> None:
-    """int8's one row through `int8_gemv`, int4's rows through `int4_gemv` (the kernels `QuantizedLinear` runs for
-    those rows, activations rounded to int8 as theirs are): the serving decoder's step within the bf16 tolerance;
-    the runner's rows capped by the fewest a projection's kernel takes (int8: one)."""
+    """int8's rows through `int8_gemv`, int4's through `int4_gemv` (the kernels `QuantizedLinear` runs for those
+    rows, activations rounded to int8 as theirs are): the serving decoder's step within the bf16 tolerance; the
+    runner's rows capped by the fewest a projection's kernel takes (int8 with AMX tiles: one)."""
     model = quantize_weights(_model(torch.bfloat16, intermediate_size=128), kind, group_size=32)  # int8's groups: 64
     kernel = model.layers[0].qkv.row_kernel()
     assert kernel is not None and kernel.name == f"{kind}_gemv"
+    if rows > kernel.rows:
+        pytest.skip(f"{kind}_gemv takes {kernel.rows} row(s) here (AMX tiles take the rest)")
     runner = NativeDecode(model, 17)
-    assert runner.max_rows == kernel.rows and NativeDecode.most_rows(model, 2) == min(2, kernel.rows)
+    assert runner.max_rows == min(17, kernel.rows) and NativeDecode.most_rows(model, 2) == min(2, kernel.rows)
     positions = [(1, 60 + i) for i in range(rows)]
     ours, theirs = _Step(model, positions), _Step(model, positions)
     with torch.inference_mode():
