@@ -3,7 +3,8 @@
 A step of R rows (R streams decoding, a verify step's drafts, a prefill chunk) runs each projection once with R
 activation rows. This times, for `--matrices` weight matrices of `--rows` x `--cols` (more than the caches hold with
 the defaults), median of `--rounds` interleaved rounds so that every kernel sees the same machine load:
-bf16 `tandem::row_gemm` (fused multiply-adds), `tandem::tile_gemm` (AMX tiles, where this CPU has them), `F.linear`
+bf16 `tandem::row_gemm` (fused multiply-adds), `tandem::tile_gemm` (AMX tiles, where this CPU has them),
+`tandem::dot_gemm` (AVX512_BF16 dot products, where it has those), `F.linear`
 and oneDNN's prepacked linear (the weight reordered once, for reference); int8 `tandem::tile_gemm_int8`,
 `tandem::int8_gemv` (VNNI, activations rounded to int8), torch's `_weight_int8pack_mm` and dequantize + `F.linear`
 (what an int8 layer ran past 4 rows before the tiles and `int8_gemv`'s rows). Prints ms per matrix and each kernel's
@@ -50,6 +51,8 @@ def _time_row_count(
         "int8_gemv": lambda: [torch.ops.tandem.int8_gemv(x, q, s, group) for q, s in int8],
         "int8 dequant": lambda: [F.linear(x, q.to(torch.bfloat16).mul_(s[:, None])) for q, s in int8],
     }
+    if tandem_native.dot_bf16():
+        kernels["dot_gemm"] = lambda: [torch.ops.tandem.dot_gemm(x, w) for w in dense]
     if tiles:
         kernels["tile_gemm"] = lambda: [torch.ops.tandem.tile_gemm(x, w) for w in dense]
         kernels["int8 tiles"] = lambda: [torch.ops.tandem.tile_gemm_int8(x, q, s) for q, s in int8]
@@ -87,18 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in dense]
     int8 = [quantize_int8(w.float()) for w in dense]
     int8 = [(q, s.bfloat16()) for q, s in int8]
-    table = compiled_row_table(torch.bfloat16, tiles=tiles, exact_verify=False)
+    table = compiled_row_table(torch.bfloat16, tiles=tiles, exact_verify=False, dot=tandem_native.dot_bf16())
     int8_rows = int8_gemv_rows(torch.bfloat16, torch.device("cpu"))
     print(f"{args.matrices} x [{n}, {k}] bf16 weights, {args.threads} threads, AMX tiles: {tiles}")
     print(f"compiled row table: {table.describe()}")
     print(
-        "rows | row_gemm | tile_gemm | F.linear | oneDNN packed | int8 tiles | int8_gemv | int8 packed "
+        "rows | row_gemm | tile_gemm | dot_gemm | F.linear | oneDNN packed | int8 tiles | int8_gemv | int8 packed "
         "| int8 dequant+GEMM | table | int8 table"
     )
     for rows in (int(r) for r in args.row_counts.split(",")):
         x = torch.randn(rows, k, generator=gen).bfloat16()
         med = _time_row_count(x, dense, packed, int8, tiles, args.rounds)
-        names = ("row_gemm", "tile_gemm", "F.linear", "packed", "int8 tiles", "int8_gemv", "int8 packed")
+        names = ("row_gemm", "tile_gemm", "dot_gemm", "F.linear", "packed", "int8 tiles", "int8_gemv", "int8 packed")
         cells = [_cell(med, c) for c in names]
         int8_kernel = "int8_gemv" if rows <= int8_rows else "tiles" if tiles and rows <= TILE_MAX_ROWS else "dequant"
         print(f"{rows} | " + " | ".join(cells) + f" | {_cell(med, 'int8 dequant')} | {table.kernel(rows)} | "

@@ -16,21 +16,21 @@ Contract:
   bit-equal to the `CausalLM`'s on the CPU (tests/shared_model/test_fuse.py), and the exactness tests hold the two
   together.
 - Its projections (`qkv`, `o_proj`, `gate_up`, `down_proj` of each layer, `lm_head`) are `ServingLinear`s until
-  `shared_model.quantize` swaps in `QuantizedLinear`s. A `ServingLinear` is an `nn.Linear` sharing the same
-  parameters that picks its kernel by the row count of a call from its `RowTable` (one literal table per
-  projection, the only place a row count chooses anything). Eager serving's table keeps the training decoder's
-  bits: a bias-free bf16 CPU row runs `torch.mv` (the same bits as `F.linear`, tested at decode shapes), every
-  other call `F.linear`. `set_row_kernels(decoder, table)` (the compiled step's choice, `shared_model.compiled`,
-  with the table from `compiled_row_table`) gives the bias-free fp32 and bf16 projections Tandem's kernels where
-  they are built (`tandem_native`): `tandem::row_gemm` (fused multiply-adds; streams the weight fastest for one
-  or two rows) and, for bf16 on a CPU with AMX, `tandem::tile_gemm` (the weight read once for every 64 rows). Each
-  kernel gives a row the same bits at any row count (another summation order than `F.linear`'s, and the two
-  kernels' orders differ from each other). A compiled table of those kernels (`row_gemm` up to some rows, then
-  `tile_gemm`, then `F.linear`: `RowTable.gemm_bounds`) runs as one `tandem::table_gemm` call that picks the same
-  kernel by the same row count inside the operator, so a compiled graph has no branch on the row count there (one
-  graph for every T >= 2 instead of one per step of the table: a cold start compiles fewer; `row_bounds()` says
-  where a projection still branches in Python). `method()` names what a projection runs, for the serving
-  executor's record.
+  `shared_model.quantize` swaps in `QuantizedLinear`s. A `ServingLinear` is an `nn.Linear` sharing the same parameters
+  that picks its kernel by the row count of a call from its `RowTable` (one literal table per projection, the only place
+  a row count chooses anything). Eager serving's table keeps the training decoder's bits: a bias-free bf16 CPU row runs
+  `torch.mv` (the same bits as `F.linear`, tested at decode shapes), every other call `F.linear`.
+  `set_row_kernels(decoder, table)` (the compiled step's choice, `shared_model.compiled`, with the table from
+  `compiled_row_table`) gives the bias-free fp32 and bf16 projections Tandem's kernels where they are built
+  (`tandem_native`): `tandem::row_gemm` (fused multiply-adds; streams the weight fastest for one or two rows) and, for
+  bf16 on a CPU with AMX, `tandem::tile_gemm` (the weight read once for every 64 rows), or without AMX but with
+  AVX512_BF16, `tandem::dot_gemm` (4 x 4 blocks of weight and activation rows on vdpbf16ps). Each kernel gives a row the
+  same bits at any row count (another summation order than `F.linear`'s, and the kernels' orders differ from each
+  other). A compiled table of those kernels (`row_gemm` up to some rows, then `tile_gemm` or `dot_gemm`, then
+  `F.linear`: `RowTable.gemm_bounds`) runs as one `tandem::table_gemm` call that picks the same kernel by the same row
+  count inside the operator, so a compiled graph has no branch on the row count there (one graph for every T >= 2
+  instead of one per step of the table: a cold start compiles fewer; `row_bounds()` says where a projection still
+  branches in Python). `method()` names what a projection runs, for the serving executor's record.
 - Inference only: the merged parameters do not require grad and ZeRO never sees this module; training keeps the
   plain `CausalLM`. Build it after the model has its final device and dtype.
 """
@@ -59,10 +59,15 @@ TILE_MAX_ROWS = 192
 64 rows a pass over the weight, below `F.linear`'s cost (and far below dequantize + GEMM's) to 192 rows, as a step
 of decodes beside a short prompt has; from about 256, as a whole prefill chunk, oneDNN's blocked GEMM (`F.linear`)
 wins (docs/benchmarks.md: the tiles' pipeline)."""
+DOT_MAX_ROWS = 32
+"""Rows up to which `tandem::dot_gemm` (AVX512_BF16 dot products, where AMX tiles are not usable) runs: from 3 rows
+(`row_gemm` streams one or two faster) to 32 it beat `F.linear` on an AMD Zen 4; at 64 its activation rows no longer
+stay in L1 between weight rows and oneDNN's blocked GEMM (`F.linear`) wins (docs/benchmarks.md §43)."""
 _KERNEL_NAMES = {
     "mv": "torch.mv",
     "row_gemm": "tandem::row_gemm",
     "tile_gemm": "tandem::tile_gemm",
+    "dot_gemm": "tandem::dot_gemm",
     "linear": "F.linear",
 }
 
@@ -70,7 +75,8 @@ _KERNEL_NAMES = {
 @dataclass(frozen=True)
 class RowTable:
     """A projection's kernel by the row count of a call: the first `(most rows, kernel)` step that holds, else
-    `more`. Kernels: 'mv' (one bf16 row, `torch.mv`), 'row_gemm', 'tile_gemm' (Tandem's) and 'linear' (`F.linear`)."""
+    `more`. Kernels: 'mv' (one bf16 row, `torch.mv`), 'row_gemm', 'tile_gemm', 'dot_gemm' (Tandem's) and 'linear'
+    (`F.linear`)."""
 
     steps: tuple[tuple[int, str], ...] = ()
     more: str = "linear"
@@ -83,10 +89,11 @@ class RowTable:
 
     def gemm_bounds(self) -> tuple[int, int] | None:
         """(row_max, tile_max) of `tandem::table_gemm` when this table is one it runs (row_gemm up to some rows,
-        then optionally tile_gemm, then `F.linear`): the kernel is then chosen inside that one operator, at run time,
-        not by a branch a compiled graph traces (one graph for every row count); None for any other table."""
+        then optionally tile_gemm or dot_gemm, then `F.linear`): the kernel is then chosen inside that one operator,
+        at run time, not by a branch a compiled graph traces (one graph for every row count); None for any other
+        table. (The operator runs tile_gemm where AMX tiles are usable, else dot_gemm: the rule that names them.)"""
         names = tuple(name for _, name in self.steps)
-        if self.more != "linear" or names not in (("row_gemm",), ("row_gemm", "tile_gemm")):
+        if self.more != "linear" or names not in (("row_gemm",), ("row_gemm", "tile_gemm"), ("row_gemm", "dot_gemm")):
             return None
         row_max = self.steps[0][0]
         return row_max, self.steps[1][0] if len(self.steps) > 1 else row_max
@@ -112,18 +119,21 @@ EAGER_BF16_TABLE = RowTable(((1, "mv"),))
 PLAIN_TABLE = RowTable()
 
 
-def compiled_row_table(dtype: torch.dtype, tiles: bool, exact_verify: bool) -> RowTable:
+def compiled_row_table(dtype: torch.dtype, tiles: bool, exact_verify: bool, dot: bool = False) -> RowTable:
     """The compiled step's table for a bias-free fp32 or bf16 projection on a CPU with Tandem's kernels.
 
     `exact_verify` (speculative decoding on by default): `row_gemm` up to `ROW_KERNEL_MAX_ROWS` rows, so a verify
     step's rows score their drafts with a decode row's bits. Otherwise bf16 with AMX tiles (`tiles`): `row_gemm` for
-    up to `FMA_MAX_ROWS` rows, `tile_gemm` up to `TILE_MAX_ROWS`; without tiles, or fp32: `row_gemm` up to
-    `FMA_MAX_ROWS`. `F.linear` beyond. (A request that asks for speculation on such an engine keeps its output
+    up to `FMA_MAX_ROWS` rows, `tile_gemm` up to `TILE_MAX_ROWS`; bf16 without tiles on a CPU with AVX512_BF16
+    (`dot`): `row_gemm` up to `FMA_MAX_ROWS`, `dot_gemm` up to `DOT_MAX_ROWS`; otherwise, or fp32: `row_gemm` up
+    to `FMA_MAX_ROWS`. `F.linear` beyond. (A request that asks for speculation on such an engine keeps its output
     distribution; its verify rows may round otherwise than its decode rows.)"""
     if exact_verify:
         return RowTable(((ROW_KERNEL_MAX_ROWS, "row_gemm"),))
     if dtype == torch.bfloat16 and tiles:
         return RowTable(((FMA_MAX_ROWS, "row_gemm"), (TILE_MAX_ROWS, "tile_gemm")))
+    if dtype == torch.bfloat16 and dot:
+        return RowTable(((FMA_MAX_ROWS, "row_gemm"), (DOT_MAX_ROWS, "dot_gemm")))
     return RowTable(((FMA_MAX_ROWS, "row_gemm"),))
 
 
@@ -187,7 +197,8 @@ class ServingLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if kernel == "mv":
             return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], self.out_features)  # [..., out]
-        op = torch.ops.tandem.tile_gemm if kernel == "tile_gemm" else torch.ops.tandem.row_gemm
+        op = {"tile_gemm": torch.ops.tandem.tile_gemm, "dot_gemm": torch.ops.tandem.dot_gemm}.get(kernel)
+        op = op if op is not None else torch.ops.tandem.row_gemm
         y = op(x.reshape(rows, x.shape[-1]), self.weight)  # [rows, out]
         return y.view(*x.shape[:-1], self.out_features)  # [..., out]
 

@@ -7,14 +7,15 @@ Contract:
   kernels, which compute the same thing, slower. Whether a served model uses the library is the serving executor's
   recorded choice (`EngineConfig.cpu_kernels`, `inference_svc.executor.prepare`), passed to each module as an
   argument: nothing here reads a switch.
-- Once loaded, the operators exist (`torch.ops.tandem.*`), each with a fake kernel for tracing registered here, so
-  a compiled step calls them through the dispatcher with no Python wrapper: `int8_gemv` (`shared_model.int8_gemv`),
-  `int4_gemv` and `int4_dequantize` (`shared_model.int4_gemv`), `row_gemm`, `tile_gemm` and `table_gemm` (one of
-  the two or `at::mm` by the row count: `shared_model.serving_model`), `tile_gemm_int8` and `tile_gemm_int4`
-  (`shared_model.quantize`), `paged_attention` (`inference_svc.attention.native_cpu`) and `lora_delta_`
+- Once loaded, the operators exist (`torch.ops.tandem.*`), each with a fake kernel for tracing registered here, so a
+  compiled step calls them through the dispatcher with no Python wrapper: `int8_gemv` (`shared_model.int8_gemv`),
+  `int4_gemv` and `int4_dequantize` (`shared_model.int4_gemv`), `row_gemm`, `tile_gemm`, `dot_gemm` and `table_gemm`
+  (row_gemm, the many-row kernel or `at::mm` by the row count: `shared_model.serving_model`), `tile_gemm_int8` and
+  `tile_gemm_int4` (`shared_model.quantize`), `paged_attention` (`inference_svc.attention.native_cpu`) and `lora_delta_`
   (`inference_svc.lora.slots`, in place). The module's own functions (`decode_attention`, `store_kv`, `decode_step`,
-  `truncation_thresholds`, `sample_rows`, `greedy_rows`, `int8_gemv`, `lora_delta_`, `tile_gemm_ready`) are called
-  from Python directly.
+  `truncation_thresholds`, `sample_rows`, `greedy_rows`, `int8_gemv`, `lora_delta_`, `tile_gemm_ready`,
+  `dot_gemm_ready`) are called from Python directly: `tiles()` and `dot_bf16()` say whether the many-row bf16 kernels
+  run (AMX tiles; AVX512_BF16 dot products).
 - The build: torch's extension builder compiles `SOURCES` with `FLAGS` in `~/.cache/tandem/native/<hash>/`, the
   hash covering the sources' and `HEADERS`' names and text, the flags, torch's and Python's versions and the
   compiler. The sources are copied there first and built from the copies, so every clone of the same commit
@@ -101,6 +102,13 @@ def status() -> tuple[bool, str]:
         return False, "it could not be built here (ninja missing or a failed build: see the log)"
     extra = [f for f in ("amx_tile", "avx512_bf16") if f in _cpu_flags()]
     return True, "built for this CPU (AVX-512 BW/VL/VNNI" + "".join(f", {f}" for f in extra) + ")"
+
+
+def dot_bf16() -> bool:
+    """Whether `tandem::dot_gemm` runs in this process: the library is built and the CPU has AVX512_BF16 (the
+    many-row bf16 kernel where AMX tiles are not usable)."""
+    module = library()
+    return module is not None and bool(module.dot_gemm_ready())
 
 
 def tiles() -> bool:
@@ -192,6 +200,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tandem::int8_gemv")
     def _(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], q.shape[0]))  # [N] or [M, N]
+
+    @torch.library.register_fake("tandem::dot_gemm")
+    def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.register_fake("tandem::row_gemm")
     def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -170,7 +170,9 @@ def choose_row_table(config: EngineConfig, native: bool, dtype: torch.dtype) -> 
     """Transform 4's rule for a compiled step's dense projections (None: torch's kernels, without Tandem's)."""
     if not native or dtype not in (torch.float32, torch.bfloat16):
         return None
-    return compiled_row_table(dtype, tiles=tandem_native.tiles(), exact_verify=config.speculative != "off")
+    tiles = tandem_native.tiles()
+    dot = not tiles and tandem_native.dot_bf16()
+    return compiled_row_table(dtype, tiles=tiles, exact_verify=config.speculative != "off", dot=dot)
 
 
 def _method(module: torch.nn.Module) -> tuple[str, str]:

@@ -7,7 +7,7 @@
 // projection, the q and k heads' norms and RoPE, the K/V stores and the decode attention, the output projection and
 // residual, the post-attention norm, the merged gate/up projection, SiLU(gate) * up, the down projection and
 // residual; then the final norm. The projections are the kernels their modules run for these rows (row_gemm.cpp's
-// row_gemm or, past its rows, AMX tile_gemm for a dense weight, by the weight's row table; int8_gemv.cpp's for an
+// row_gemm or, past its rows, AMX tile_gemm (dot_gemm without AMX) for a dense weight, by the weight's row table; int8_gemv.cpp's for an
 // int8 weight's rows; int4_gemv.cpp's for int4 codes) and the attention paged_attention.cpp's, called directly
 // (kernels.h); the rest is here, split by rows over torch's intra-op threads where a step has enough of them. What
 // a compiled graph spends between its kernels (the dispatcher per operator, a fresh output tensor each, a handle per
@@ -152,7 +152,10 @@ struct Projection {
   void operator()(const T* x, T* y, int64_t m, at::ScalarType dtype) const {
     if (kind == kRowGemm) {
       if constexpr (std::is_same_v<T, uint16_t>) {
-        if (m > row_max) return tandem_kernels::tile_gemm_rows(x, ptr<T>(weight), y, m, n, k);
+        if (m > row_max) {  // the many-row kernel: AMX tiles where usable, else AVX512_BF16 dot products
+          if (tandem_tiles::amx_bf16_ready()) return tandem_kernels::tile_gemm_rows(x, ptr<T>(weight), y, m, n, k);
+          return tandem_kernels::dot_gemm_rows(x, ptr<T>(weight), y, m, n, k);
+        }
       }
       tandem_kernels::row_gemm_rows(x, ptr<T>(weight), y, m, n, k);
       return;
@@ -185,8 +188,9 @@ Projection projection(const ProjectionSpec& spec) {
               "projection needs 1 <= row_max <= tile_max, got ", row_max, " and ", tile_max);
   TORCH_CHECK(which != Projection::kInt8Gemv || row_max >= 1, "DecodeRunner: an int8_gemv projection needs its most ",
               "rows (at least 1), got ", row_max);
-  TORCH_CHECK(tile_max == row_max || (weight.scalar_type() == at::kBFloat16 && tandem_tiles::amx_bf16_ready()),
-              "DecodeRunner: tile_gemm rows need a bf16 weight and AMX-BF16 tiles");
+  TORCH_CHECK(tile_max == row_max || (weight.scalar_type() == at::kBFloat16 &&
+                                      (tandem_tiles::amx_bf16_ready() || tandem_kernels::dot_bf16_ready())),
+              "DecodeRunner: rows past row_gemm's need a bf16 weight and AMX-BF16 tiles or AVX512_BF16");
   return {which, weight, scales.value_or(torch::Tensor()), group, n, k, row_max, tile_max};
 }
 inline void attend(const float* q, const float* kc, const float* vc, const int32_t* lens, const int32_t* tables,

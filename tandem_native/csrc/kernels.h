@@ -17,6 +17,10 @@ void row_gemm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m,
 // The same product, bf16, by tile_gemm's kernel (AMX tiles for whole tiles of 16 weight rows, row_gemm's for the
 // rest: each row's bits independent of m); AMX must be usable (row_gemm_tiles()).
 void tile_gemm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t n, int64_t k);
+// The same product, bf16, by dot_gemm.cpp's vdpbf16ps blocks (each row's bits independent of m), where the CPU has
+// AVX512_BF16 (dot_bf16_ready()).
+bool dot_bf16_ready();
+void dot_gemm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t n, int64_t k);
 
 // Checks a decode step's metadata against a cache of `num_blocks` blocks of `block_size` tokens: every context
 // length in [1, max_blocks * block_size] and every block it reads in [0, num_blocks). `op` names the caller in

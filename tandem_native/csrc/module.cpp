@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 void register_decode_runner(pybind11::module_& m);
+void register_dot_gemm(pybind11::module_& m);
 void register_int8_gemv(pybind11::module_& m);
 void register_lora(pybind11::module_& m);
 void register_paged_attention(pybind11::module_& m);
@@ -12,6 +13,7 @@ void register_sampling(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_runner(m);
+  register_dot_gemm(m);
   register_int8_gemv(m);
   register_lora(m);
   register_paged_attention(m);

@@ -135,15 +135,25 @@ torch::Tensor tile_gemm(const torch::Tensor& x, const torch::Tensor& w) {
 }
 
 // The compiled step's projection (shared_model/serving_model.py's row table): the kernel chosen here, by the row
-// count of the call, at run time: M <= row_max rows row_gemm, M <= tile_max tile_gemm (none when tile_max <=
-// row_max), more at::mm(x, w^T) (F.linear's product without a bias, the same call). A graph that branched on M in
+// count of the call, at run time: M <= row_max rows row_gemm, M <= tile_max the many-row bf16 kernel (none when
+// tile_max <= row_max): tile_gemm where this process may use AMX tiles, else dot_gemm (dot_gemm.cpp, AVX512_BF16;
+// the table names the same one, by the same facts), more at::mm(x, w^T) (F.linear's product without a bias). A graph that branched on M in
 // Python traced one graph per branch; this call is one node for every M, each row's bits those of the kernel
 // its row count picks, as before.
 torch::Tensor table_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t row_max, int64_t tile_max) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "table_gemm: x must be [M, K] and w [N, K]");
   const int64_t m = x.size(0);
   if (m <= row_max) return row_gemm(x, w);
-  if (m <= tile_max) return tile_gemm(x, w);
+  if (m <= tile_max) {
+    if (amx_bf16_ready()) return tile_gemm(x, w);
+    check_operands("table_gemm", x, w);
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+                "table_gemm: rows past row_max need bf16 x and w");
+    const auto xc = x.contiguous();
+    auto y = torch::empty({m, w.size(0)}, x.options());
+    tandem_kernels::dot_gemm_rows(bits(xc), bits(w), bits(y), m, w.size(0), w.size(1));
+    return y;
+  }
   return at::mm(x, w.t());
 }
 

@@ -12,6 +12,7 @@ from shared_model.attention import CAUSAL
 from shared_model.config import RopeScaling
 from shared_model.model import build_model
 from shared_model.serving_model import (
+    DOT_MAX_ROWS,
     ROW_KERNEL_MAX_ROWS,
     TILE_MAX_ROWS,
     RowTable,
@@ -89,6 +90,9 @@ def _tables() -> list:
         out.append((f"{name}-fma", dtype, compiled_row_table(dtype, tiles=False, exact_verify=False)))
     if tandem_native.tiles():
         out.append(("bf16-tiles", torch.bfloat16, compiled_row_table(torch.bfloat16, tiles=True, exact_verify=False)))
+    elif tandem_native.dot_bf16():  # table_gemm runs dot_gemm for the same rows only where AMX tiles do not run
+        dot = compiled_row_table(torch.bfloat16, tiles=False, exact_verify=False, dot=True)
+        out.append(("bf16-dot", torch.bfloat16, dot))
     return out
 
 
@@ -138,7 +142,7 @@ def test_a_compiled_row_table_is_one_graph_for_every_row_count_with_each_kernels
     set_row_kernels(model, table)
     head = model.lm_head
     assert head.row_bounds() == () and table.gemm_bounds() is not None
-    kernels = {"row_gemm": torch.ops.tandem.row_gemm, "tile_gemm": torch.ops.tandem.tile_gemm}
+    kernels = {ops: getattr(torch.ops.tandem, ops) for ops in ("row_gemm", "tile_gemm", "dot_gemm")}
     most = table.largest_step
     counter = CompileCounter()
     torch._dynamo.reset()
@@ -175,6 +179,25 @@ def test_tile_gemm_matches_the_exact_product_and_each_row_keeps_its_bits_at_any_
             torch.ops.tandem.tile_gemm(x.float(), w.float())
 
 
+@pytest.mark.skipif(not tandem_native.dot_bf16(), reason="needs a CPU with AVX512_BF16")
+@pytest.mark.parametrize(("n", "k"), [(256, 64), (203, 96), (3, 32)], ids=["blocks", "tail-rows", "one-block"])
+def test_dot_gemm_matches_the_exact_product_and_each_row_keeps_its_bits_at_any_row_count(n: int, k: int) -> None:
+    """Blocks of 4 weight rows x 4 activation rows; a block short of either repeats its last real row. Every row:
+    its own bits, whatever else is in the call (the sums across lanes run the same tree for every output)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(70, k, generator=gen).bfloat16()
+    with torch.inference_mode():
+        exact = x.double() @ w.double().t()
+        full = torch.ops.tandem.dot_gemm(x, w)  # [70, n]
+        assert full.dtype == torch.bfloat16 and full.shape == (70, n)
+        assert (full.double() - exact).abs().max().item() <= 2**-7 * exact.abs().max().item()
+        for lo, hi in ((0, 1), (3, 4), (0, 5), (10, 26), (1, 64), (5, 70)):
+            assert torch.equal(torch.ops.tandem.dot_gemm(x[lo:hi], w), full[lo:hi]), (lo, hi)
+        with pytest.raises(RuntimeError, match="dot_gemm: x and w must be bf16"):
+            torch.ops.tandem.dot_gemm(x.float(), w.float())
+
+
 def test_row_table_describes_itself_and_the_compiled_rule() -> None:
     table = compiled_row_table(torch.bfloat16, tiles=True, exact_verify=False)
     bound = TILE_MAX_ROWS
@@ -183,6 +206,10 @@ def test_row_table_describes_itself_and_the_compiled_rule() -> None:
     exact = compiled_row_table(torch.bfloat16, tiles=True, exact_verify=True)  # verify rows as decode rows score
     assert exact.steps == ((ROW_KERNEL_MAX_ROWS, "row_gemm"),)
     assert compiled_row_table(torch.float32, tiles=True, exact_verify=False).steps == ((2, "row_gemm"),)
+    dot = compiled_row_table(torch.bfloat16, tiles=False, exact_verify=False, dot=True)  # AVX512_BF16 without AMX
+    assert dot.describe() == f"1-2 rows: tandem::row_gemm; 3-{DOT_MAX_ROWS} rows: tandem::dot_gemm; more: F.linear"
+    assert dot.gemm_bounds() == (2, DOT_MAX_ROWS)
+    assert compiled_row_table(torch.float32, tiles=False, exact_verify=False, dot=True).steps == ((2, "row_gemm"),)
     assert RowTable().describe() == "every row count: F.linear"
     linear = ServingLinear(64, 32, bias=False, dtype=torch.bfloat16)
     assert linear.method() == ("mv+linear", "1 row: torch.mv; more: F.linear")

@@ -95,19 +95,24 @@ def test_the_runner_computes_the_serving_decoders_step(dtype: torch.dtype, qk_no
     assert torch.equal(ours.cache.data[:, :, untouched], theirs.cache.data[:, :, untouched])
 
 
-@pytest.mark.skipif(not tandem_native.tiles(), reason="tile_gemm needs AMX-BF16 tiles")
-def test_a_many_row_step_runs_the_tables_tile_kernel_as_the_decoder_does() -> None:
-    """bf16 under the compiled step's tiled row table: a step of 39 rows (past `row_gemm`'s rows: `tile_gemm`'s)
-    through the runner is the serving decoder's step under the same table, within the tolerance, with the K/V
-    stored as it stores them; the runner takes the table's rows, no more."""
+@pytest.mark.skipif(
+    not (tandem_native.tiles() or tandem_native.dot_bf16()), reason="needs AMX-BF16 tiles or AVX512_BF16"
+)
+def test_a_many_row_step_runs_the_tables_many_row_kernel_as_the_decoder_does() -> None:
+    """bf16 under the compiled step's row table for this CPU (`tile_gemm` with AMX, else `dot_gemm`): a step of up to
+    39 rows (past `row_gemm`'s rows: the many-row kernel's) through the runner is the serving decoder's step under the
+    same table, within the tolerance, with the K/V stored as it stores them; the runner takes the table's rows, no
+    more."""
     model = _model(torch.bfloat16)
-    table = compiled_row_table(torch.bfloat16, tiles=True, exact_verify=False)
+    tiles = tandem_native.tiles()
+    table = compiled_row_table(torch.bfloat16, tiles=tiles, exact_verify=False, dot=not tiles)
     bounds = table.gemm_bounds()
-    assert bounds is not None and bounds[0] < 39 <= bounds[1]
+    per = min(13, bounds[1] // 3) if bounds is not None else 0  # queries in each of 3 sequences
+    assert bounds is not None and bounds[0] < 3 * per <= bounds[1]
     assert set_row_kernels(model, table) > 0
     try:
         assert NativeDecode.most_rows(model, 10_000) == bounds[1]
-        rows = [(s, 4 + 9 * i + s) for s in range(3) for i in range(13)]  # 13 queries in each of 3 sequences
+        rows = [(s, 4 + 9 * i + s) for s in range(3) for i in range(per)]
         ours, theirs = _Step(model, rows), _Step(model, rows)
         with torch.inference_mode():
             got = ours.native(NativeDecode(model, 64))
@@ -118,7 +123,7 @@ def test_a_many_row_step_runs_the_tables_tile_kernel_as_the_decoder_does() -> No
     assert got.shape == want.shape and (got.float() - want.float()).abs().max() <= TOL[torch.bfloat16] * scale
     k_got, k_want = ours.cache.data[:, 0].float(), theirs.cache.data[:, 0].float()
     assert (k_got - k_want).abs().max() <= TOL[torch.bfloat16] * k_want.abs().max()
-    # layer 0's V: the same embedding rows, normed (sums in another order), through the same tile_gemm kernel
+    # layer 0's V: the same embedding rows, normed (sums in another order), through the same many-row kernel
     v_got, v_want = ours.cache.data[0, 1].float(), theirs.cache.data[0, 1].float()
     assert torch.allclose(v_got, v_want, rtol=TOL[torch.bfloat16], atol=1e-3)
 
