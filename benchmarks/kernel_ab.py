@@ -7,10 +7,10 @@ taking turns round by round on the same weights, so the host's drift moves both 
 
 What it does:
 1. Reads the kernel's file (`--kernel row_gemm` or `tile_gemm`, bf16 only: tandem_native/csrc/row_gemm.cpp;
-   `int4_gemv`: int4_gemv.cpp; `int8_gemv`, one row only: int8_gemv.cpp) and
-   the headers beside it at `--baseline` (a git revision, through `git show`) and in this checkout, renames the op
-   namespace (`tandem` -> `tandem_ab_base` / `tandem_ab_new`), leaves out the module's Python registrations, and
-   builds each alone with the library's own flags (`tandem_native.loader.FLAGS`) under
+   `int4_gemv`: int4_gemv.cpp; `int8_gemv`, one row only: int8_gemv.cpp) and the headers beside it at `--baseline`
+   (a git revision, through `git show`) and in this checkout, renames the op namespace (`tandem` -> `tandem_ab_base`
+   / `tandem_ab_new`), leaves out the module's Python registrations, and builds each alone (with the files it calls
+   into there, `COMPANIONS`) with the library's own flags (`tandem_native.loader.FLAGS`) under
    `~/.cache/tandem/kernel_ab/<hash of the source>`.
 2. Checks what each computes: at 1-4 rows and `--rows`, whether the two builds give the same bits, and each one's
    largest difference from the fp32 reference (`x @ w.T` for the dense kernels; `shared_model.int4_gemv.reference`
@@ -51,6 +51,9 @@ KERNELS = {
     "int4_gemv": "int4_gemv.cpp",
     "int8_gemv": "int8_gemv.cpp",
 }
+COMPANIONS = {"row_gemm.cpp": ("dot_gemm.cpp",)}
+"""Files a kernel file calls into (`row_gemm.cpp`'s `table_gemm` runs `dot_gemm.cpp`'s kernel without AMX): built
+beside it where the revision has them, so the side loads without an undefined symbol."""
 DENSE = ("row_gemm", "tile_gemm")
 """The dense kernels (bf16 or fp32 weights; `tile_gemm`: bf16 on AMX tiles, for many rows)."""
 CACHE = Path.home() / ".cache" / "tandem" / "kernel_ab"
@@ -85,19 +88,36 @@ def namespaced(text: str, namespace: str, what: str) -> str:
     return text
 
 
+def companions_at(rev: str | None, file: str) -> list[str]:
+    """`COMPANIONS` of `file` that exist at `rev` (None: this checkout)."""
+    names = COMPANIONS.get(file, ())
+    if rev is None:
+        return [n for n in names if (REPO / CSRC / n).exists()]
+    listed = subprocess.run(["git", "ls-tree", "--name-only", rev, f"{CSRC}/"], cwd=REPO, check=True,
+                            capture_output=True, text=True).stdout.split()  # fmt: skip
+    return [n for n in names if f"{CSRC}/{n}" in listed]
+
+
 def build(kernel: str, rev: str | None, namespace: str):
-    """`kernel`'s file at `rev` built alone with its ops under `torch.ops.<namespace>`; returns that namespace."""
-    what = f"{KERNELS[kernel]} at {rev or 'this checkout'}"
-    text = namespaced(source_at(rev, f"{CSRC}/{KERNELS[kernel]}"), namespace, what)
+    """`kernel`'s file at `rev` (and its `COMPANIONS` there) built with its ops under `torch.ops.<namespace>`;
+    returns that namespace."""
+    file = KERNELS[kernel]
+    texts = [
+        namespaced(source_at(rev, f"{CSRC}/{name}"), namespace, f"{name} at {rev or 'this checkout'}")
+        for name in (file, *companions_at(rev, file))
+    ]
     headers = headers_at(rev)
-    key = hashlib.sha256("\0".join([text, *sorted(headers.values()), *loader.FLAGS, torch.__version__]).encode())
+    key = hashlib.sha256("\0".join([*texts, *sorted(headers.values()), *loader.FLAGS, torch.__version__]).encode())
     folder = CACHE / f"{namespace}-{key.hexdigest()[:16]}"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{namespace}.cpp").write_text(text)
+    sources = []
+    for i, text in enumerate(texts):
+        sources.append(folder / (f"{namespace}.cpp" if i == 0 else f"{namespace}_{i}.cpp"))
+        sources[-1].write_text(text)
     for name, body in headers.items():
         (folder / name).write_text(body)
     t0 = time.monotonic()
-    load(name=namespace, sources=[str(folder / f"{namespace}.cpp")], extra_cflags=loader.FLAGS,
+    load(name=namespace, sources=[str(s) for s in sources], extra_cflags=loader.FLAGS,
          extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False)  # fmt: skip
     print(f"built {kernel} at {rev or 'this checkout'} as torch.ops.{namespace} ({time.monotonic() - t0:.0f} s)")
     return getattr(torch.ops, namespace)

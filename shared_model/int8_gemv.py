@@ -15,7 +15,9 @@ Contract:
 - `available()`: True when this machine can run it: Tandem's native library (`tandem_native`) is built (x86-64
   Linux with AVX-512 VNNI, a C++ compiler and ninja). Whether a layer uses it is its builder's choice
   (`shared_model.quantize`'s `row_kernels`); otherwise it runs torch's `_weight_int8pack_mm`.
-- Only rows whose length K is a multiple of 64 qualify (`activation_group(K)` is None otherwise).
+- Only rows whose length K is a multiple of 64 qualify (`activation_group(K)` is None otherwise), and only codes in
+  [-127, 127], as `shared_model.quantize.quantize_int8` makes them (-128 is not checked for, per call: its product
+  would take the wrong sign in the one-row path).
 - Why: torch's `_weight_int8pack_mm` converts every weight to fp32 and multiplies there; this kernel multiplies
   bytes and reads more weight bytes a second, on sets that fit the caches and on sets larger than them
   (`benchmarks/gemv_probe.py`; measured: docs/benchmarks.md §15 and docs/benchmarks-archive.md §7, "An int8 × int8
@@ -31,8 +33,9 @@ import torch
 import tandem_native
 
 MAX_ROWS = 64
-"""The most rows of a call to `int8_gemv` from a layer without AMX tiles: a decode step of up to 64 streams; a
-prefill chunk's rows go to oneDNN's GEMM over the dequantized weight (docs/benchmarks.md §43)."""
+"""The most rows of a call to `int8_gemv` from a layer without AMX tiles: a decode step of up to 64 streams (and a
+prompt chunk that short, whose activations are then rounded to int8 too); a longer chunk's rows go to oneDNN's GEMM
+over the dequantized weight (docs/benchmarks.md §43)."""
 
 
 def activation_group(k: int) -> int | None:

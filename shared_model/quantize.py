@@ -143,8 +143,9 @@ def compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
 
 
 def int8_row_kernel(in_features: int, device: torch.device) -> bool:
-    """Whether an int8 layer of `in_features` inputs on `device` runs one activation row through
-    `shared_model.int8_gemv` (activations rounded to int8 in groups), which its reference then models too."""
+    """Whether an int8 layer of `in_features` inputs on `device` runs its calls of up to `int8_gemv_rows` activation
+    rows through `shared_model.int8_gemv` (activations rounded to int8 in groups), which its reference then models
+    too."""
     return device.type == "cpu" and int8_gemv.activation_group(in_features) is not None and int8_gemv.available()
 
 
@@ -263,7 +264,7 @@ class QuantizedLinear(nn.Module):
         device = weight.device
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self._int4_block_rows = 0  # int4 on CPU: rows per block of torch's packed layout, 0 when not recognized
-        self._row_kernel = False  # a VNNI CPU: int8's single row, int4's decode batches run Tandem's kernels
+        self._row_kernel = False  # a VNNI CPU: int8's and int4's calls of few rows run Tandem's kernels
         self._tile_kernel = False  # bf16 on an AMX CPU: int8's 2.., int4's INT4_TILE_MIN_ROWS.. up to TILE_MAX_ROWS
         self._gemv_rows = 0  # with the row kernel: the most rows of a call to tandem::int8_gemv / int4_gemv
         if kind == "int8":

@@ -1,5 +1,6 @@
-// Activation rows times an int8 weight (values in [-127, 127], as shared_model.quantize makes them), with AVX-512
-// VNNI: y[m, n] = scale[n] * sum_g s_mg * sum_{k in g} w[n, k] * xq[m, k].
+// Activation rows times an int8 weight (values in [-127, 127], as shared_model.quantize makes them; -128 is not
+// checked for, per call, and would take the wrong sign in `one_row`), with AVX-512 VNNI:
+// y[m, n] = scale[n] * sum_g s_mg * sum_{k in g} w[n, k] * xq[m, k].
 //
 // Each activation row is quantized once per call to int8 in groups of `group` inputs (s_mg = max|x_mg| / 127,
 // xq = nearbyint(x * (1 / s_mg)), as shared_model/int8_gemv.py's reference does). The products run on vpdpbusd,
@@ -74,20 +75,22 @@ template <typename X>
 Quantized quantize_rows(const X* xp, int64_t m, int64_t k, int64_t group) {
   const int64_t groups = k / group;
   Quantized a{Aligned<int8_t>(m * k), Aligned<__m512i>(m * groups), std::vector<float>(m * groups)};
-  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));  // 128 as an unsigned byte
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      const X* x = xp + r * k + g * group;
-      const auto [s, inv] = group_scale(x, group);
-      a.scale[r * groups + g] = s;
-      __m512i off = _mm512_setzero_si512();
-      for (int64_t i = 0; i < group; i += 64) {
-        const __m512i q = codes64(x + i, inv);
-        _mm512_store_si512(a.xq.data() + r * k + g * group + i, q);
-        off = _mm512_dpbusd_epi32(off, bias, q);
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {  // each row its own slices of a
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));  // 128 as an unsigned byte
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        const X* x = xp + r * k + g * group;
+        const auto [s, inv] = group_scale(x, group);
+        a.scale[r * groups + g] = s;
+        __m512i off = _mm512_setzero_si512();
+        for (int64_t i = 0; i < group; i += 64) {
+          const __m512i q = codes64(x + i, inv);
+          _mm512_store_si512(a.xq.data() + r * k + g * group + i, q);
+          off = _mm512_dpbusd_epi32(off, bias, q);
+        }
+        a.off[r * groups + g] = off;
       }
-      a.off[r * groups + g] = off;
-    }
+  });
   return a;
 }
 

@@ -40,6 +40,9 @@ def test_the_baseline_is_read_from_git_with_the_headers_of_that_revision() -> No
         pytest.skip("not a git checkout")
     ab = load_benchmark("kernel_ab")
     assert "row_gemm" in ab.source_at("HEAD", f"{ab.CSRC}/row_gemm.cpp")
+    # row_gemm.cpp's table_gemm calls dot_gemm.cpp's kernel: built beside it, from the working tree and from git
+    assert ab.companions_at(None, "row_gemm.cpp") == ab.companions_at("HEAD", "row_gemm.cpp") == ["dot_gemm.cpp"]
+    assert ab.companions_at(None, "int8_gemv.cpp") == []
     headers = ab.headers_at("HEAD")
     assert {"tiles.h", "int4_layout.h", "line_aligned.h"} <= set(headers)
     assert all(name.endswith(".h") and "#pragma once" in body for name, body in headers.items())
