@@ -160,42 +160,42 @@ def test_a_compiled_row_table_is_one_graph_for_every_row_count_with_each_kernels
     assert head.row_bounds() == ((1,) if dtype == torch.bfloat16 else ())  # eager: torch.mv for one bf16 row
 
 
-@pytest.mark.skipif(not tandem_native.tiles(), reason="needs a CPU with AMX-BF16 tiles this process may use")
-@pytest.mark.parametrize(("n", "k"), [(256, 64), (200, 96), (40, 32)], ids=["tiles", "tail-rows", "one-tile"])
-def test_tile_gemm_matches_the_exact_product_and_each_row_keeps_its_bits_at_any_row_count(n: int, k: int) -> None:
-    """Up to 64 rows share one read of the weight (four activation tiles); more rows take passes of 64; weight rows
-    past the last whole tile of 16 run the FMA kernel. Every row: its own bits, whatever else is in the call."""
+_MANY_ROW_KERNELS = [
+    pytest.param(
+        "tile_gemm",
+        "x and w must both be bf16",
+        marks=pytest.mark.skipif(not tandem_native.tiles(), reason="needs AMX-BF16 tiles this process may use"),
+    ),
+    pytest.param(
+        "dot_gemm",
+        "x and w must be bf16",
+        marks=pytest.mark.skipif(not tandem_native.dot_bf16(), reason="needs a CPU with AVX512_BF16"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("kernel", "refusal"), _MANY_ROW_KERNELS)
+@pytest.mark.parametrize(("n", "k"), [(256, 64), (203, 96), (3, 32), (40, 32)])
+def test_many_row_kernels_match_the_exact_product_and_each_row_keeps_its_bits_at_any_row_count(
+    kernel: str, refusal: str, n: int, k: int
+) -> None:
+    """tile_gemm: up to 64 rows share one read of the weight (four activation tiles), more take passes of 64, weight
+    rows past the last whole tile of 16 run the FMA kernel. dot_gemm: blocks of 4 weight rows x 4 activation rows,
+    a block short of either repeating its last real row, the sums across lanes one tree for every output. Every row:
+    its own bits, whatever else is in the call."""
+    op = getattr(torch.ops.tandem, kernel)
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=gen).bfloat16()
     x = torch.randn(70, k, generator=gen).bfloat16()
     with torch.inference_mode():
         exact = x.double() @ w.double().t()
-        full = torch.ops.tandem.tile_gemm(x, w)  # [70, n]
+        full = op(x, w)  # [70, n]
         assert full.dtype == torch.bfloat16 and full.shape == (70, n)
         assert (full.double() - exact).abs().max().item() <= 2**-7 * exact.abs().max().item()
-        for lo, hi in ((0, 1), (3, 4), (0, 5), (10, 26), (0, 64), (5, 70)):
-            assert torch.equal(torch.ops.tandem.tile_gemm(x[lo:hi], w), full[lo:hi]), (lo, hi)
-        with pytest.raises(RuntimeError, match="tile_gemm: x and w must both be bf16"):
-            torch.ops.tandem.tile_gemm(x.float(), w.float())
-
-
-@pytest.mark.skipif(not tandem_native.dot_bf16(), reason="needs a CPU with AVX512_BF16")
-@pytest.mark.parametrize(("n", "k"), [(256, 64), (203, 96), (3, 32)], ids=["blocks", "tail-rows", "one-block"])
-def test_dot_gemm_matches_the_exact_product_and_each_row_keeps_its_bits_at_any_row_count(n: int, k: int) -> None:
-    """Blocks of 4 weight rows x 4 activation rows; a block short of either repeats its last real row. Every row:
-    its own bits, whatever else is in the call (the sums across lanes run the same tree for every output)."""
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(n, k, generator=gen).bfloat16()
-    x = torch.randn(70, k, generator=gen).bfloat16()
-    with torch.inference_mode():
-        exact = x.double() @ w.double().t()
-        full = torch.ops.tandem.dot_gemm(x, w)  # [70, n]
-        assert full.dtype == torch.bfloat16 and full.shape == (70, n)
-        assert (full.double() - exact).abs().max().item() <= 2**-7 * exact.abs().max().item()
-        for lo, hi in ((0, 1), (3, 4), (0, 5), (10, 26), (1, 64), (5, 70)):
-            assert torch.equal(torch.ops.tandem.dot_gemm(x[lo:hi], w), full[lo:hi]), (lo, hi)
-        with pytest.raises(RuntimeError, match="dot_gemm: x and w must be bf16"):
-            torch.ops.tandem.dot_gemm(x.float(), w.float())
+        for lo, hi in ((0, 1), (3, 4), (0, 5), (10, 26), (0, 64), (1, 64), (5, 70)):
+            assert torch.equal(op(x[lo:hi], w), full[lo:hi]), (lo, hi)
+        with pytest.raises(RuntimeError, match=f"{kernel}: {refusal}"):
+            op(x.float(), w.float())
 
 
 def test_row_table_describes_itself_and_the_compiled_rule() -> None:

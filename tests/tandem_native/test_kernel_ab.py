@@ -3,6 +3,7 @@ tree and from git, comes out with its ops under the side's namespace and without
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 from pathlib import Path
@@ -56,7 +57,7 @@ def test_a_token_of_projections_runs_each_kernel_against_its_reference(kernel: s
     """The timed token is what each kernel computes on a decoder's shapes (the library's own ops as a side): every
     projection's output matches the kernel's reference, and the LM head is there but for int4 (its model's is int8)."""
     ab = load_benchmark("kernel_ab")
-    args = ab.argparse.Namespace(hidden=128, intermediate=256, kv_size=64, layers=2, vocab=512)
+    args = argparse.Namespace(hidden=128, intermediate=256, kv_size=64, layers=2, vocab=512)
     proj = ab.Projections(kernel, torch.bfloat16, args)
     assert len(proj.mats) == 4 * args.layers + (0 if kernel == "int4_gemv" else 1)
     assert proj.bytes > 0
