@@ -4,8 +4,8 @@ Times one activation row against `--matrices` weight matrices of `--rows` x `--c
 with the defaults' 12 x 4096 x 768 in fp32), best of `--rounds` interleaved rounds so that every kernel sees the
 same machine load, for: `shared_model.int8_gemv` (the VNNI kernel an int8 layer runs for one row, where the CPU
 has it), `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (through `QuantizedLinear`'s own
-packing) with bf16 activations, `F.linear` in fp32 and bf16, `torch.mv` in bf16 (what `ServingLinear` runs
-for one bf16 row eagerly) and `tandem::row_gemm` in fp32 and bf16 (what it runs compiled). `--row-counts`
+packing) with bf16 activations, `F.linear` in fp32 and bf16, `torch.mv` in bf16 (what `ServingLinear` ran
+for one bf16 row eagerly until §44) and `tandem::row_gemm` in fp32 and bf16 (what it runs compiled). `--row-counts`
 adds F.linear against row_gemm at a few rows (verify steps, decode batches). The figures: docs/benchmarks.md §15.
 
     .venv/bin/python benchmarks/gemv_probe.py [--threads 2] [--rows 4096 --cols 768 --matrices 12] [--row-counts 5]

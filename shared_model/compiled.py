@@ -270,8 +270,8 @@ class CompiledDecoder:
 
     def __init__(self, model: ServingDecoder, row_table: RowTable | None = None, dynamic_threads: bool = False) -> None:
         """`row_table`: the projections' kernels by row count (`serving_model.compiled_row_table`); None keeps
-        `torch.mv` / `F.linear` (the caller's choice of kernels). `dynamic_threads`: the graphs run on the intra-op
-        thread count of each call (module docstring, Threads); False: on the count they were compiled at."""
+        `F.linear` (the caller's choice of kernels). `dynamic_threads`: the graphs run on the intra-op thread count
+        of each call (module docstring, Threads); False: on the count they were compiled at."""
         self.model = model
         self.row_table = row_table
         self.dynamic_threads = dynamic_threads
@@ -349,8 +349,7 @@ class CompiledDecoder:
         return self.model.hidden_states(input_ids, positions, backend)
 
     def release_row_kernels(self) -> None:
-        """Give the model back its eager projections (`torch.mv`, bit-equal to `F.linear`): when this compiled
-        forward is dropped."""
+        """Give the model back its eager projections (`F.linear`): when this compiled forward is dropped."""
         set_row_kernels(self.model, None)
         self.row_table, self.row_kernels = None, 0
 

@@ -18,8 +18,9 @@ Contract:
 - Its projections (`qkv`, `o_proj`, `gate_up`, `down_proj` of each layer, `lm_head`) are `ServingLinear`s until
   `shared_model.quantize` swaps in `QuantizedLinear`s. A `ServingLinear` is an `nn.Linear` sharing the same parameters
   that picks its kernel by the row count of a call from its `RowTable` (one literal table per projection, the only place
-  a row count chooses anything). Eager serving's table keeps the training decoder's bits: a bias-free bf16 CPU row runs
-  `torch.mv` (the same bits as `F.linear`, tested at decode shapes), every other call `F.linear`.
+  a row count chooses anything). Eager serving's table is the training decoder's kernel, `F.linear`, for every call, so
+  it keeps that decoder's bits. (`torch.mv` for one bf16 row is not among the kernels: oneDNN's bf16 GEMV and GEMM
+  sum in orders that depend on the CPU, and on an AMD Zen 4 they differed for about one weight in eight.)
   `set_row_kernels(decoder, table)` (the compiled step's choice, `shared_model.compiled`, with the table from
   `compiled_row_table`) gives the bias-free fp32 and bf16 projections Tandem's kernels where they are built
   (`tandem_native`): `tandem::row_gemm` (fused multiply-adds; streams the weight fastest for one or two rows) and, for
@@ -64,7 +65,6 @@ DOT_MAX_ROWS = 32
 (`row_gemm` streams one or two faster) to 32 it beat `F.linear` on an AMD Zen 4; at 64 its activation rows no longer
 stay in L1 between weight rows and oneDNN's blocked GEMM (`F.linear`) wins (docs/benchmarks.md §43)."""
 _KERNEL_NAMES = {
-    "mv": "torch.mv",
     "row_gemm": "tandem::row_gemm",
     "tile_gemm": "tandem::tile_gemm",
     "dot_gemm": "tandem::dot_gemm",
@@ -75,8 +75,7 @@ _KERNEL_NAMES = {
 @dataclass(frozen=True)
 class RowTable:
     """A projection's kernel by the row count of a call: the first `(most rows, kernel)` step that holds, else
-    `more`. Kernels: 'mv' (one bf16 row, `torch.mv`), 'row_gemm', 'tile_gemm', 'dot_gemm' (Tandem's) and 'linear'
-    (`F.linear`)."""
+    `more`. Kernels: 'row_gemm', 'tile_gemm', 'dot_gemm' (Tandem's) and 'linear' (`F.linear`)."""
 
     steps: tuple[tuple[int, str], ...] = ()
     more: str = "linear"
@@ -114,9 +113,8 @@ class RowTable:
         return "; ".join(parts)
 
 
-EAGER_BF16_TABLE = RowTable(((1, "mv"),))
-"""Eager bias-free bf16 on the CPU: `torch.mv` for one row, bit-equal to `F.linear`."""
 PLAIN_TABLE = RowTable()
+"""Eager serving: `F.linear` for every call, the training decoder's kernel and bits."""
 
 
 def compiled_row_table(dtype: torch.dtype, tiles: bool, exact_verify: bool, dot: bool = False) -> RowTable:
@@ -150,19 +148,11 @@ class ServingLinear(nn.Linear):
         return out
 
     row_table: RowTable | None = None
-    """The compiled step's table (`set_row_kernels`); None: the eager table (`eager_table`)."""
-
-    def eager_table(self) -> RowTable:
-        w = self.weight
-        return (
-            EAGER_BF16_TABLE
-            if self.bias is None and w.dtype == torch.bfloat16 and w.device.type == "cpu"
-            else PLAIN_TABLE
-        )
+    """The compiled step's table (`set_row_kernels`); None: `PLAIN_TABLE`."""
 
     @property
     def table(self) -> RowTable:
-        return self.row_table if self.row_table is not None else self.eager_table()
+        return self.row_table if self.row_table is not None else PLAIN_TABLE
 
     def can_use_row_kernel(self) -> bool:
         w = self.weight
@@ -195,8 +185,6 @@ class ServingLinear(nn.Linear):
         kernel = self.table.kernel(rows)
         if kernel == "linear" or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
-        if kernel == "mv":
-            return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], self.out_features)  # [..., out]
         op = {"tile_gemm": torch.ops.tandem.tile_gemm, "dot_gemm": torch.ops.tandem.dot_gemm}.get(kernel)
         op = op if op is not None else torch.ops.tandem.row_gemm
         y = op(x.reshape(rows, x.shape[-1]), self.weight)  # [rows, out]
