@@ -60,10 +60,11 @@ TILE_MAX_ROWS = 192
 64 rows a pass over the weight, below `F.linear`'s cost (and far below dequantize + GEMM's) to 192 rows, as a step
 of decodes beside a short prompt has; from about 256, as a whole prefill chunk, oneDNN's blocked GEMM (`F.linear`)
 wins (docs/benchmarks.md: the tiles' pipeline)."""
-DOT_MAX_ROWS = 32
+DOT_MAX_ROWS = 64
 """Rows up to which `tandem::dot_gemm` (AVX512_BF16 dot products, where AMX tiles are not usable) runs: from 3 rows
-(`row_gemm` streams one or two faster) to 32 it beat `F.linear` on an AMD Zen 4; at 64 its activation rows no longer
-stay in L1 between weight rows and oneDNN's blocked GEMM (`F.linear`) wins (docs/benchmarks.md §43)."""
+(`row_gemm` streams one or two faster) to 64 it beat `F.linear` on an AMD Zen 4, and a 64-stream decode step then
+runs in the decode runner instead of the graph; from about 96 rows oneDNN's blocked GEMM (`F.linear`) wins
+(docs/benchmarks.md §43, §44)."""
 _KERNEL_NAMES = {
     "row_gemm": "tandem::row_gemm",
     "tile_gemm": "tandem::tile_gemm",

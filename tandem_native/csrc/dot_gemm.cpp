@@ -6,12 +6,15 @@
 // row at once into 16 fp32 lanes, so each of the 16 (weight row, activation row) pairs keeps one accumulator, and a
 // block loads 4 + 4 vectors for 16 of them (the weight rows stay in L1 for the next block of activation rows; the
 // next weight rows are prefetched into L2 meanwhile). The 16 accumulators are summed across their lanes together
-// (a tree of unpacks and adds), the same tree for every one of them.
+// (a tree of unpacks and adds), the same tree for every one of them, and the 16 sums put in output order and
+// rounded to bf16 by one instruction each (vcvtneps2bf16). A pass of 4 weight rows runs every activation block in
+// one call, the block inlined into it: per block, only the sums' tree and four 8-byte stores beside the products.
 //
 // Bits: each output's sum runs over k in the same order, from its own weight row and activation row alone, at any
 // row count (a block short of rows repeats its last real row, whose outputs are dropped), so a row's bits do not
 // depend on the others in the step. vdpbf16ps treats denormal inputs and results as zero (its definition), unlike
-// row_gemm's fused multiply-adds: the bits differ from row_gemm's and F.linear's in the last places.
+// row_gemm's fused multiply-adds, and vcvtneps2bf16 rounds to nearest even as Tensor.to does but flushes a denormal
+// sum to zero: the bits differ from row_gemm's and F.linear's in the last places.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -21,6 +24,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
 
 #include "kernels.h"
 
@@ -60,10 +64,19 @@ const std::array<int, 16>& lanes() {
   return lane;
 }
 
-// One block: weight rows w[0..kW) (`rows` real) times activation rows x[0..kA) (`acts` real) over k columns.
-__attribute__((target("avx512f,avx512bf16"))) void block(const uint16_t* const w[kW], const uint16_t* const x[kA],
-                                                         int64_t k, const uint16_t* next, uint16_t* y, int64_t ldy,
-                                                         int64_t rows, int64_t acts, const std::array<int, 16>& lane) {
+// The permutation that puts a block's sums in output order: activation row j's kW outputs at lanes kW*j .. kW*j+3.
+std::array<int32_t, 16> output_order() {
+  std::array<int32_t, 16> order{};
+  for (int j = 0; j < kA; ++j)
+    for (int i = 0; i < kW; ++i) order[j * kW + i] = lanes()[i * kA + j];
+  return order;
+}
+
+// One block: weight rows w[0..kW) (`rows` real) times activation rows x[0..kA) (`acts` real) over k columns; the
+// sums rounded to bf16 together (vcvtneps2bf16: to nearest even, as Tensor.to, a denormal sum flushed to zero).
+__attribute__((target("avx512f,avx512bf16,avx512vl"), always_inline)) inline void block(
+    const uint16_t* const w[kW], const uint16_t* const x[kA], int64_t k, const uint16_t* next, uint16_t* y,
+    int64_t ldy, int64_t rows, int64_t acts, __m512i order) {
   __m512 acc[kW * kA];
   for (int i = 0; i < kW * kA; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t c = 0; c < k; c += 32) {
@@ -79,11 +92,34 @@ __attribute__((target("avx512f,avx512bf16"))) void block(const uint16_t* const w
       for (int j = 0; j < kA; ++j) acc[i * kA + j] = _mm512_dpbf16_ps(acc[i * kA + j], wv, xv[j]);
     }
   }
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, sum16(acc));
-  for (int64_t j = 0; j < acts; ++j)
-    for (int64_t i = 0; i < rows; ++i)
-      y[j * ldy + i] = c10::BFloat16(sums[lane[i * kA + j]]).x;  // rounded to nearest even, as Tensor.to
+  // [16] bf16, activation row j's outputs at kW * j
+  const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_permutexvar_ps(order, sum16(acc)));
+  alignas(32) uint16_t bits[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(bits), out);
+  if (rows == kW) {
+    for (int64_t j = 0; j < acts; ++j) std::memcpy(y + j * ldy, bits + kW * j, sizeof(uint16_t) * kW);
+  } else {
+    for (int64_t j = 0; j < acts; ++j)
+      for (int64_t i = 0; i < rows; ++i) y[j * ldy + i] = bits[kW * j + i];
+  }
+}
+
+// One pass: weight rows [r0, r0 + kW) (`rows` real) against every activation row, the next pass's weight rows
+// prefetched into L2 during the first block.
+__attribute__((target("avx512f,avx512bf16,avx512vl"))) void pass(const uint16_t* x, const uint16_t* w, uint16_t* y,
+                                                                 int64_t m, int64_t n, int64_t k, int64_t r0,
+                                                                 const std::array<int32_t, 16>& order_lanes) {
+  const __m512i order = _mm512_loadu_si512(order_lanes.data());
+  const int64_t rows = std::min(kW, n - r0);
+  const uint16_t* wr[kW];
+  for (int64_t i = 0; i < kW; ++i) wr[i] = w + (r0 + std::min(i, rows - 1)) * k;  // past the end: repeated
+  const uint16_t* next = w + std::min(r0 + kW, n - 1) * k;
+  for (int64_t a0 = 0; a0 < m; a0 += kA) {
+    const int64_t acts = std::min(kA, m - a0);
+    const uint16_t* xr[kA];
+    for (int64_t j = 0; j < kA; ++j) xr[j] = x + (a0 + std::min(j, acts - 1)) * k;
+    block(wr, xr, k, a0 == 0 ? next : nullptr, y + a0 * n + r0, n, rows, acts, order);
+  }
 }
 
 }  // namespace
@@ -101,20 +137,9 @@ bool dot_bf16_ready() {
 void dot_gemm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t n, int64_t k) {
   TORCH_CHECK(dot_bf16_ready(), "dot_gemm: this CPU has no AVX512_BF16");
   TORCH_CHECK(k % 32 == 0, "dot_gemm: K must be a multiple of 32");
-  const auto& lane = lanes();
+  static const std::array<int32_t, 16> order = output_order();
   at::parallel_for(0, (n + kW - 1) / kW, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t pass = begin; pass < end; ++pass) {
-      const int64_t r0 = pass * kW, rows = std::min(kW, n - r0);
-      const uint16_t* wr[kW];
-      for (int64_t i = 0; i < kW; ++i) wr[i] = w + (r0 + std::min(i, rows - 1)) * k;  // past the end: repeated
-      const uint16_t* next = w + std::min(r0 + kW, n - 1) * k;
-      for (int64_t a0 = 0; a0 < m; a0 += kA) {
-        const int64_t acts = std::min(kA, m - a0);
-        const uint16_t* xr[kA];
-        for (int64_t j = 0; j < kA; ++j) xr[j] = x + (a0 + std::min(j, acts - 1)) * k;
-        block(wr, xr, k, a0 == 0 ? next : nullptr, y + a0 * n + r0, n, rows, acts, lane);
-      }
-    }
+    for (int64_t p = begin; p < end; ++p) pass(x, w, y, m, n, k, p * kW, order);
   });
 }
 
