@@ -100,6 +100,12 @@ class EngineConfig:
     """Most tokens (decode tokens + prefill chunk tokens) computed in one engine step: a number, or 'auto' (on a CPU
     prefill_chunk_size + max_num_seqs, one whole chunk beside every running decode, so a burst of prompts gets its
     first tokens over short steps; 2048 on a GPU: `inference_svc.executor.step_budget`)."""
+    prefill_group_tokens: int | str = "auto"
+    """Most prefill tokens of one step, prompts of the running sequences' chunks and new admissions summed: once a
+    step holds this many, no further waiting prompt joins it (the step's first chunk always does, up to
+    prefill_chunk_size). A number, or 'auto' (on a CPU 256 tokens or the step budget if smaller, so a burst of short
+    prompts gets its first tokens over two or more steps instead of all at the end of one; on a GPU the step budget,
+    no limit: `inference_svc.executor.step_budget`)."""
     enable_chunked_prefill: bool = True
     """Split long prompts into chunks of at most prefill_chunk_size tokens, interleaved with decodes."""
     prefill_chunk_size: int = 512
@@ -196,10 +202,14 @@ class EngineConfig:
     """Largest LoRA rank an adapter may have; a higher one is refused. Slots are sized by it."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_num_batched_tokens, str) and self.max_num_batched_tokens.strip().isdigit():
-            object.__setattr__(self, "max_num_batched_tokens", int(self.max_num_batched_tokens))  # a flag's text
         names = ["block_size", "max_num_seqs", "prefill_chunk_size"]
-        for name in names + ([] if self.max_num_batched_tokens == "auto" else ["max_num_batched_tokens"]):
+        for name in ("max_num_batched_tokens", "prefill_group_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.strip().isdigit():
+                object.__setattr__(self, name, int(value))  # a flag's text
+            if getattr(self, name) != "auto":
+                names.append(name)
+        for name in names:
             _positive_int(name, getattr(self, name))
         _positive_int("max_new_tokens_limit", self.max_new_tokens_limit)
         if self.max_model_len is not None:

@@ -81,7 +81,7 @@ from inference_svc.executor import compile_cache, governor
 from inference_svc.executor import prepare as executor  # a module: it imports the engine's config in turn
 from inference_svc.executor.governor import ThreadGovernor
 from inference_svc.executor.plan import LoadPlan
-from inference_svc.executor.step_budget import choose_step_budget
+from inference_svc.executor.step_budget import choose_prefill_group, choose_step_budget
 from inference_svc.executor.threads import settle as settle_threads
 from inference_svc.lora import requests as lora_requests
 from shared_model.bundle import Bundle
@@ -112,7 +112,9 @@ class Engine:
         governed, governor_choice = governor.resolve(config.thread_governor, settled.threads, device.type == "cpu")
         budget, budget_choice = choose_step_budget(config.max_num_batched_tokens, device.type,
                                                    config.prefill_chunk_size, config.max_num_seqs)  # fmt: skip
-        self.config = config = dataclasses.replace(config, max_num_batched_tokens=budget)  # the scheduler's count
+        group, group_choice = choose_prefill_group(config.prefill_group_tokens, device.type, budget)
+        self.config = config = dataclasses.replace(config, max_num_batched_tokens=budget,
+                                                   prefill_group_tokens=group)  # the scheduler's counts  # fmt: skip
         self.thread_governor = ThreadGovernor(settled.threads, settled.cpus, governed)
         """The intra-op thread count of the steps, polled between them (`inference_svc.executor.governor`)."""
         native, cpu_choice = executor.choose_cpu_kernels(config, device)
@@ -204,7 +206,7 @@ class Engine:
                         r.drop_compiled()
             cache_choice = cache.finish(self.compiled)
         self.load_plan = LoadPlan((
-            *settled.choices, governor_choice, budget_choice, cpu_choice, *prepared.choices,
+            *settled.choices, governor_choice, budget_choice, group_choice, cpu_choice, *prepared.choices,
             *executor.linear_choices(model), attention_choice, executor.sampler_choice(native, device), compile_choice,
             runner_choice, cache_choice,
         ))  # fmt: skip

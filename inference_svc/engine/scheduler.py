@@ -11,8 +11,9 @@ Contract:
        remaining tokens, the context or the step's budget, and backed by free blocks only (drafts never preempt);
     2. then the prefill chunks of running sequences still prefilling (at most `prefill_chunk_size` tokens each);
     3. then new admissions from the head of `waiting`, while blocks for the whole prompt are free (prefix-cache
-       hits included), the sequence cap allows it and token budget remains. Admission is FCFS: the head of the
-       queue is never overtaken. Nothing is admitted in a step that had to preempt.
+       hits included), the sequence cap allows it, token budget remains and the step's prefill tokens (steps 2
+       and 3) stay within `prefill_group_tokens` (a step's first prefill chunk always fits). Admission is FCFS: the
+       head of the queue is never overtaken. Nothing is admitted in a step that had to preempt.
   With chunked prefill off, a prefill runs whole: when it fits the remaining budget, or alone in a step.
 - Preemption (recompute): when a decode needs a new block and none is free, the newest running sequence is
   preempted: its blocks are freed (cached full blocks stay evictable and often serve its own recompute), it returns
@@ -134,6 +135,7 @@ class Scheduler:
         preempted = self.counters.num_preemptions != preemptions_before
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         # 2. prefill chunks of running sequences
+        prefill = 0  # this step's prefill tokens
         for seq in self.running:
             if budget == 0:
                 break
@@ -143,17 +145,23 @@ class Scheduler:
             if n:
                 batch.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
                 budget -= n
+                prefill += n
         # 3. admissions
+        group = self.config.prefill_group_tokens
+        assert isinstance(group, int), "the engine resolves prefill_group_tokens before the scheduler runs"
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = self._chunk(seq, budget, alone=not batch, uncomputed=seq.num_tokens)
-            if n == 0 or not self.bm.can_allocate(seq.token_ids, seq.uses_prefix_cache, seq.cache_salt):
+            if n == 0 or (prefill and prefill + n > group):
+                break
+            if not self.bm.can_allocate(seq.token_ids, seq.uses_prefix_cache, seq.cache_salt):
                 break
             self.waiting.pop(0)
             self._admit(seq, now)
             n = self._chunk(seq, budget, alone=not batch)
             batch.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n
+            prefill += n
         return batch
 
     def _chunk(self, seq: Sequence, budget: int, alone: bool, uncomputed: int | None = None) -> int:

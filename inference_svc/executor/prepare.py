@@ -70,6 +70,7 @@ TRANSFORMS = (
     "omp_wait",
     "thread_governor",
     "step_budget",
+    "prefill_group",
     "cpu_kernels",
     "merge_projections",
     "quantization",

@@ -11,7 +11,13 @@ Contract:
     paying its own fixed costs (the weights read again, scheduling): lower TTFT at every load measured, slightly
     lower tokens/s for a load of long prompts, which sets the flag higher (docs/benchmarks.md §34);
   - on a GPU, `GPU_DEFAULT` (its steps are short at any of these sizes), never below `max_num_seqs`.
-- The engine builds its scheduler (and the embeddings' batches) from the resolved count; the choice says which
+- `choose_prefill_group(setting, device, budget)` resolves `EngineConfig.prefill_group_tokens`: the most prefill
+  tokens a step holds before it admits no further waiting prompt (its first chunk always fits). A number is used as
+  given; 'auto' on a CPU is `CPU_PREFILL_GROUP` (256) tokens, or the budget where that is smaller: a CPU prefill
+  step's time grows with its tokens and every prompt in it waits for the whole step, so a burst of short prompts
+  is answered over two or more steps, the first group's first tokens after about half the time of one big step
+  (docs/benchmarks.md §44). A single prompt's chunk is never cut by it. On a GPU 'auto' is the budget: no limit.
+- The engine builds its scheduler (and the embeddings' batches) from the resolved counts; each choice says which
   rule gave it.
 """
 
@@ -20,6 +26,8 @@ from __future__ import annotations
 from inference_svc.executor.plan import Choice
 
 GPU_DEFAULT = 2048
+CPU_PREFILL_GROUP = 256
+"""'auto' prefill group on a CPU, in tokens: half of a default chunk (docs/benchmarks.md §44)."""
 
 
 def choose_step_budget(setting: int | str, device: str, chunk: int, max_num_seqs: int) -> tuple[int, Choice]:
@@ -32,3 +40,15 @@ def choose_step_budget(setting: int | str, device: str, chunk: int, max_num_seqs
         return chunk + max_num_seqs, Choice("step_budget", str(chunk + max_num_seqs), why)
     budget = max(GPU_DEFAULT, max_num_seqs)
     return budget, Choice("step_budget", str(budget), f"auto on a GPU: {GPU_DEFAULT}, at least --max-running")
+
+
+def choose_prefill_group(setting: int | str, device: str, budget: int) -> tuple[int, Choice]:
+    """The most prefill tokens a step holds before it admits no more prompts, and its `prefill_group` choice."""
+    if setting != "auto":
+        assert isinstance(setting, int)
+        return setting, Choice("prefill_group", str(setting), "--prefill-group-tokens as given")
+    if device == "cpu":
+        group = min(CPU_PREFILL_GROUP, budget)
+        why = f"auto on a CPU: {CPU_PREFILL_GROUP} tokens or the step budget; a step's first chunk always fits"
+        return group, Choice("prefill_group", str(group), why)
+    return budget, Choice("prefill_group", str(budget), "auto on a GPU: the step budget (no limit)")

@@ -1,6 +1,8 @@
 """The step budget's rule (`inference_svc.executor.step_budget`): 'auto' on a CPU is one whole prefill chunk beside
 every running decode, on a GPU its fixed default (at least max_num_seqs); a number is used as given; the engine's
-scheduler runs the resolved count and the load plan says why."""
+scheduler runs the resolved count and the load plan says why. The prefill group's rule likewise: 'auto' on a CPU is
+256 tokens or the budget if smaller, on a GPU the budget; a step admits prompts while its prefill tokens stay within
+it, its first chunk always."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 
 from inference_svc.engine import Engine, EngineConfig, SamplingParams
 from inference_svc.engine.config import EngineConfigError
-from inference_svc.executor.step_budget import GPU_DEFAULT, choose_step_budget
+from inference_svc.executor.step_budget import CPU_PREFILL_GROUP, GPU_DEFAULT, choose_prefill_group, choose_step_budget
 
 
 @pytest.mark.parametrize(
@@ -47,3 +49,38 @@ def test_the_engine_schedules_with_the_resolved_budget(qwen3_dir: Path) -> None:
         engine.add_request(f"r{i}", list(range(3, 19)), SamplingParams(max_new_tokens=2, temperature=0.0))
     answered = {out.request_id for out in engine.step() if out.new_token_ids}
     assert answered == {"r0", "r1"}
+
+
+@pytest.mark.parametrize(
+    ("device", "budget", "expected"),
+    [("cpu", 576, CPU_PREFILL_GROUP), ("cpu", 40, 40), ("cuda", 2048, 2048)],  # the defaults, a small budget, a GPU
+)
+def test_auto_prefill_group_on_a_cpu_is_its_constant_within_the_budget(device: str, budget: int, expected: int) -> None:
+    group, choice = choose_prefill_group("auto", device, budget)
+    assert group == expected and choice.lever == "prefill_group" and choice.value == str(expected)
+    assert choice.reason.startswith("auto")
+    assert choose_prefill_group(48, device, budget)[0] == 48
+    assert EngineConfig(prefill_group_tokens="96").prefill_group_tokens == 96  # a flag's text
+    for bad in (0, -1, "many", 2.5):
+        with pytest.raises(EngineConfigError, match="prefill_group_tokens"):
+            EngineConfig(prefill_group_tokens=bad)  # type: ignore[arg-type]
+
+
+def test_a_step_admits_prompts_within_the_prefill_group_and_always_its_first_chunk(qwen3_dir: Path) -> None:
+    config = EngineConfig(device="cpu", compile="off", max_num_seqs=8, prefill_chunk_size=32, prefill_group_tokens=16)
+    engine = Engine.from_bundle(qwen3_dir, config)
+    assert engine.config.prefill_group_tokens == engine.scheduler.config.prefill_group_tokens == 16
+    assert (
+        next(c for c in engine.info().load_plan if c.lever == "prefill_group").reason
+        == "--prefill-group-tokens as given"
+    )
+    params = SamplingParams(max_new_tokens=2, temperature=0.0)
+    # a prompt longer than the group still gets its whole chunk in a step of its own (32 tokens, not cut to 16)
+    engine.add_request("long", list(range(3, 35)), params)
+    engine.add_request("short", list(range(3, 11)), params)
+    assert {out.request_id for out in engine.step() if out.new_token_ids} == {"long"}
+    # then 8-token prompts, two to a step (16 tokens), beside the long one's decode
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(40, 48)), params)
+    assert {out.request_id for out in engine.step() if out.new_token_ids} == {"long", "short", "r0"}
+    assert {out.request_id for out in engine.step() if out.new_token_ids} == {"short", "r0", "r1", "r2"}
