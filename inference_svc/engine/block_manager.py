@@ -127,6 +127,10 @@ class BlockManager:
             parent = h
         return blocks, hashes
 
+    def cached_prefix_tokens(self, tokens: Sequence[int], use_cache: bool = True, salt: int = 0) -> int:
+        """How many of `tokens` `allocate(tokens, use_cache, salt)` would find computed now (a read-only look)."""
+        return len(self._match(tokens, use_cache, salt)[0]) * self.block_size
+
     def can_allocate(self, tokens: Sequence[int], use_cache: bool = True, salt: int = 0) -> bool:
         """Whether `allocate(tokens, use_cache, salt)` would succeed now."""
         hit, _ = self._match(tokens, use_cache, salt)

@@ -152,7 +152,7 @@ class Scheduler:
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = self._chunk(seq, budget, alone=not batch, uncomputed=seq.num_tokens)
-            if n == 0 or (prefill and prefill + n > group):
+            if n == 0 or (prefill and prefill + self._fresh_tokens(seq, n) > group):
                 break
             if not self.bm.can_allocate(seq.token_ids, seq.uses_prefix_cache, seq.cache_salt):
                 break
@@ -163,6 +163,12 @@ class Scheduler:
             budget -= n
             prefill += n
         return batch
+
+    def _fresh_tokens(self, seq: Sequence, n: int) -> int:
+        """Of the first `n` prompt tokens a waiting `seq` would compute, those its prefix-cache hit leaves to compute
+        (a cached system prompt does not count against the prefill group)."""
+        cached = self.bm.cached_prefix_tokens(seq.token_ids, seq.uses_prefix_cache, seq.cache_salt)
+        return min(n, seq.num_tokens - cached)
 
     def _chunk(self, seq: Sequence, budget: int, alone: bool, uncomputed: int | None = None) -> int:
         """Tokens of seq's prefill to compute this step (0: wait)."""

@@ -5,7 +5,8 @@ Contract:
   0. `threads` and `omp_wait`: torch's intra-op threads and OpenMP's wait policy, from the CPUs and cgroup quota
      this process finds (`inference_svc.executor.threads`); `thread_governor`: whether the steps give threads up
      to other processes' load between steps, that count being the most (`inference_svc.executor.governor`);
-     `step_budget`: the most tokens a step computes (`inference_svc.executor.step_budget`).
+     `step_budget`: the most tokens a step computes, and `prefill_group`: the most prefill tokens a step holds
+     before it admits no further prompt (both `inference_svc.executor.step_budget`).
   1. `cpu_kernels`: whether Tandem's C++ kernels (row GEMM, int8/int4 GEMV, decode attention, sampling) run,
      from `EngineConfig.cpu_kernels` and what this machine allows (`tandem_native`: x86-64 Linux,
      AVX-512 BW/VL/VNNI, a C++ compiler and ninja). Everything below that could use them is told this one answer;

@@ -42,6 +42,7 @@ def test_the_engine_schedules_with_the_resolved_budget(qwen3_dir: Path) -> None:
     config = EngineConfig(device="cpu", compile="off", max_num_seqs=8, prefill_chunk_size=32)
     engine = Engine.from_bundle(qwen3_dir, config)
     assert engine.config.max_num_batched_tokens == engine.scheduler.config.max_num_batched_tokens == 40
+    assert engine.scheduler.config.prefill_group_tokens == 40  # 'auto' on a CPU: 256, within the budget
     choice = next(c for c in engine.info().load_plan if c.lever == "step_budget")
     assert choice.value == "40" and "chunk (32)" in choice.reason
     # a burst of 8 prompts of 16 tokens: the first step's 40 tokens answer two of them (and start a third)
@@ -84,3 +85,18 @@ def test_a_step_admits_prompts_within_the_prefill_group_and_always_its_first_chu
         engine.add_request(f"r{i}", list(range(40, 48)), params)
     assert {out.request_id for out in engine.step() if out.new_token_ids} == {"long", "short", "r0"}
     assert {out.request_id for out in engine.step() if out.new_token_ids} == {"short", "r0", "r1", "r2"}
+
+
+def test_a_cached_prefix_does_not_count_against_the_prefill_group(qwen3_dir: Path) -> None:
+    config = EngineConfig(device="cpu", compile="off", max_num_seqs=8, prefill_chunk_size=64, prefill_group_tokens=16,
+                          block_size=16)  # fmt: skip
+    engine = Engine.from_bundle(qwen3_dir, config)
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    shared = list(range(100, 140))  # 40 tokens: two whole blocks are cached once it has run
+    engine.add_request("warm", shared, params)
+    assert {out.request_id for out in engine.step() if out.new_token_ids} == {"warm"}
+    # 7 fresh tokens, then 41 of which 32 are cached: 7 + 9 = 16 tokens to compute, one step for both
+    engine.add_request("fresh", list(range(3, 10)), params)
+    engine.add_request("cached", [*shared, 7], params)
+    assert {out.request_id for out in engine.step() if out.new_token_ids} == {"fresh", "cached"}
+    assert engine.stats().prefix_cache_hit_tokens == 32
