@@ -33,7 +33,8 @@ namespace {
 
 using namespace tandem_tiles;
 
-constexpr int64_t kRows = 4;  // weight rows per pass
+constexpr int64_t kRows = 4;        // weight rows per pass
+constexpr int64_t kSingleRows = 8;  // weight rows per pass for one activation row
 constexpr int kPair = 2;      // activation rows sharing each load of the weight
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -44,13 +45,12 @@ inline __m512 load16(const uint16_t* p) {  // bf16 bits -> fp32, exact
 inline void store(float* y, float v) { *y = v; }
 inline void store(uint16_t* y, float v) { *reinterpret_cast<at::BFloat16*>(y) = at::BFloat16(v); }
 
-// MR activation rows (x, x + k, ...) times kRows weight rows over all k columns; out[m * ldy + i] for i < rows.
-template <typename T, int MR>
-inline void dot_rows(const T* x, const T* const row[kRows], int64_t k, int64_t rows, const T* next, T* y,
-                     int64_t ldy) {
-  __m512 a[MR][kRows], b[MR][kRows];
+// MR activation rows (x, x + k, ...) times R weight rows over all k columns; out[m * ldy + i] for i < rows.
+template <typename T, int MR, int64_t R>
+inline void dot_rows(const T* x, const T* const row[R], int64_t k, int64_t rows, const T* next, T* y, int64_t ldy) {
+  __m512 a[MR][R], b[MR][R];
   for (int m = 0; m < MR; ++m)
-    for (int64_t i = 0; i < kRows; ++i) a[m][i] = b[m][i] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < R; ++i) a[m][i] = b[m][i] = _mm512_setzero_ps();
   constexpr int64_t kLines = 32 * sizeof(T) / 64;  // cache lines of one row's 32 columns
   // The next rows go to L2, in both dtypes: fp32's eight lines a step into L1 evicted lines the pass has still to
   // read (docs/benchmarks.md §38), and an AMD Zen 4 streamed bf16 at two thirds of its bandwidth with an L1 hint (§43)
@@ -59,10 +59,10 @@ inline void dot_rows(const T* x, const T* const row[kRows], int64_t k, int64_t r
     __m512 x0[MR], x1[MR];
     for (int m = 0; m < MR; ++m) x0[m] = load16(x + m * k + c), x1[m] = load16(x + m * k + c + 16);
     if (next != nullptr)  // a prefetch past the end never faults
-      for (int64_t i = 0; i < kRows; ++i)
+      for (int64_t i = 0; i < R; ++i)
         for (int64_t l = 0; l < kLines; ++l)
           _mm_prefetch(reinterpret_cast<const char*>(next + i * k + c) + 64 * l, kHint);
-    for (int64_t i = 0; i < kRows; ++i) {
+    for (int64_t i = 0; i < R; ++i) {
       const __m512 w0 = load16(row[i] + c), w1 = load16(row[i] + c + 16);
       for (int m = 0; m < MR; ++m) {
         a[m][i] = _mm512_fmadd_ps(w0, x0[m], a[m][i]);
@@ -74,21 +74,32 @@ inline void dot_rows(const T* x, const T* const row[kRows], int64_t k, int64_t r
     for (int64_t i = 0; i < rows; ++i) store(y + m * ldy + i, _mm512_reduce_add_ps(_mm512_add_ps(a[m][i], b[m][i])));
 }
 
-// Weight rows [first, n) of y = x w^T by fused multiply-adds.
-template <typename T>
-void run(const T* xp, const T* wp, T* yp, int64_t m, int64_t n, int64_t k, int64_t first = 0) {
-  at::parallel_for(0, (n - first + kRows - 1) / kRows, 16, [&](int64_t begin, int64_t end) {
+// Weight rows [first, n) of y = x w^T by fused multiply-adds, R weight rows a pass.
+template <typename T, int64_t R>
+void run_passes(const T* xp, const T* wp, T* yp, int64_t m, int64_t n, int64_t k, int64_t first) {
+  at::parallel_for(0, (n - first + R - 1) / R, 16 * kRows / R, [&](int64_t begin, int64_t end) {
     for (int64_t pass = begin; pass < end; ++pass) {
-      const int64_t r0 = first + pass * kRows, rows = std::min(kRows, n - r0);
-      const T* row[kRows];
-      for (int64_t i = 0; i < kRows; ++i) row[i] = wp + (r0 + std::min(i, rows - 1)) * k;  // past the end: unused
-      const T* next = wp + std::min(r0 + kRows, n - 1) * k;
+      const int64_t r0 = first + pass * R, rows = std::min(R, n - r0);
+      const T* row[R];
+      for (int64_t i = 0; i < R; ++i) row[i] = wp + (r0 + std::min(i, rows - 1)) * k;  // past the end: unused
+      const T* next = wp + std::min(r0 + R, n - 1) * k;
       int64_t i = 0;
       for (; i + kPair <= m; i += kPair)
-        dot_rows<T, kPair>(xp + i * k, row, k, rows, i == 0 ? next : nullptr, yp + i * n + r0, n);
-      if (i < m) dot_rows<T, 1>(xp + i * k, row, k, rows, i == 0 ? next : nullptr, yp + i * n + r0, n);
+        dot_rows<T, kPair, R>(xp + i * k, row, k, rows, i == 0 ? next : nullptr, yp + i * n + r0, n);
+      if (i < m) dot_rows<T, 1, R>(xp + i * k, row, k, rows, i == 0 ? next : nullptr, yp + i * n + r0, n);
     }
   });
+}
+
+// Weight rows [first, n) of y = x w^T. One activation row takes kSingleRows weight rows a pass: twice the cache
+// lines in flight each column step, and its 16 sums still fit the registers (a pair of activation rows over eight
+// weight rows would need all 32 for sums alone). Each output's arithmetic is the same either way.
+template <typename T>
+void run(const T* xp, const T* wp, T* yp, int64_t m, int64_t n, int64_t k, int64_t first = 0) {
+  if (m == 1)
+    run_passes<T, kSingleRows>(xp, wp, yp, m, n, k, first);
+  else
+    run_passes<T, kRows>(xp, wp, yp, m, n, k, first);
 }
 
 

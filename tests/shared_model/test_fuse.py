@@ -167,6 +167,28 @@ def test_a_compiled_row_table_is_one_graph_for_every_row_count_with_each_kernels
     assert head.row_bounds() == () and head.table == PLAIN_TABLE  # eager: F.linear for every row count
 
 
+@pytest.mark.skipif(not tandem_native.available(), reason="needs AVX-512 VNNI and a C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("n", "k"), [(256, 64), (203, 96), (3, 32), (13, 32)])
+def test_row_gemm_gives_one_row_the_bits_it_has_among_others_at_any_weight_height(
+    dtype: torch.dtype, n: int, k: int
+) -> None:
+    """One activation row takes passes of more weight rows than a call of several rows does (more cache lines in
+    flight); weight rows past the last whole pass repeat the last real row. Each output is still the same sums in
+    the same order: one row alone has the bits it has inside a call of 2-5 rows, near the exact product."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(5, k, generator=gen).to(dtype)
+    with torch.inference_mode():
+        exact = x.double() @ w.double().t()  # [5, n]
+        full = torch.ops.tandem.row_gemm(x, w)  # [5, n]
+        bound = (2**-7 if dtype == torch.bfloat16 else 1e-5) * exact.abs().max().item()
+        assert (full.double() - exact).abs().max().item() <= bound
+        for i in range(5):
+            assert torch.equal(torch.ops.tandem.row_gemm(x[i : i + 1], w), full[i : i + 1]), i
+        assert torch.equal(torch.ops.tandem.row_gemm(x[1:4], w), full[1:4])
+
+
 _MANY_ROW_KERNELS = [
     pytest.param(
         "tile_gemm",
