@@ -17,6 +17,10 @@ Contract:
   hidden states [T, hidden], as `ServingDecoder.hidden_states` with that backend; each layer's K/V stored at
   slot_mapping. Everything is checked (ids, positions, slots, lengths, block ids, the cache's shape and dtype)
   before anything is written. The GIL is released while it runs.
+  `logits(...)` (same arguments; only where `has_lm_head`): the same step through the LM head -> [T, vocab] in the
+  weights' dtype, each row what `model.logits` gives for that row in a call of T rows (the head's kernel for T rows).
+  The runner holds the head when `head_unsupported(model, rows)` is None for its rows: the head is a projection the
+  runner calls, and its kernel takes that many rows.
 - Arithmetic (`tandem_native/csrc/decode_runner.cpp`): the projections are the kernels their modules run for those
   rows and the attention `tandem::paged_attention`'s, so a row's bits do not depend on the other rows of its step
   (a verify item's rows score drafts with a decode row's bits); the norms, RoPE, SiLU-mul and residuals are its
@@ -66,7 +70,9 @@ class NativeDecode:
             [None if ly.qk_norm is None else ly.qk_norm.contiguous() for ly in model.layers],
             model.embed_tokens.weight.detach(), model.final_norm.detach(), model.rope_cos, model.rope_sin,
             first.num_heads, first.num_kv_heads, first.head_dim, float(model.eps), float(first.scale), self.max_rows,
+            None if self.head_unsupported(model, self.max_rows) else _spec(model.lm_head, self.max_rows),
         )  # fmt: skip
+        self.has_lm_head: bool = self._runner.has_lm_head
 
     @staticmethod
     def unsupported(model: ServingDecoder) -> str | None:
@@ -80,16 +86,20 @@ class NativeDecode:
             return f"head_dim {model.config.head_dim} is not a multiple of 16"
         for i, layer in enumerate(model.layers):
             for name in PROJECTIONS:
-                linear = getattr(layer, name)
-                if isinstance(linear, ServingLinear) and linear.can_use_row_kernel():
-                    if linear.weight.dtype != dtype:
-                        return f"layer {i}'s {name} is {linear.weight.dtype}, the embedding {dtype}"
-                elif isinstance(linear, QuantizedLinear) and linear.row_kernel() is not None:
-                    if linear.dtype != dtype:
-                        return f"layer {i}'s {name} computes in {linear.dtype}, the embedding is {dtype}"
-                else:
-                    return f"layer {i}'s {name} is a {type(linear).__name__} without a row kernel the runner calls"
+                why = _projection_unsupported(getattr(layer, name), dtype)
+                if why is not None:
+                    return f"layer {i}'s {name} {why}"
         return None
+
+    @staticmethod
+    def head_unsupported(model: ServingDecoder, rows: int) -> str | None:
+        """Why a runner of `rows` rows over `model` cannot hold its LM head (a phrase), or None when it can."""
+        head = model.lm_head
+        why = _projection_unsupported(head, model.embed_tokens.weight.dtype)
+        if why is not None:
+            return f"the LM head {why}"
+        most = _most_rows(head, rows)
+        return None if most >= rows else f"the LM head's kernel takes {most} rows a call, the runner's steps {rows}"
 
     @staticmethod
     def most_rows(model: ServingDecoder, rows: int) -> int:
@@ -98,13 +108,7 @@ class NativeDecode:
         one's row kernel: int8's `int8_gemv` rows, int4's `int4_gemv` rows)."""
         for layer in model.layers:
             for name in PROJECTIONS:
-                linear = getattr(layer, name)
-                if isinstance(linear, QuantizedLinear):
-                    kernel = linear.row_kernel()
-                    if kernel is not None:
-                        rows = min(rows, kernel.rows)
-                elif isinstance(linear, ServingLinear):
-                    rows = min(rows, _dense_bounds(linear, rows)[1])
+                rows = _most_rows(getattr(layer, name), rows)
         return rows
 
     def hidden_states(
@@ -119,6 +123,38 @@ class NativeDecode:
         """[T] ids and positions (int64), the cache [L, 2, num_blocks, block_size, Hkv, D] and the step's metadata
         (slot_mapping [T] int64, context_lens [T] int32, block_tables [T, max_blocks] int32) -> [T, hidden]."""
         return self._runner.hidden_states(input_ids, positions, kv_cache, slot_mapping, context_lens, block_tables)
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
+        """`hidden_states`' step through the LM head -> [T, vocab] in the weights' dtype (needs `has_lm_head`)."""
+        return self._runner.logits(input_ids, positions, kv_cache, slot_mapping, context_lens, block_tables)
+
+
+def _projection_unsupported(linear: nn.Module, dtype: torch.dtype) -> str | None:
+    """Why the runner cannot call `linear` in a `dtype` model (a phrase after its name), or None."""
+    if isinstance(linear, ServingLinear) and linear.can_use_row_kernel():
+        return None if linear.weight.dtype == dtype else f"is {linear.weight.dtype}, the embedding {dtype}"
+    if isinstance(linear, QuantizedLinear) and linear.row_kernel() is not None:
+        return None if linear.dtype == dtype else f"computes in {linear.dtype}, the embedding is {dtype}"
+    return f"is a {type(linear).__name__} without a row kernel the runner calls"
+
+
+def _most_rows(linear: nn.Module, rows: int) -> int:
+    """`rows`, or fewer where `linear`'s kernel takes fewer a call (a quantized row kernel's rows; a dense row
+    table's `gemm_bounds`)."""
+    if isinstance(linear, QuantizedLinear):
+        kernel = linear.row_kernel()
+        return rows if kernel is None else min(rows, kernel.rows)
+    if isinstance(linear, ServingLinear):
+        return min(rows, _dense_bounds(linear, rows)[1])
+    return rows
 
 
 def _dense_bounds(linear: ServingLinear, rows: int) -> tuple[int, int]:

@@ -22,6 +22,8 @@ Contract:
 - A compiled runner given `decode_rows` (the load plan's `decode_runner` choice) runs a decode-only step of at
   most that many rows through the whole decoder as one C++ call (`shared_model.native_decode.NativeDecode`, over
   the same cache and metadata as `GraphDecode`) instead of the graph; longer steps and prefills take the graph.
+  Where the runner holds the LM head (`NativeDecode.has_lm_head`) and every row of the step samples, the logits
+  come from that same call (the head's kernel for those rows, as `model.logits` runs it).
 - LoRA (`lora`, the engine's `inference_svc.lora.slots.LoraSlots`): a step holding a request with an adapter
   (`Sequence.lora_slot`) runs its forward inside `lora.rows(...)` with every row's slot in the flat layout, so each
   row gets its own adapter's delta and base rows their plain output; a step of base requests only runs as without.
@@ -155,7 +157,14 @@ class ModelRunner:
             input_ids, positions, meta, sample_rows, prompt_rows = self._prepare(batch)
         decode_only = self.graph_decode and GraphDecode.covers(meta)
         native = self.native_decode
-        if decode_only and native is not None and int(input_ids.shape[0]) <= native.max_rows:
+        rows_in = int(input_ids.shape[0])
+        if decode_only and native is not None and rows_in <= native.max_rows:
+            every_row_samples = not prompt_rows and sample_rows == list(range(rows_in))
+            if native.has_lm_head and every_row_samples:  # the logits from the same C++ call
+                logits = native.logits(input_ids, positions, self.cache.data, meta.slot_mapping,
+                                       meta.decode_context_lens, meta.decode_block_tables).float()  # fmt: skip
+                self._track_workspace(rows_in, rows_in)
+                return StepLogits(logits, {})  # [T, vocab]
             hidden = native.hidden_states(input_ids, positions, self.cache.data, meta.slot_mapping,
                                           meta.decode_context_lens, meta.decode_block_tables)  # fmt: skip
         elif self.lora is not None and any(b.seq.lora_slot >= 0 for b in batch):

@@ -36,7 +36,7 @@ Contract:
      count picks. Only with the step compiled (an eager engine keeps the training decoder's bits), Tandem's
      kernels, the torch attention ops, a KV cache in the weights' dtype, and an fp32 or bf16 model whose
      projections have row kernels (`NativeDecode.unsupported`: dense ones `row_gemm`, int8's `int8_gemv`, int4's
-     `int4_gemv`).
+     `int4_gemv`). The reason says whether the LM head runs in the same call (`NativeDecode.head_unsupported`).
   8. `compile_cache`: whether the compile loaded a saved entry (`inference_svc.executor.compile_cache`).
 - `prepare(bundle, config, device)` runs 1-4 and returns the model and its choices; `choose_attention`,
   `choose_compile` and `sampler_choice` make 5-7. The engine assembles them into its `LoadPlan`
@@ -266,8 +266,12 @@ def choose_decode_runner(
         return 0, Choice(name, "off", why_not)
     rows = NativeDecode.most_rows(model, bounds[1])
     span = "1 row" if rows == 1 else f"1-{rows} rows"
+    head_not = NativeDecode.head_unsupported(model, rows)
+    head = "and its LM head " if head_not is None else ""
     why = (f"decode-only steps of {span} (those its projections run Tandem's kernels for) through the whole "
-           "decoder as one C++ call; the compiled graph for the rest")  # fmt: skip
+           f"decoder {head}as one C++ call; the compiled graph for the rest")  # fmt: skip
+    if head_not is not None:
+        why += f"; the LM head after it ({head_not})"
     return rows, Choice(name, span, why)
 
 

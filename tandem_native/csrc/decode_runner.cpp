@@ -6,7 +6,8 @@
 // ids, their positions, the paged KV cache and the step's metadata. Per layer: the input norm, the merged q/k/v
 // projection, the q and k heads' norms and RoPE, the K/V stores and the decode attention, the output projection and
 // residual, the post-attention norm, the merged gate/up projection, SiLU(gate) * up, the down projection and
-// residual; then the final norm. The projections are the kernels their modules run for these rows (row_gemm.cpp's
+// residual; then the final norm, and, where it holds the LM head (`logits`), the head's projection: the step's
+// logits come back from the same call, so the memory bus streams the head's weight right after the last layer's. The projections are the kernels their modules run for these rows (row_gemm.cpp's
 // row_gemm or, past its rows, AMX tile_gemm (dot_gemm without AMX) for a dense weight, by the weight's row table; int8_gemv.cpp's for an
 // int8 weight's rows; int4_gemv.cpp's for int4 codes) and the attention paged_attention.cpp's, called directly
 // (kernels.h); the rest is here, split by rows over torch's intra-op threads where a step has enough of them. What
@@ -217,11 +218,13 @@ class DecodeRunner {
   // norms: per layer [input_norm, post_norm]; projections: per layer [qkv, o_proj, gate_up, down_proj], each a
   // ProjectionSpec; qk_norms: per layer, or None for a model without q/k norms; embed [V, H]; final_norm [H];
   // rope_cos, rope_sin [P, D / 2]; every float tensor in one dtype (fp32 or bf16), contiguous, on the CPU.
+  // lm_head: the LM head's ProjectionSpec ([V, H]), or None for a runner without `logits`.
   DecodeRunner(const std::vector<std::vector<torch::Tensor>>& norms,
                const std::vector<std::vector<ProjectionSpec>>& projections,
                const std::vector<std::optional<torch::Tensor>>& qk_norms, torch::Tensor embed, torch::Tensor final_norm,
                torch::Tensor rope_cos, torch::Tensor rope_sin, int64_t num_heads, int64_t num_kv_heads,
-               int64_t head_dim, double eps, double scale, int64_t max_rows)
+               int64_t head_dim, double eps, double scale, int64_t max_rows,
+               const std::optional<ProjectionSpec>& lm_head)
       : embed_(std::move(embed)), final_norm_(std::move(final_norm)), rope_cos_(std::move(rope_cos)),
         rope_sin_(std::move(rope_sin)), hq_(num_heads), hkv_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale),
         max_rows_(max_rows) {
@@ -259,6 +262,11 @@ class DecodeRunner {
     }
     TORCH_CHECK(h_ % 32 == 0 && q % 32 == 0 && inter_ % 32 == 0,
                 "DecodeRunner: hidden, q and intermediate sizes must be multiples of 32 (row_gemm's K)");
+    if (lm_head) {
+      head_ = projection(*lm_head);
+      TORCH_CHECK(head_->n >= 1, "DecodeRunner: lm_head needs at least one output");
+      check("lm_head", *head_, head_->n, h_);
+    }
     const int64_t elem = embed_.element_size(), r = max_rows_;
     for (auto* buffer : {&x_, &normed_, &out_}) buffer->resize(r * h_ * elem);
     qkv_.resize(r * (q + 2 * kv) * elem);
@@ -269,6 +277,7 @@ class DecodeRunner {
   }
 
   int64_t max_rows() const { return max_rows_; }
+  bool has_lm_head() const { return head_.has_value(); }
 
   // input_ids, positions [T] int64 (T <= max_rows); kv_cache [L, 2, num_blocks, block_size, Hkv, D] in the weights'
   // dtype (written at slot_mapping); slot_mapping [T] int64; context_lens [T] int32; block_tables [T, max_blocks]
@@ -276,6 +285,22 @@ class DecodeRunner {
   torch::Tensor hidden_states(const torch::Tensor& input_ids, const torch::Tensor& positions, torch::Tensor& kv_cache,
                               const torch::Tensor& slot_mapping, const torch::Tensor& context_lens,
                               const torch::Tensor& block_tables) {
+    return step(input_ids, positions, kv_cache, slot_mapping, context_lens, block_tables, false);
+  }
+
+  // The same step through the LM head: -> logits [T, V] in the weights' dtype, each row the head's kernel for T rows
+  // applied to that row's final-norm hidden state (as the head module computes it for those rows).
+  torch::Tensor logits(const torch::Tensor& input_ids, const torch::Tensor& positions, torch::Tensor& kv_cache,
+                       const torch::Tensor& slot_mapping, const torch::Tensor& context_lens,
+                       const torch::Tensor& block_tables) {
+    TORCH_CHECK(head_.has_value(), "DecodeRunner: this runner holds no LM head (built with lm_head=None)");
+    return step(input_ids, positions, kv_cache, slot_mapping, context_lens, block_tables, true);
+  }
+
+ private:
+  torch::Tensor step(const torch::Tensor& input_ids, const torch::Tensor& positions, torch::Tensor& kv_cache,
+                     const torch::Tensor& slot_mapping, const torch::Tensor& context_lens,
+                     const torch::Tensor& block_tables, bool head) {
     const int64_t t = input_ids.numel();
     TORCH_CHECK(t >= 1 && t <= max_rows_, "DecodeRunner: ", t, " rows; it runs 1 to ", max_rows_);
     const auto is = [&](const torch::Tensor& x, at::ScalarType type) {
@@ -303,19 +328,18 @@ class DecodeRunner {
     }
     tandem_kernels::check_decode_metadata("DecodeRunner", context_lens.data_ptr<int32_t>(),
                                           block_tables.data_ptr<int32_t>(), t, mb, bs, nb);
-    auto out = torch::empty({t, h_}, embed_.options());
+    auto out = torch::empty({t, head ? head_->n : h_}, embed_.options());
     pybind11::gil_scoped_release released;
     std::lock_guard<std::mutex> lock(mutex_);
     const Step step{ids, pos, slots, context_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(), t, nb, bs, mb};
     if (dtype_ == at::kFloat) {
-      run<float>(step, kv_cache, mut<float>(out));
+      run<float>(step, kv_cache, mut<float>(out), head);
     } else {
-      run<uint16_t>(step, kv_cache, reinterpret_cast<uint16_t*>(out.data_ptr()));
+      run<uint16_t>(step, kv_cache, reinterpret_cast<uint16_t*>(out.data_ptr()), head);
     }
     return out;
   }
 
- private:
   struct Step {
     const int64_t *ids, *pos, *slots;
     const int32_t *lens, *tables;
@@ -351,8 +375,9 @@ class DecodeRunner {
     });
   }
 
+  // the step's final-norm hidden states [t, H] into `result`, or with `head` its logits [t, V]
   template <typename T>
-  void run(const Step& s, torch::Tensor& kv_cache, T* hidden) {
+  void run(const Step& s, torch::Tensor& kv_cache, T* result, bool head) {
     const int64_t t = s.t, q_size = hq_ * d_, kv_size = hkv_ * d_, qkv_size = q_size + 2 * kv_size;
     const int64_t half = d_ / 2, layer_stride = 2 * s.num_blocks * s.block_size * kv_size;
     const float eps = static_cast<float>(eps_);
@@ -397,7 +422,9 @@ class DecodeRunner {
       l.down(mid, out, t, dtype_);
       each_row(t, grain, [&](int64_t i) { add_into(x + i * h_, out + i * h_, h_); });
     }
+    T* hidden = head ? normed : result;
     each_row(t, grain, [&](int64_t i) { rms_norm(x + i * h_, ptr<T>(final_norm_), hidden + i * h_, h_, eps); });
+    if (head) (*head_)(hidden, result, t, dtype_);
   }
 
   std::vector<Layer> layers_;
@@ -406,6 +433,7 @@ class DecodeRunner {
   int64_t hq_, hkv_, d_, h_ = 0, inter_ = 0;
   double eps_, scale_;
   int64_t max_rows_;
+  std::optional<Projection> head_;  // the LM head, for `logits`
   std::mutex mutex_;  // the scratch rows below are one step's
   tandem_aligned::LineVector<char> x_, normed_, out_, qkv_, q_, attn_, act_, mid_;
 };
@@ -418,14 +446,19 @@ void register_decode_runner(pybind11::module_& m) {
       .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&,
                           const std::vector<std::vector<ProjectionSpec>>&,
                           const std::vector<std::optional<torch::Tensor>>&, torch::Tensor, torch::Tensor,
-                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double, int64_t>(),
+                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double, int64_t,
+                          const std::optional<ProjectionSpec>&>(),
            pybind11::arg("norms"), pybind11::arg("projections"), pybind11::arg("qk_norms"), pybind11::arg("embed"),
            pybind11::arg("final_norm"),
            pybind11::arg("rope_cos"), pybind11::arg("rope_sin"), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
-           pybind11::arg("max_rows"))
+           pybind11::arg("max_rows"), pybind11::arg("lm_head"))
       .def_property_readonly("max_rows", &DecodeRunner::max_rows)
+      .def_property_readonly("has_lm_head", &DecodeRunner::has_lm_head)
       .def("hidden_states", &DecodeRunner::hidden_states, pybind11::arg("input_ids"), pybind11::arg("positions"),
+           pybind11::arg("kv_cache"), pybind11::arg("slot_mapping"), pybind11::arg("context_lens"),
+           pybind11::arg("block_tables"))
+      .def("logits", &DecodeRunner::logits, pybind11::arg("input_ids"), pybind11::arg("positions"),
            pybind11::arg("kv_cache"), pybind11::arg("slot_mapping"), pybind11::arg("context_lens"),
            pybind11::arg("block_tables"));
 }

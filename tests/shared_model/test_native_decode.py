@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import tandem_native
 from inference_svc.attention.native_cpu import GraphDecode
@@ -14,8 +15,14 @@ from inference_svc.attention.paged import AttentionMetadata
 from inference_svc.engine.kv_cache import KVCache
 from shared_model.model import CausalLM
 from shared_model.native_decode import NativeDecode
-from shared_model.quantize import quantize_weights
-from shared_model.serving_model import ServingDecoder, compiled_row_table, fuse_projections, set_row_kernels
+from shared_model.quantize import QuantizedLinear, quantize_weights
+from shared_model.serving_model import (
+    RowTable,
+    ServingDecoder,
+    compiled_row_table,
+    fuse_projections,
+    set_row_kernels,
+)
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.skipif(not tandem_native.available(), reason="Tandem's native library does not run here")
@@ -66,6 +73,11 @@ class _Step:
         m = self.meta
         return runner.hidden_states(self.ids, self.positions, self.cache.data, m.slot_mapping,
                                     m.decode_context_lens, m.decode_block_tables)  # fmt: skip
+
+    def logits(self, runner: NativeDecode) -> torch.Tensor:
+        m = self.meta
+        return runner.logits(self.ids, self.positions, self.cache.data, m.slot_mapping, m.decode_context_lens,
+                             m.decode_block_tables)  # fmt: skip
 
     def reference(self, model: ServingDecoder) -> torch.Tensor:
         return model.hidden_states(self.ids[None], self.positions[None], GraphDecode(self.cache, self.meta))[0]
@@ -145,6 +157,43 @@ def test_a_verify_items_rows_are_bit_equal_to_decoding_them_one_by_one(dtype: to
     assert torch.equal(together, torch.cat(one_by_one))
 
 
+def _compiled_table(dtype: torch.dtype) -> RowTable:
+    tiles = tandem_native.tiles()
+    return compiled_row_table(dtype, tiles=tiles, exact_verify=False, dot=not tiles and tandem_native.dot_bf16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lm_head_in_the_same_call_gives_the_head_modules_logits(dtype: torch.dtype) -> None:
+    """Under the compiled step's row table, `logits` is the step's hidden states through the LM head module, bit for
+    bit, at one row and at several (the head's kernel for that many rows), and it stores the same K/V."""
+    model = _model(dtype)
+    assert set_row_kernels(model, _compiled_table(dtype)) > 0
+    try:
+        runner = NativeDecode(model, NativeDecode.most_rows(model, 6))
+        assert runner.has_lm_head and NativeDecode.head_unsupported(model, runner.max_rows) is None
+        for rows in ([(1, 70)], [(0, 40), (1, 70), (2, 5)][: runner.max_rows]):
+            ours, theirs = _Step(model, rows), _Step(model, rows)
+            with torch.inference_mode():
+                got = ours.logits(runner)  # [T, vocab]
+                want = model.logits(theirs.native(runner))
+            assert got.dtype == dtype and got.shape == (len(rows), model.config.vocab_size)
+            assert torch.equal(got, want), len(rows)
+            assert torch.equal(ours.cache.data, theirs.cache.data)
+    finally:
+        set_row_kernels(model, None)
+
+
+def test_a_head_the_runner_cannot_call_stays_with_the_module_and_says_why() -> None:
+    model = _model(torch.float32)
+    model.lm_head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    assert NativeDecode.unsupported(model) is None  # the layers still run in the runner
+    assert NativeDecode.head_unsupported(model, 4) == "the LM head is a Linear without a row kernel the runner calls"
+    runner = NativeDecode(model, 4)
+    assert not runner.has_lm_head
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="holds no LM head"):
+        _Step(model, [(0, 20)]).logits(runner)
+
+
 def test_refusals_name_the_fault_and_write_nothing() -> None:
     model = _model(torch.float32)
     runner = NativeDecode(model, 4)
@@ -195,7 +244,11 @@ def test_quantized_projections_run_their_row_kernels(kind: str, rows: int) -> No
     with torch.inference_mode():
         got = ours.native(runner)
         want = theirs.reference(model)
+        head = model.lm_head  # the int8 head's rows through int8_gemv, as the module runs them
+        if runner.has_lm_head:
+            assert torch.equal(_Step(model, positions).logits(runner), head(got))
     assert (got.float() - want.float()).abs().max() <= TOL[torch.bfloat16] * want.float().abs().max()
+    assert runner.has_lm_head == (isinstance(head, QuantizedLinear) and head.row_kernel() is not None)
 
 
 def test_models_the_runner_does_not_serve_say_why() -> None:

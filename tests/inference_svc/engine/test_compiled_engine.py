@@ -173,20 +173,22 @@ def test_the_decode_runner_takes_the_decode_steps_within_the_graphs_tolerance(
     the projections' table runs Tandem's kernels for: `row_gemm`'s 2 for fp32 without speculation; bf16 on AMX up to
     `tile_gemm`'s last row, so the 3-row decodes too), the graph the longer ones and the prefills; its logits are
     within the compiled step's tolerance of an engine whose graph runs every step, the tokens the same, nothing falls
-    back to eager, and the plan says which steps it takes."""
+    back to eager, and the plan says which steps it takes, the LM head among them."""
 
     def recorded(engine) -> tuple[list[torch.Tensor], list[int]]:
         runner, run = engine.runner, engine.runner.run
         logits: list[torch.Tensor] = []
         native_rows: list[int] = []
-        if runner.native_decode is not None:
-            hidden_states = runner.native_decode.hidden_states
+        native = runner.native_decode
+        if native is not None:  # the steps it takes, with the LM head (`logits`) or without
+            for name in ("hidden_states", "logits"):
+                method = getattr(native, name)
 
-            def counted(input_ids, *args):
-                native_rows.append(int(input_ids.shape[0]))
-                return hidden_states(input_ids, *args)
+                def counted(input_ids, *args, method=method):
+                    native_rows.append(int(input_ids.shape[0]))
+                    return method(input_ids, *args)
 
-            runner.native_decode.hidden_states = counted
+                setattr(native, name, counted)
 
         def recording_run(batch):
             out = run(batch)
@@ -207,7 +209,8 @@ def test_the_decode_runner_takes_the_decode_steps_within_the_graphs_tolerance(
     assert bounds is not None
     most = bounds[1]  # row_gemm's rows, then tile_gemm's where the table has tiles
     assert most == 2 or (dtype == "bfloat16" and most > 3)
-    assert plans[0].value == f"1-{most} rows" and "one C++ call" in plans[0].reason
+    assert plans[0].value == f"1-{most} rows" and "decoder and its LM head as one C++ call" in plans[0].reason
+    assert engines[0].runner.native_decode.has_lm_head  # every decode-only step samples every row
     assert plans[1].value == "off" and engines[1].runner.native_decode is None
     runs = [recorded(e) for e in engines]
     outputs = [[r.token_ids for n in (3, 2, 1) for r in e.generate(prompts[:n], params)] for e in engines]
