@@ -9,6 +9,8 @@
 // (a tree of unpacks and adds), the same tree for every one of them, and the 16 sums put in output order and
 // rounded to bf16 by one instruction each (vcvtneps2bf16). A pass of 4 weight rows runs every activation block in
 // one call, the block inlined into it: per block, only the sums' tree and four 8-byte stores beside the products.
+// Passes are split over torch's intra-op threads, a thread done with its share taking passes from the back of a
+// slower one's (balanced.h).
 //
 // Bits: each output's sum runs over k in the same order, from its own weight row and activation row alone, at any
 // row count (a block short of rows repeats its last real row, whose outputs are dropped), so a row's bits do not
@@ -26,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "balanced.h"
 #include "kernels.h"
 
 namespace {
@@ -104,16 +107,18 @@ __attribute__((target("avx512f,avx512bf16,avx512vl"), always_inline)) inline voi
   }
 }
 
-// One pass: weight rows [r0, r0 + kW) (`rows` real) against every activation row, the next pass's weight rows
-// prefetched into L2 during the first block.
+// One pass: weight rows [r0, r0 + kW) (`rows` real) against every activation row, the weight rows this thread reads
+// next (the following pass's, or the previous one's where it takes passes from the back: `forward` false) prefetched
+// into L2 during the first block.
 __attribute__((target("avx512f,avx512bf16,avx512vl"))) void pass(const uint16_t* x, const uint16_t* w, uint16_t* y,
                                                                  int64_t m, int64_t n, int64_t k, int64_t r0,
+                                                                 bool forward,
                                                                  const std::array<int32_t, 16>& order_lanes) {
   const __m512i order = _mm512_loadu_si512(order_lanes.data());
   const int64_t rows = std::min(kW, n - r0);
   const uint16_t* wr[kW];
   for (int64_t i = 0; i < kW; ++i) wr[i] = w + (r0 + std::min(i, rows - 1)) * k;  // past the end: repeated
-  const uint16_t* next = w + std::min(r0 + kW, n - 1) * k;
+  const uint16_t* next = w + (forward ? std::min(r0 + kW, n - 1) : std::max<int64_t>(r0 - kW, 0)) * k;
   for (int64_t a0 = 0; a0 < m; a0 += kA) {
     const int64_t acts = std::min(kA, m - a0);
     const uint16_t* xr[kA];
@@ -138,8 +143,8 @@ void dot_gemm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m,
   TORCH_CHECK(dot_bf16_ready(), "dot_gemm: this CPU has no AVX512_BF16");
   TORCH_CHECK(k % 32 == 0, "dot_gemm: K must be a multiple of 32");
   static const std::array<int32_t, 16> order = output_order();
-  at::parallel_for(0, (n + kW - 1) / kW, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) pass(x, w, y, m, n, k, p * kW, order);
+  tandem_balanced::balanced_passes((n + kW - 1) / kW, 4, [&](int64_t p, bool forward) {
+    pass(x, w, y, m, n, k, p * kW, forward, order);
   });
 }
 

@@ -10,7 +10,8 @@
 // products of |255| x |127| a lane: no overflow). Each group's lanes are then scaled in fp32 and added up, in the
 // same order at any row count, so a row's bits do not depend on the others in the call.
 //
-// Passes: kRows weight rows at a time, split over torch's intra-op threads, the next pass's rows prefetched into L2
+// Passes: kRows weight rows at a time, split over torch's intra-op threads (a thread done with its share takes
+// passes from the back of a slower one's: balanced.h), the rows the thread reads next prefetched into L2
 // meanwhile (measured with benchmarks/gemv_probe.py: docs/benchmarks-archive.md §7; L2 rather than L1:
 // docs/benchmarks.md §43). One row runs eight weight rows against it (`one_row`: the sign moved onto the weight
 // instead of the offset, the same bits); more run four weight rows against two activation rows at a time, the
@@ -26,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "balanced.h"
 #include "kernels.h"
 #include "line_aligned.h"
 
@@ -113,33 +115,32 @@ void one_row(const X* xp, const int8_t* wp, const S* sp, int64_t n, int64_t k, i
       _mm512_store_si512(xabs.data() + i, _mm512_abs_epi8(q));
     }
   }
-  at::parallel_for(0, (n + kRows - 1) / kRows, 64 / kRows, [&](int64_t begin, int64_t end) {
+  tandem_balanced::balanced_passes((n + kRows - 1) / kRows, 64 / kRows, [&](int64_t pass, bool forward) {
     const __m512i zero = _mm512_setzero_si512();
-    for (int64_t pass = begin; pass < end; ++pass) {
-      const int64_t r0 = pass * kRows, rows = std::min(kRows, n - r0);
-      __m512 acc[kRows];
-      for (int64_t i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
-      const int8_t* next = wp + std::min(r0 + kRows, n - 1) * k;  // a prefetch past the end never faults
-      for (int64_t g = 0; g < groups; ++g) {
-        __m512i dot[kRows];
-        for (int64_t i = 0; i < kRows; ++i) dot[i] = zero;
-        for (int64_t r = 0; r < regs; ++r) {
-          const int64_t off = g * group + r * 64;
-          for (int64_t i = 0; i < kRows; ++i)
-            _mm_prefetch(reinterpret_cast<const char*>(next + i * k + off), _MM_HINT_T1);
-          const __m512i xa = _mm512_load_si512(xabs.data() + off);
-          const __mmask64 neg = negative[off / 64];
-          for (int64_t i = 0; i < rows; ++i) {
-            const __m512i wv = _mm512_loadu_si512(wp + (r0 + i) * k + off);
-            dot[i] = _mm512_dpbusd_epi32(dot[i], xa, _mm512_mask_sub_epi8(wv, neg, zero, wv));
-          }
+    const int64_t r0 = pass * kRows, rows = std::min(kRows, n - r0);
+    __m512 acc[kRows];
+    for (int64_t i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
+    // the pass this thread reads next (a prefetch past the end never faults)
+    const int8_t* next = wp + (forward ? std::min(r0 + kRows, n - 1) : std::max<int64_t>(r0 - kRows, 0)) * k;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512i dot[kRows];
+      for (int64_t i = 0; i < kRows; ++i) dot[i] = zero;
+      for (int64_t r = 0; r < regs; ++r) {
+        const int64_t off = g * group + r * 64;
+        for (int64_t i = 0; i < kRows; ++i)
+          _mm_prefetch(reinterpret_cast<const char*>(next + i * k + off), _MM_HINT_T1);
+        const __m512i xa = _mm512_load_si512(xabs.data() + off);
+        const __mmask64 neg = negative[off / 64];
+        for (int64_t i = 0; i < rows; ++i) {
+          const __m512i wv = _mm512_loadu_si512(wp + (r0 + i) * k + off);
+          dot[i] = _mm512_dpbusd_epi32(dot[i], xa, _mm512_mask_sub_epi8(wv, neg, zero, wv));
         }
-        const __m512 s = _mm512_set1_ps(scale[g]);
-        for (int64_t i = 0; i < rows; ++i) acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), s, acc[i]);
       }
-      for (int64_t i = 0; i < rows; ++i)  // rounded once to X (to nearest even, as Tensor.to)
-        yp[r0 + i] = static_cast<X>(_mm512_reduce_add_ps(acc[i]) * static_cast<float>(sp[r0 + i]));
+      const __m512 s = _mm512_set1_ps(scale[g]);
+      for (int64_t i = 0; i < rows; ++i) acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), s, acc[i]);
     }
+    for (int64_t i = 0; i < rows; ++i)  // rounded once to X (to nearest even, as Tensor.to)
+      yp[r0 + i] = static_cast<X>(_mm512_reduce_add_ps(acc[i]) * static_cast<float>(sp[r0 + i]));
   });
 }
 
@@ -185,16 +186,14 @@ inline void dots(const Quantized& a, int64_t first, const int8_t* const row[W], 
 // W weight rows a pass; activation rows A at a time (the rest one at a time).
 template <int W, int A, typename X, typename S>
 void run(const Quantized& a, int64_t m, const int8_t* wp, const S* sp, int64_t n, int64_t k, int64_t group, X* yp) {
-  at::parallel_for(0, (n + W - 1) / W, 64 / W, [&](int64_t begin, int64_t end) {
-    for (int64_t pass = begin; pass < end; ++pass) {
-      const int64_t r0 = pass * W, rows = std::min<int64_t>(W, n - r0);
-      const int8_t* row[W];
-      for (int i = 0; i < W; ++i) row[i] = wp + (r0 + std::min<int64_t>(i, rows - 1)) * k;  // past the end: unused
-      const int8_t* next = wp + std::min(r0 + W, n - 1) * k;
-      int64_t j = 0;
-      for (; j + A <= m; j += A) dots<W, A>(a, j, row, rows, j == 0 ? next : nullptr, k, group, sp, r0, n, yp);
-      for (; j < m; ++j) dots<W, 1>(a, j, row, rows, j == 0 ? next : nullptr, k, group, sp, r0, n, yp);
-    }
+  tandem_balanced::balanced_passes((n + W - 1) / W, 64 / W, [&](int64_t pass, bool forward) {
+    const int64_t r0 = pass * W, rows = std::min<int64_t>(W, n - r0);
+    const int8_t* row[W];
+    for (int i = 0; i < W; ++i) row[i] = wp + (r0 + std::min<int64_t>(i, rows - 1)) * k;  // past the end: unused
+    const int8_t* next = wp + (forward ? std::min(r0 + W, n - 1) : std::max<int64_t>(r0 - W, 0)) * k;
+    int64_t j = 0;
+    for (; j + A <= m; j += A) dots<W, A>(a, j, row, rows, j == 0 ? next : nullptr, k, group, sp, r0, n, yp);
+    for (; j < m; ++j) dots<W, 1>(a, j, row, rows, j == 0 ? next : nullptr, k, group, sp, r0, n, yp);
   });
 }
 

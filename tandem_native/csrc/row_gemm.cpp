@@ -18,7 +18,8 @@
 // Memory: four weight rows per pass. The first pair of activation rows streams them from memory while the next
 // pass's rows are prefetched into L2 (without it the loop waited on memory: benchmarks/gemv_probe.py,
 // docs/benchmarks-archive.md §7); later pairs find them in L1/L2. bf16 widens to fp32
-// exactly by a 16-bit shift (no AVX512_BF16 needed). Passes are split over torch's intra-op threads.
+// exactly by a 16-bit shift (no AVX512_BF16 needed). Passes are split over torch's intra-op threads, a thread done
+// with its share taking passes from the back of a slower one's (balanced.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -26,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "balanced.h"
 #include "kernels.h"
 #include "tiles.h"
 
@@ -77,17 +79,17 @@ inline void dot_rows(const T* x, const T* const row[R], int64_t k, int64_t rows,
 // Weight rows [first, n) of y = x w^T by fused multiply-adds, R weight rows a pass.
 template <typename T, int64_t R>
 void run_passes(const T* xp, const T* wp, T* yp, int64_t m, int64_t n, int64_t k, int64_t first) {
-  at::parallel_for(0, (n - first + R - 1) / R, 16 * kRows / R, [&](int64_t begin, int64_t end) {
-    for (int64_t pass = begin; pass < end; ++pass) {
-      const int64_t r0 = first + pass * R, rows = std::min(R, n - r0);
-      const T* row[R];
-      for (int64_t i = 0; i < R; ++i) row[i] = wp + (r0 + std::min(i, rows - 1)) * k;  // past the end: unused
-      const T* next = wp + std::min(r0 + R, n - 1) * k;
-      int64_t i = 0;
-      for (; i + kPair <= m; i += kPair)
-        dot_rows<T, kPair, R>(xp + i * k, row, k, rows, i == 0 ? next : nullptr, yp + i * n + r0, n);
-      if (i < m) dot_rows<T, 1, R>(xp + i * k, row, k, rows, i == 0 ? next : nullptr, yp + i * n + r0, n);
-    }
+  tandem_balanced::balanced_passes((n - first + R - 1) / R, 16 * kRows / R, [&](int64_t pass, bool forward) {
+    const int64_t r0 = first + pass * R, rows = std::min(R, n - r0);
+    const T* row[R];
+    for (int64_t i = 0; i < R; ++i) row[i] = wp + (r0 + std::min(i, rows - 1)) * k;  // past the end: unused
+    // the pass this thread reads next: the following one, or, taking passes from the back of another's share,
+    // the one before
+    const T* next = wp + (forward ? std::min(r0 + R, n - 1) : std::max(r0 - R, first)) * k;
+    int64_t i = 0;
+    for (; i + kPair <= m; i += kPair)
+      dot_rows<T, kPair, R>(xp + i * k, row, k, rows, i == 0 ? next : nullptr, yp + i * n + r0, n);
+    if (i < m) dot_rows<T, 1, R>(xp + i * k, row, k, rows, i == 0 ? next : nullptr, yp + i * n + r0, n);
   });
 }
 

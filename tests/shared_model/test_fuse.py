@@ -189,6 +189,38 @@ def test_row_gemm_gives_one_row_the_bits_it_has_among_others_at_any_weight_heigh
         assert torch.equal(torch.ops.tandem.row_gemm(x[1:4], w), full[1:4])
 
 
+@pytest.mark.skipif(not tandem_native.available(), reason="needs AVX-512 VNNI and a C++ compiler")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_passes_split_over_threads_give_the_bits_of_one_thread(rows: int) -> None:
+    """The row kernels split their passes over the intra-op threads, a thread done with its share taking passes from
+    the back of another's (balanced.h): more threads than cores (so a thread often waits for its core and the others
+    take its passes), many calls, and every output is still the one thread's bits: no pass lost or computed with
+    another pass's rows."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(1283, 256, generator=gen)
+    x = torch.randn(rows, 256, generator=gen)
+    q = torch.randint(-127, 128, (1283, 256), dtype=torch.int8, generator=gen)
+    scales = torch.rand(1283, generator=gen) / 100
+    calls = {
+        "row_gemm fp32": lambda: torch.ops.tandem.row_gemm(x, w),
+        "row_gemm bf16": lambda: torch.ops.tandem.row_gemm(x.bfloat16(), w.bfloat16()),
+        "int8_gemv": lambda: torch.ops.tandem.int8_gemv(x, q, scales, 64),
+    }
+    if tandem_native.dot_bf16():
+        calls["dot_gemm"] = lambda: torch.ops.tandem.dot_gemm(x.bfloat16(), w.bfloat16())
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        torch.set_num_threads(1)
+        try:
+            alone = {name: call() for name, call in calls.items()}
+            torch.set_num_threads(5)
+            for _ in range(20):
+                for name, call in calls.items():
+                    assert torch.equal(call(), alone[name]), name
+        finally:
+            torch.set_num_threads(threads)
+
+
 _MANY_ROW_KERNELS = [
     pytest.param(
         "tile_gemm",
