@@ -36,7 +36,10 @@ namespace {
 using namespace tandem_tiles;
 
 constexpr int64_t kRows = 4;        // weight rows per pass
-constexpr int64_t kSingleRows = 8;  // weight rows per pass for one activation row
+// weight rows per pass for one activation row: fp32 eight (16 lines in flight each column step against 8), bf16 four
+// (eight showed no gain: docs/benchmarks.md §45)
+template <typename T>
+constexpr int64_t kSingleRows = sizeof(T) == 4 ? 8 : 4;
 constexpr int kPair = 2;      // activation rows sharing each load of the weight
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -93,13 +96,13 @@ void run_passes(const T* xp, const T* wp, T* yp, int64_t m, int64_t n, int64_t k
   });
 }
 
-// Weight rows [first, n) of y = x w^T. One activation row takes kSingleRows weight rows a pass: twice the cache
-// lines in flight each column step, and its 16 sums still fit the registers (a pair of activation rows over eight
-// weight rows would need all 32 for sums alone). Each output's arithmetic is the same either way.
+// Weight rows [first, n) of y = x w^T. One fp32 activation row takes eight weight rows a pass (kSingleRows): twice
+// the cache lines in flight each column step, and its 16 sums still fit the registers (a pair of activation rows
+// over eight weight rows would need all 32 for sums alone). Each output's arithmetic is the same either way.
 template <typename T>
 void run(const T* xp, const T* wp, T* yp, int64_t m, int64_t n, int64_t k, int64_t first = 0) {
   if (m == 1)
-    run_passes<T, kSingleRows>(xp, wp, yp, m, n, k, first);
+    run_passes<T, kSingleRows<T>>(xp, wp, yp, m, n, k, first);
   else
     run_passes<T, kRows>(xp, wp, yp, m, n, k, first);
 }
