@@ -9,9 +9,9 @@
 // thread reads next (pass + 1 or pass - 1), for its prefetches.
 //
 // Why: on a shared host one vCPU at times runs slower than the other (a busy hyperthread sibling, a neighbour on
-// the memory bus); a static split then waits at the end of every projection for the slower thread (3-20 % of a
-// 1-row decode step, docs/benchmarks.md §45). Stealing from the back keeps each thread's reads one sequential
-// stream for the hardware prefetcher, as interleaved dynamic chunks do not.
+// the memory bus); a static split then waits at the end of every projection for the slower thread
+// (docs/benchmarks.md §45). Stealing from the back keeps each thread's reads one sequential stream for the hardware
+// prefetcher, as interleaved dynamic chunks do not.
 #pragma once
 
 #include <ATen/Parallel.h>
