@@ -7,9 +7,10 @@
 // projection, the q and k heads' norms and RoPE, the K/V stores and the decode attention, the output projection and
 // residual, the post-attention norm, the merged gate/up projection, SiLU(gate) * up, the down projection and
 // residual; then the final norm, and, where it holds the LM head (`logits`), the head's projection: the step's
-// logits come back from the same call, so the memory bus streams the head's weight right after the last layer's. The projections are the kernels their modules run for these rows (row_gemm.cpp's
-// row_gemm or, past its rows, AMX tile_gemm (dot_gemm without AMX) for a dense weight, by the weight's row table; int8_gemv.cpp's for an
-// int8 weight's rows; int4_gemv.cpp's for int4 codes) and the attention paged_attention.cpp's, called directly
+// logits come back from the same call, so the memory bus streams the head's weight right after the last layer's.
+// The projections are the kernels their modules run for these rows (row_gemm.cpp's row_gemm or, past its rows, AMX
+// tile_gemm (dot_gemm without AMX) for a dense weight, by the weight's row table; int8_gemv.cpp's for an int8
+// weight's rows; int4_gemv.cpp's for int4 codes) and the attention paged_attention.cpp's, called directly
 // (kernels.h); the rest is here, split by rows over torch's intra-op threads where a step has enough of them. What
 // a compiled graph spends between its kernels (the dispatcher per operator, a fresh output tensor each, a handle per
 // graph input, dynamo's wrappers) is gone.

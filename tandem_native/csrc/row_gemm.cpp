@@ -15,10 +15,10 @@
 // `tile_gemm_int8` runs the same tiles over an int8 weight with one scale per row (shared_model/quantize.py's int8):
 // each 16 x 32 block of codes is widened to bf16 (exactly) in L1 on its way into the tile, and each sum is scaled
 // once, so the weight streams from memory at one byte a parameter. The tiles themselves are tiles.h's.
-// Memory: four weight rows per pass. The first pair of activation rows streams them from memory while the next
-// pass's rows are prefetched into L2 (without it the loop waited on memory: benchmarks/gemv_probe.py,
-// docs/benchmarks-archive.md §7); later pairs find them in L1/L2. bf16 widens to fp32
-// exactly by a 16-bit shift (no AVX512_BF16 needed). Passes are split over torch's intra-op threads, a thread done
+// Memory: four weight rows per pass (eight for a single fp32 activation row: `run`). The first pair of activation
+// rows streams them from memory while the next pass's rows are prefetched into L2 (without it the loop waited on
+// memory: benchmarks/gemv_probe.py, docs/benchmarks-archive.md §7); later pairs find them in L1/L2. bf16 widens to
+// fp32 exactly by a 16-bit shift (no AVX512_BF16 needed). Passes are split over torch's intra-op threads, a thread done
 // with its share taking passes from the back of a slower one's (balanced.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
