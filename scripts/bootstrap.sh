@@ -9,6 +9,11 @@
 # this machine keeps the CPU wheel of torch) are passed on by scripts/pip_settings_for_uv.py. TANDEM_INSTALLER=pip
 # installs with pip alone, as before; the bootstrap falls back to pip by itself when uv cannot be installed, when
 # pip's settings cannot be read, or when a uv install fails.
+#
+# After an install the bootstrap writes the bytecode (.pyc) of the venv's packages and of Tandem's own: uv installs
+# without it, and where PYTHONDONTWRITEBYTECODE is set (CI here) nothing writes it later, so every process would
+# compile each module it imports from source at every start (docs/benchmarks.md §46). Files already compiled are
+# skipped, so a venv made before this step gets it at its next install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -26,7 +31,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 stamp="$VENV/.tandem-installed"
-want="$(sha256sum pyproject.toml | cut -d' ' -f1) torch=$TORCH_VERSION"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) torch=$TORCH_VERSION bytecode"
 build_kernels() {
   # Tandem's CPU kernels (tandem_native/loader.py) are built on first use; building them here keeps that
   # 30-60 s out of the first server start (and out of the tests' start-up bounds). Cached: about 2 s when built.
@@ -59,6 +64,16 @@ install() {
   fi
   "$VENV/bin/python" -m pip install --quiet "$@"
 }
+compile_bytecode() {
+  # quiet=2: a file that does not compile (test data in some packages) is skipped, as an import of it would fail
+  "$VENV/bin/python" - <<'PY'
+import compileall, sysconfig, time
+t0 = time.perf_counter()
+for folder in (sysconfig.get_paths()["purelib"], "shared_model", "lt_plugins", "inference_svc", "tandem_native"):
+    compileall.compile_dir(folder, quiet=2, workers=0)
+print(f"bootstrap: bytecode written in {time.perf_counter() - t0:.0f} s")
+PY
+}
 uv_works() { "$VENV/bin/python" -m uv --version >/dev/null 2>&1; }
 if [ "$INSTALLER" = uv ] && ! uv_works; then
   # a uv module that is there but broken reads as installed to pip: reinstall it, then check again
@@ -76,5 +91,6 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.s
 fi
 echo "bootstrap: installing tandem[$EXTRAS] ($INSTALLER)"
 install -e ".[$EXTRAS]"
+compile_bytecode
 echo "$want" > "$stamp"
 build_kernels
