@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from pathlib import Path
@@ -35,6 +36,19 @@ def decode_rate(engine: Engine, n_gen: int, rid: str, first_token: int) -> float
     if steps != n_gen - 1:
         raise RuntimeError(f"{rid}: {steps + 1} steps for {n_gen} tokens")
     return steps / seconds
+
+
+def prefill_rate(engine: Engine, n_prompt: int, rid: str, seed: int) -> float:
+    """Prompt tokens per second of one greedy request of `n_prompt` random tokens (new ones per seed, so the prefix
+    cache holds none of them) and one output token: the prompt over the wall time of the `Engine.step()` calls that
+    made its first token (llama-bench's pp: the prompt's forward pass, timed in process)."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, engine.model_config.vocab_size) for _ in range(n_prompt)]
+    engine.add_request(rid, prompt, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return n_prompt / (time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,26 +1,33 @@
-"""Batch-1 decode in process against llama-bench, in pairs taken seconds apart, so each ratio sees one state of the
-machine: on a shared host whose memory bus moves by a third within minutes (docs/benchmarks.md §12), two figures
-taken a minute apart differ by more than the two engines do.
+"""Batch-1 decode (or, with `--phase prefill`, prompt processing) in process against llama-bench, in pairs taken
+seconds apart, so each ratio sees one state of the machine: on a shared host whose memory bus moves by a third within
+minutes (docs/benchmarks.md §12), two figures taken a minute apart differ by more than the two engines do.
 
 For each precision (fp32 against F32, bf16 against BF16, int8 against Q8_0, int4 against Q4_0) it loads Tandem's
 engine once, in an interpreter of its own (one compiled engine per process), as `benchmarks/engine_decode.py` does
 (the `--compile`, `--threads` and dtype flags `cpu_peer.py` serves with, int8/int4 at bf16; the thread governor
-off unless `--thread-governor auto`: see that flag), then takes `--pairs` pairs: `llama-bench -m GGUF -t THREADS
--p 0 -n N_GEN` (its mean over its 5 repetitions) and Tandem's mean over `--reps` greedy requests of N_GEN tokens,
-the two back to back, the order alternating pair by pair (llama-bench first in even pairs). The engine idles while
-llama-bench runs, and the other way round. Each pair's ratio is Tandem / llama-bench; the figure is their median,
-with the quartiles and the fraction of pairs at or above 1.0 beside it.
+off unless `--thread-governor auto`: see that flag), then takes `--pairs` pairs, the two sides back to back, the
+order alternating pair by pair (llama-bench first in even pairs); the engine idles while llama-bench runs, and the
+other way round:
+- decode: `llama-bench -m GGUF -t THREADS -p 0 -n N_GEN` (its mean over its 5 repetitions) against Tandem's mean
+  over `--reps` greedy requests of N_GEN tokens (`engine_decode.decode_rate`);
+- prefill: `llama-bench -m GGUF -t THREADS -p N_PROMPT -n 0` against Tandem's mean over `--reps` requests of
+  N_PROMPT random tokens and one output token (`engine_decode.prefill_rate`), a new prompt each, so the prefix
+  cache holds none of it.
+Each pair's ratio is Tandem / llama-bench; the figure is their median, with the quartiles and the fraction of pairs
+at or above 1.0 beside it.
 
 The model folder and the GGUFs are cpu_peer.py's (the same cache; made here when missing, with the same flags), as
-is the llama.cpp build. Writes `<out>/paired_decode.json` and prints a markdown table for docs/benchmarks.md.
+is the llama.cpp build. Writes `<out>/paired_<phase>.json` and prints a markdown table for docs/benchmarks.md.
 
     .venv/bin/python benchmarks/paired_decode.py --precisions fp32,int4 --pairs 8 --out results/paired
+    .venv/bin/python benchmarks/paired_decode.py --phase prefill --precisions fp32 --pairs 8 --out results/paired
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import shlex
 import statistics
@@ -62,9 +69,22 @@ def summary(ratios: list[float]) -> dict[str, float]:
             "at_least_1": sum(r >= 1.0 for r in ratios) / len(ratios)}  # fmt: skip
 
 
-def run_pairs(engine: Engine, peer: Callable[[], float], pairs: int, reps: int, n_gen: int) -> list[dict[str, Any]]:
-    """`pairs` pairs of `peer()` (the peer's tok/s) and the engine's mean decode rate over `reps` greedy requests of
-    `n_gen` tokens, back to back in `tandem_first`'s order; each with its ratio Tandem / peer."""
+def tandem_side(engine: Engine, phase: str, n_gen: int, n_prompt: int) -> Callable[[str, int], float]:
+    """`ours(request_id, rep)`: the engine's tok/s over one request of the phase: `decode_rate`'s (first token 3 +
+    rep) or `prefill_rate`'s (a new random prompt at every call)."""
+    if phase == "decode":
+        return lambda rid, rep: engine_decode.decode_rate(engine, n_gen, rid, 3 + rep)
+    if phase != "prefill":
+        raise ValueError(f"unknown phase {phase!r}: expected decode or prefill")
+    seeds = itertools.count()
+    return lambda rid, rep: engine_decode.prefill_rate(engine, n_prompt, rid, next(seeds))
+
+
+def run_pairs(
+    ours: Callable[[str, int], float], peer: Callable[[], float], pairs: int, reps: int
+) -> list[dict[str, Any]]:
+    """`pairs` pairs of `peer()` (the peer's tok/s) and the mean of `reps` calls of `ours(request_id, rep)` (the
+    engine's tok/s), back to back in `tandem_first`'s order; each with its ratio Tandem / peer."""
     out = []
     for i in range(pairs):
         sides: dict[str, float] = {}
@@ -72,8 +92,7 @@ def run_pairs(engine: Engine, peer: Callable[[], float], pairs: int, reps: int, 
             if side == "llama":
                 sides[side] = peer()
             else:
-                rates = [engine_decode.decode_rate(engine, n_gen, f"p{i}-{r}", 3 + r) for r in range(reps)]
-                sides[side] = statistics.mean(rates)
+                sides[side] = statistics.mean(ours(f"p{i}-{r}", r) for r in range(reps))
         out.append({**sides, "ratio": sides["tandem"] / sides["llama"], "tandem_first": tandem_first(i)})
         cpu_peer.log(f"  pair {i}: llama-bench {sides['llama']:.1f}, Tandem {sides['tandem']:.1f} tok/s, "
                      f"ratio {out[-1]['ratio']:.2f}")  # fmt: skip
@@ -87,23 +106,27 @@ def run_precision(precision: str, args: argparse.Namespace, bundle: Path, gguf: 
                           decode_runner=args.decode_runner)  # fmt: skip
     t0 = time.monotonic()
     engine = Engine.from_bundle(bundle, config)
-    engine_decode.decode_rate(engine, args.n_gen, "warm-up", 3)
+    ours = tandem_side(engine, args.phase, args.n_gen, args.n_prompt)
+    ours("warm-up", 0)
     cpu_peer.log(f"{precision}: engine ready in {time.monotonic() - t0:.0f} s (compiled: {bool(engine.compiled)})")
+    n_prompt, n_gen = (args.n_prompt, 0) if args.phase == "prefill" else (0, args.n_gen)
+    kind = "pp" if args.phase == "prefill" else "tg"
 
     def llama_bench() -> float:
-        return llama_cpp.bench(tools, gguf, args.threads, 0, args.n_gen, args.bench_timeout)["tg"]
+        return llama_cpp.bench(tools, gguf, args.threads, n_prompt, n_gen, args.bench_timeout)[kind]
 
-    pairs = run_pairs(engine, llama_bench, args.pairs, args.reps, args.n_gen)
+    pairs = run_pairs(ours, llama_bench, args.pairs, args.reps)
     return {"precision": precision, "gguf": gguf.name, "dtype": dtype, "quantization": quant,
             "compiled": bool(engine.compiled), "pairs": pairs, **summary([p["ratio"] for p in pairs])}  # fmt: skip
 
 
 def markdown(results: dict[str, Any]) -> str:
     lines = [
-        f"Paired batch-1 decode, {results['date']}, {results['machine']['model']} ({results['machine']['cores']} "
-        f"cores, {cpu_peer.flags_line(results['machine'])}), commit {results['commit']}, {results['threads']} threads, "
+        f"Paired batch-1 {results['phase']}, {results['date']}, {results['machine']['model']} "
+        f"({results['machine']['cores']} cores, {cpu_peer.flags_line(results['machine'])}), "
+        f"commit {results['commit']}, {results['threads']} threads, "
         f"Tandem's thread governor {results['thread_governor']}, decode runner {results['decode_runner']}, "
-        f"tg{results['n_gen']}:",
+        f"{results['measure']}:",
         "",
         "| precision (Tandem / GGUF) | pairs | llama-bench tok/s (median) | Tandem tok/s (median) | ratio median | "
         "quartiles | pairs ≥ 1.0 |",
@@ -133,6 +156,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "another process's load at the engine's first poll (it polls at its steps only here)")  # fmt: skip
     p.add_argument("--decode-runner", default="auto", choices=["auto", "off"],
                    help="Tandem's --decode-runner (off: the compiled graph runs every step)")  # fmt: skip
+    p.add_argument("--phase", default="decode", choices=["decode", "prefill"],
+                   help="decode: llama-bench's tg (N_GEN tokens after one); prefill: its pp (N_PROMPT)")  # fmt: skip
+    p.add_argument("--n-prompt", type=int, default=512, help="prompt tokens of --phase prefill (llama-bench -p)")
     p.add_argument("--reps", type=int, default=3, help="Tandem requests per pair (llama-bench: its own 5)")
     p.add_argument("--n-gen", type=int, default=64, help="generated tokens (llama-bench -n)")
     p.add_argument("--hidden", type=int, default=768)
@@ -153,8 +179,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             engine_flags(precision)
         except ValueError as exc:
             p.error(str(exc))
-    if args.pairs < 1 or args.reps < 1 or args.n_gen < 2 or args.threads < 1:
-        p.error("--pairs, --reps and --threads must be at least 1, --n-gen at least 2")
+    if args.pairs < 1 or args.reps < 1 or args.n_gen < 2 or args.threads < 1 or args.n_prompt < 1:
+        p.error("--pairs, --reps, --threads and --n-prompt must be at least 1, --n-gen at least 2")
     return args
 
 
@@ -173,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": shlex.join([Path(sys.executable).name, *sys.argv] if argv is None else [__file__, *argv]),
         "machine": cpu_peer.cpu_summary(), "commit": cpu_peer.git_commit(cpu_peer.REPO), "threads": args.threads,
-        "n_gen": args.n_gen, "reps": args.reps, "thread_governor": args.thread_governor,
+        "phase": args.phase, "measure": f"pp{args.n_prompt}" if args.phase == "prefill" else f"tg{args.n_gen}",
+        "n_gen": args.n_gen, "n_prompt": args.n_prompt, "reps": args.reps, "thread_governor": args.thread_governor,
         "decode_runner": args.decode_runner, "model": str(bundle),
         "cases": [],
     }  # fmt: skip
@@ -187,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         results["cases"].append(json.loads(lines[-1]))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "paired_decode.json").write_text(json.dumps(results, indent=1) + "\n")
+    (args.out / f"paired_{args.phase}.json").write_text(json.dumps(results, indent=1) + "\n")
     print(markdown(results))
     return 0
 

@@ -38,7 +38,7 @@ def test_pairs_alternate_and_each_ratio_is_its_own_pair(
         return real_rate(*args, **kwargs)
 
     monkeypatch.setattr(paired.engine_decode, "decode_rate", decode_rate)  # the real one, its calls recorded
-    pairs = paired.run_pairs(engine, peer, pairs=4, reps=2, n_gen=4)
+    pairs = paired.run_pairs(paired.tandem_side(engine, "decode", 4, 0), peer, pairs=4, reps=2)
     first, second = ["llama", "tandem", "tandem"], ["tandem", "tandem", "llama"]  # llama-bench first in even pairs
     assert order == first + second + first + second
     assert [p["tandem_first"] for p in pairs] == [False, True, False, True]
@@ -46,6 +46,31 @@ def test_pairs_alternate_and_each_ratio_is_its_own_pair(
     for p in pairs:
         assert p["tandem"] > 0 and p["ratio"] == pytest.approx(p["tandem"] / p["llama"])
     assert not engine.has_unfinished_requests()
+
+
+def test_prefill_pairs_time_a_new_prompt_each_time(
+    tmp_path: Path, small_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paired = load_benchmark("paired_decode")
+    config = tiny_config()
+    bundle = save_bundle(tmp_path / "bundle", config, build_model(config, seed=0), tokenizer=small_tokenizer)
+    engine = Engine.from_bundle(bundle, EngineConfig(compile="off", device="cpu", threads=1))
+    prompts: list[list[int]] = []
+    real_add = engine.add_request
+
+    def add_request(rid, prompt, sampling, *args, **kwargs):
+        prompts.append(list(prompt))
+        assert sampling.max_new_tokens == 1  # the prefill alone: its first token ends the request
+        return real_add(rid, prompt, sampling, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", add_request)  # the real one, its prompts recorded
+    pairs = paired.run_pairs(paired.tandem_side(engine, "prefill", 0, 24), lambda: 100.0, pairs=2, reps=2)
+    assert len(prompts) == 4 and all(len(p) == 24 for p in prompts)
+    assert len({tuple(p) for p in prompts}) == 4  # no prompt twice: the prefix cache serves none of them
+    assert all(p["tandem"] > 0 and p["ratio"] == pytest.approx(p["tandem"] / 100.0) for p in pairs)
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="unknown phase 'both'"):
+        paired.tandem_side(engine, "both", 4, 24)
 
 
 def test_summary_median_quartiles_and_share_at_parity() -> None:
@@ -61,11 +86,12 @@ def test_summary_median_quartiles_and_share_at_parity() -> None:
         paired.summary([])
     pairs = [{"llama": 100.0, "tandem": 100.0 * r, "ratio": r} for r in ratios]
     results = {"date": "2026-12-06T17:38:04+00:00", "machine": paired.cpu_peer.cpu_summary(), "commit": "abc1234",
-               "threads": 2, "thread_governor": "off", "decode_runner": "auto", "n_gen": 64,
+               "threads": 2, "thread_governor": "off", "decode_runner": "auto", "n_gen": 64, "phase": "decode",
+               "measure": "tg64",
                "command": "python benchmarks/paired_decode.py",
                "cases": [{"precision": "fp32", "gguf": "model-F32.gguf", "pairs": pairs, **s}]}  # fmt: skip
     table = paired.markdown(results)
-    assert "thread governor off, decode runner auto" in table
+    assert "thread governor off, decode runner auto" in table and "Paired batch-1 decode" in table
     tandem = statistics.median(p["tandem"] for p in pairs)
     row = f"| fp32 / F32 | 8 | 100.0 | {tandem:.1f} | **{s['median']:.2f}** | {s['q1']:.2f}-{s['q3']:.2f} | 50% |"
     assert row in table
