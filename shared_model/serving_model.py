@@ -70,13 +70,15 @@ _KERNEL_NAMES = {
     "tile_gemm": "tandem::tile_gemm",
     "dot_gemm": "tandem::dot_gemm",
     "linear": "F.linear",
+    "onednn": "oneDNN matmul",
 }
 
 
 @dataclass(frozen=True)
 class RowTable:
     """A projection's kernel by the row count of a call: the first `(most rows, kernel)` step that holds, else
-    `more`. Kernels: 'row_gemm', 'tile_gemm', 'dot_gemm' (Tandem's) and 'linear' (`F.linear`)."""
+    `more`. Kernels: 'row_gemm', 'tile_gemm', 'dot_gemm' (Tandem's), 'linear' (`F.linear`) and, as `more` only,
+    'onednn' (oneDNN's matmul, `mkldnn::_linear_pointwise`, the weight in its plain layout: `compiled_row_table`)."""
 
     steps: tuple[tuple[int, str], ...] = ()
     more: str = "linear"
@@ -89,11 +91,13 @@ class RowTable:
 
     def gemm_bounds(self) -> tuple[int, int] | None:
         """(row_max, tile_max) of `tandem::table_gemm` when this table is one it runs (row_gemm up to some rows,
-        then optionally tile_gemm or dot_gemm, then `F.linear`): the kernel is then chosen inside that one operator,
+        then optionally tile_gemm or dot_gemm, then `F.linear` or oneDNN's matmul: the operator's `onednn`, from
+        `more`): the kernel is then chosen inside that one operator,
         at run time, not by a branch a compiled graph traces (one graph for every row count); None for any other
         table. (The operator runs tile_gemm where AMX tiles are usable, else dot_gemm: the rule that names them.)"""
         names = tuple(name for _, name in self.steps)
-        if self.more != "linear" or names not in (("row_gemm",), ("row_gemm", "tile_gemm"), ("row_gemm", "dot_gemm")):
+        runs = names in (("row_gemm",), ("row_gemm", "tile_gemm"), ("row_gemm", "dot_gemm"))
+        if not runs or self.more not in ("linear", "onednn"):
             return None
         row_max = self.steps[0][0]
         return row_max, self.steps[1][0] if len(self.steps) > 1 else row_max
@@ -118,22 +122,34 @@ PLAIN_TABLE = RowTable()
 """Eager serving: `F.linear` for every call, the training decoder's kernel and bits."""
 
 
-def compiled_row_table(dtype: torch.dtype, tiles: bool, exact_verify: bool, dot: bool = False) -> RowTable:
+def compiled_row_table(
+    dtype: torch.dtype, tiles: bool, exact_verify: bool, dot: bool = False, onednn: bool = False
+) -> RowTable:
     """The compiled step's table for a bias-free fp32 or bf16 projection on a CPU with Tandem's kernels.
 
     `exact_verify` (speculative decoding on by default): `row_gemm` up to `ROW_KERNEL_MAX_ROWS` rows, so a verify
     step's rows score their drafts with a decode row's bits. Otherwise bf16 with AMX tiles (`tiles`): `row_gemm` for
     up to `FMA_MAX_ROWS` rows, `tile_gemm` up to `TILE_MAX_ROWS`; bf16 without tiles on a CPU with AVX512_BF16
     (`dot`): `row_gemm` up to `FMA_MAX_ROWS`, `dot_gemm` up to `DOT_MAX_ROWS`; otherwise, or fp32: `row_gemm` up
-    to `FMA_MAX_ROWS`. `F.linear` beyond. (A request that asks for speculation on such an engine keeps its output
-    distribution; its verify rows may round otherwise than its decode rows.)"""
+    to `FMA_MAX_ROWS`. `F.linear` beyond, or for fp32 with `onednn` (`fp32_onednn`'s rule) oneDNN's matmul. (A
+    request that asks for speculation on such an engine keeps its output distribution; its verify rows may round
+    otherwise than its decode rows.)"""
+    more = "onednn" if onednn and dtype == torch.float32 else "linear"
     if exact_verify:
-        return RowTable(((ROW_KERNEL_MAX_ROWS, "row_gemm"),))
+        return RowTable(((ROW_KERNEL_MAX_ROWS, "row_gemm"),), more)
     if dtype == torch.bfloat16 and tiles:
         return RowTable(((FMA_MAX_ROWS, "row_gemm"), (TILE_MAX_ROWS, "tile_gemm")))
     if dtype == torch.bfloat16 and dot:
         return RowTable(((FMA_MAX_ROWS, "row_gemm"), (DOT_MAX_ROWS, "dot_gemm")))
-    return RowTable(((FMA_MAX_ROWS, "row_gemm"),))
+    return RowTable(((FMA_MAX_ROWS, "row_gemm"),), more)
+
+
+def fp32_onednn(vendor: str) -> bool:
+    """Whether a compiled step's many-row fp32 products run through oneDNN's matmul instead of `F.linear` (MKL's
+    sgemm in torch's CPU build): on a CPU that is not Intel's (`vendor`, /proc/cpuinfo's vendor_id), where MKL
+    takes its generic code path, and where torch carries oneDNN. On an AMD Zen 4 oneDNN ran a 512-row prefill
+    chunk's products faster (docs/benchmarks.md §46); on Intel's CPUs MKL keeps them (not measured against)."""
+    return vendor != "GenuineIntel" and torch.backends.mkldnn.is_available()
 
 
 class ServingLinear(nn.Linear):
@@ -181,11 +197,16 @@ class ServingLinear(nn.Linear):
         if self.row_table is not None and x.dtype == self.weight.dtype:
             bounds = self.row_table.gemm_bounds()
             if bounds is not None:  # the kernel by `rows`, chosen in the operator: no branch for a graph to trace
-                y = torch.ops.tandem.table_gemm(x.reshape(rows, x.shape[-1]), self.weight, *bounds)  # [rows, out]
+                onednn = self.row_table.more == "onednn"
+                x2 = x.reshape(rows, x.shape[-1])  # [rows, in]
+                y = torch.ops.tandem.table_gemm(x2, self.weight, *bounds, onednn)  # [rows, out]
                 return y.view(*x.shape[:-1], self.out_features)  # [..., out]
         kernel = self.table.kernel(rows)
         if kernel == "linear" or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
+        if kernel == "onednn":
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.weight, self.bias, "none", [], "")
+            return y.view(*x.shape[:-1], self.out_features)  # [..., out]
         op = {"tile_gemm": torch.ops.tandem.tile_gemm, "dot_gemm": torch.ops.tandem.dot_gemm}.get(kernel)
         op = op if op is not None else torch.ops.tandem.row_gemm
         y = op(x.reshape(rows, x.shape[-1]), self.weight)  # [rows, out]

@@ -66,6 +66,16 @@ def _cpu_flags() -> set[str]:
     return set(line.split(":", 1)[-1].split())
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ('GenuineIntel', 'AuthenticAMD'), or '' where it cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    line = next((line for line in text.splitlines() if line.startswith("vendor_id")), "")
+    return line.split(":", 1)[-1].strip()
+
+
 def unsupported() -> str | None:
     """Why the library cannot be built or run on this machine (a phrase), or None when it can."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -214,7 +224,7 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.register_fake("tandem::table_gemm")
-    def _(x: torch.Tensor, w: torch.Tensor, row_max: int, tile_max: int) -> torch.Tensor:
+    def _(x: torch.Tensor, w: torch.Tensor, row_max: int, tile_max: int, onednn: bool = False) -> torch.Tensor:
         return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.register_fake("tandem::tile_gemm_int8")

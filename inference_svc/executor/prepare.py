@@ -21,7 +21,8 @@ Contract:
   4. `linear.<projection>`: the method each projection runs, with its row-count table (the module's own
      `method()`): recorded from the modules themselves, so the record cannot drift from what runs. A compiled
      step's dense projections take the table `choose_row_table` picks by a rule (`serving_model.compiled_row_table`:
-     the weights' dtype, whether this CPU has AMX tiles, whether speculative decoding is on by default).
+     the weights' dtype, whether this CPU has AMX tiles, whether speculative decoding is on by default; an fp32
+     table's many-row kernel by `serving_model.fp32_onednn`: the CPU's vendor).
   5. `attention`: the attention backend (`EngineConfig.attention_backend`) and its CPU decode kernels.
   6. `sampler`: the CPU sampler's C++ thresholds and one-call sampling, or torch's sort.
   7. `compile`: whether the step runs compiled (`EngineConfig.compile`). 'auto' is a rule, never a timing: compiled
@@ -61,7 +62,7 @@ from shared_model.bundle import Bundle
 from shared_model.compiled import compiler_available
 from shared_model.native_decode import NativeDecode
 from shared_model.quantize import QuantizationError, QuantizedLinear, quantize_weights
-from shared_model.serving_model import RowTable, ServingDecoder, ServingLinear, compiled_row_table
+from shared_model.serving_model import RowTable, ServingDecoder, ServingLinear, compiled_row_table, fp32_onednn
 
 COMPILE_AUTO_MIN_PARAMS = 2_000_000
 """`compile='auto'` compiles on CPU from this many parameters up: below it a step costs well under a millisecond
@@ -174,7 +175,8 @@ def choose_row_table(config: EngineConfig, native: bool, dtype: torch.dtype) -> 
         return None
     tiles = tandem_native.tiles()
     dot = not tiles and tandem_native.dot_bf16()
-    return compiled_row_table(dtype, tiles=tiles, exact_verify=config.speculative != "off", dot=dot)
+    onednn = fp32_onednn(tandem_native.cpu_vendor())
+    return compiled_row_table(dtype, tiles=tiles, exact_verify=config.speculative != "off", dot=dot, onednn=onednn)
 
 
 def _method(module: torch.nn.Module) -> tuple[str, str]:

@@ -150,13 +150,26 @@ torch::Tensor tile_gemm(const torch::Tensor& x, const torch::Tensor& w) {
   return y;
 }
 
+// oneDNN's matmul through torch's own registration of it (mkldnn::_linear_pointwise, the op inductor's CPU fusions
+// call): y [M, N] = x [M, K] w [N, K]^T, the weight read in its plain layout. Its fp32 blocking beats MKL's sgemm
+// (F.linear's fp32 product) where MKL takes its generic path, as on AMD's CPUs (serving_model.py's rule).
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, w, c10::IValue(), c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // The compiled step's projection (shared_model/serving_model.py's row table): the kernel chosen here, by the row
 // count of the call, at run time: M <= row_max rows row_gemm, M <= tile_max the many-row bf16 kernel (none when
 // tile_max <= row_max): tile_gemm where this process may use AMX tiles, else dot_gemm (dot_gemm.cpp, AVX512_BF16;
-// the table names the same one, by the same facts), more at::mm(x, w^T) (F.linear's product without a bias). A graph that branched on M in
-// Python traced one graph per branch; this call is one node for every M, each row's bits those of the kernel
-// its row count picks, as before.
-torch::Tensor table_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t row_max, int64_t tile_max) {
+// the table names the same one, by the same facts), more at::mm(x, w^T) (F.linear's product without a bias), or
+// oneDNN's matmul where `onednn` (the table's `more`). A graph that branched on M in Python traced one graph per
+// branch; this call is one node for every M, each row's bits those of the kernel its row count picks, as before.
+torch::Tensor table_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t row_max, int64_t tile_max,
+                         bool onednn) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "table_gemm: x must be [M, K] and w [N, K]");
   const int64_t m = x.size(0);
   if (m <= row_max) return row_gemm(x, w);
@@ -170,7 +183,7 @@ torch::Tensor table_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t
     tandem_kernels::dot_gemm_rows(bits(xc), bits(w), bits(y), m, w.size(0), w.size(1));
     return y;
   }
-  return at::mm(x, w.t());
+  return onednn ? onednn_linear(x.contiguous(), w) : at::mm(x, w.t());
 }
 
 // x [M, K] bf16 times an int8 weight q [N, K] (one scale per row, `scales` [N] of any float dtype) on AMX tiles:
@@ -215,7 +228,7 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("row_gemm(Tensor x, Tensor w) -> Tensor");
   m.def("tile_gemm(Tensor x, Tensor w) -> Tensor");
   m.def("tile_gemm_int8(Tensor x, Tensor q, Tensor scales) -> Tensor");
-  m.def("table_gemm(Tensor x, Tensor w, int row_max, int tile_max) -> Tensor");
+  m.def("table_gemm(Tensor x, Tensor w, int row_max, int tile_max, bool onednn=False) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("row_gemm", &row_gemm);

@@ -19,6 +19,7 @@ from shared_model.serving_model import (
     RowTable,
     ServingLinear,
     compiled_row_table,
+    fp32_onednn,
     fuse_projections,
     set_row_kernels,
 )
@@ -100,7 +101,16 @@ def _tables() -> list:
     elif tandem_native.dot_bf16():  # table_gemm runs dot_gemm for the same rows only where AMX tiles do not run
         dot = compiled_row_table(torch.bfloat16, tiles=False, exact_verify=False, dot=True)
         out.append(("bf16-dot", torch.bfloat16, dot))
+    if torch.backends.mkldnn.is_available():  # the many-row fp32 product through oneDNN (`fp32_onednn`'s rule)
+        out.append(("fp32-onednn", torch.float32, compiled_row_table(torch.float32, False, False, onednn=True)))
     return out
+
+
+def _more(table: RowTable, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] through the kernel a table runs past its last step: F.linear, or oneDNN's matmul."""
+    if table.more == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    return F.linear(x, w)
 
 
 @pytest.mark.skipif(not tandem_native.available(), reason="needs AVX-512 VNNI and a C++ compiler")
@@ -125,8 +135,9 @@ def test_row_kernels_are_the_compiled_steps_choice_and_give_each_row_the_same_bi
                 assert torch.equal(head(x[top - count : top]).float(), full[top - count :]), (kernel, count)
             low = top + 1
         assert torch.equal(head(x[None, : min(most, 5)]).float()[0], head(x[: min(most, 5)]).float())  # [B, T, hidden]
-        past = head(x)  # one row more than the table's last step: F.linear
-        assert torch.equal(past, F.linear(x, head.weight))
+        past = head(x)  # one row more than the table's last step: F.linear, or oneDNN's matmul
+        assert torch.equal(past, _more(table, x, head.weight))
+        assert (past.double() - exact).abs().max().item() <= bound
         torch._dynamo.reset()  # each table's graphs are new entries of ServingLinear.forward: no recompile limit
         compiled = torch.compile(head, fullgraph=True)  # the custom ops do not break the graph
         assert torch.equal(compiled(x[:1]), head(x[:1]))
@@ -160,7 +171,8 @@ def test_a_compiled_row_table_is_one_graph_for_every_row_count_with_each_kernels
             xs = x[:rows].clone()
             torch._dynamo.maybe_mark_dynamic(xs, 0)
             kernel = table.kernel(rows)
-            want = F.linear(xs, head.weight) if kernel == "linear" else kernels[kernel](xs[:, 0], head.weight)[:, None]
+            run = kernels.get(kernel, lambda x, w: _more(table, x, w))
+            want = run(xs[:, 0], head.weight)[:, None]
             assert torch.equal(compiled(xs), want), (rows, kernel)
     assert counter.frame_count == 1, f"{counter.frame_count} graphs: a row count branched in the graph"
     set_row_kernels(model, None)
@@ -271,6 +283,17 @@ def test_row_table_describes_itself_and_the_compiled_rule() -> None:
     assert dot.describe() == f"1-2 rows: tandem::row_gemm; 3-{DOT_MAX_ROWS} rows: tandem::dot_gemm; more: F.linear"
     assert dot.gemm_bounds() == (2, DOT_MAX_ROWS)
     assert compiled_row_table(torch.float32, tiles=False, exact_verify=False, dot=True).steps == ((2, "row_gemm"),)
+    onednn = compiled_row_table(torch.float32, tiles=False, exact_verify=False, onednn=True)
+    assert onednn.describe() == "1-2 rows: tandem::row_gemm; more: oneDNN matmul" and onednn.gemm_bounds() == (2, 2)
+    verify = compiled_row_table(torch.float32, tiles=False, exact_verify=True, onednn=True)
+    assert verify.more == "onednn" and verify.steps == ((ROW_KERNEL_MAX_ROWS, "row_gemm"),)
+    assert compiled_row_table(torch.bfloat16, tiles=False, exact_verify=False, onednn=True).more == "linear"
+    assert fp32_onednn("AuthenticAMD") == torch.backends.mkldnn.is_available()  # MKL's generic path: oneDNN
+    assert not fp32_onednn("GenuineIntel")  # MKL's sgemm keeps Intel's CPUs
+    no_steps = ServingLinear(64, 32, bias=False)
+    no_steps.row_table = RowTable((), "onednn")  # a table table_gemm does not run: the kernel from Python
+    x = torch.randn(5, 64)
+    assert no_steps.row_bounds() == () and torch.equal(no_steps(x), _more(no_steps.row_table, x, no_steps.weight))
     assert RowTable().describe() == "every row count: F.linear"
     linear = ServingLinear(64, 32, bias=False, dtype=torch.bfloat16)
     assert linear.method() == ("linear", "every row count: F.linear")
