@@ -92,9 +92,9 @@ class RowTable:
     def gemm_bounds(self) -> tuple[int, int] | None:
         """(row_max, tile_max) of `tandem::table_gemm` when this table is one it runs (row_gemm up to some rows,
         then optionally tile_gemm or dot_gemm, then `F.linear` or oneDNN's matmul: the operator's `onednn`, from
-        `more`): the kernel is then chosen inside that one operator,
-        at run time, not by a branch a compiled graph traces (one graph for every row count); None for any other
-        table. (The operator runs tile_gemm where AMX tiles are usable, else dot_gemm: the rule that names them.)"""
+        `more`): the kernel is then chosen inside that one operator, at run time, not by a branch a compiled graph
+        traces (one graph for every row count); None for any other table. (The operator runs tile_gemm where AMX
+        tiles are usable, else dot_gemm: the rule that names them.)"""
         names = tuple(name for _, name in self.steps)
         runs = names in (("row_gemm",), ("row_gemm", "tile_gemm"), ("row_gemm", "dot_gemm"))
         if not runs or self.more not in ("linear", "onednn"):
@@ -204,8 +204,9 @@ class ServingLinear(nn.Linear):
         kernel = self.table.kernel(rows)
         if kernel == "linear" or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
-        if kernel == "onednn":
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.weight, self.bias, "none", [], "")
+        if kernel == "onednn":  # a table without table_gemm's steps: oneDNN's matmul from here
+            x2 = x.reshape(rows, x.shape[-1])  # [rows, in]
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], "")  # [rows, out]
             return y.view(*x.shape[:-1], self.out_features)  # [..., out]
         op = {"tile_gemm": torch.ops.tandem.tile_gemm, "dot_gemm": torch.ops.tandem.dot_gemm}.get(kernel)
         op = op if op is not None else torch.ops.tandem.row_gemm
