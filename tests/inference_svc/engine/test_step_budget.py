@@ -1,7 +1,7 @@
 """The step budget's rule (`inference_svc.executor.step_budget`): 'auto' on a CPU is one whole prefill chunk beside
 every running decode, on a GPU its fixed default (at least max_num_seqs); a number is used as given; the engine's
 scheduler runs the resolved count and the load plan says why. The prefill group's rule likewise: 'auto' on a CPU is
-128 tokens or the budget if smaller, on a GPU the budget; a step admits prompts while its prefill tokens stay within
+256 tokens or the budget if smaller, on a GPU the budget; a step admits prompts while its prefill tokens stay within
 it, its first chunk always."""
 
 from __future__ import annotations
