@@ -16,13 +16,16 @@ from shared_model.tokenizer import Tokenizer
 from tests.conftest import load_benchmark, tiny_config
 
 
-def test_pairs_alternate_and_each_ratio_is_its_own_pair(
-    tmp_path: Path, small_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    paired = load_benchmark("paired_decode")
+@pytest.fixture
+def engine(tmp_path: Path, small_tokenizer: Tokenizer) -> Engine:
+    """A real tiny engine, eager, one thread: the Tandem side of the pairs."""
     config = tiny_config()
     bundle = save_bundle(tmp_path / "bundle", config, build_model(config, seed=0), tokenizer=small_tokenizer)
-    engine = Engine.from_bundle(bundle, EngineConfig(compile="off", device="cpu", threads=1))
+    return Engine.from_bundle(bundle, EngineConfig(compile="off", device="cpu", threads=1))
+
+
+def test_pairs_alternate_and_each_ratio_is_its_own_pair(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    paired = load_benchmark("paired_decode")
     order: list[str] = []
     rates = iter([100.0, 50.0, 200.0, 25.0])
 
@@ -48,13 +51,8 @@ def test_pairs_alternate_and_each_ratio_is_its_own_pair(
     assert not engine.has_unfinished_requests()
 
 
-def test_prefill_pairs_time_a_new_prompt_each_time(
-    tmp_path: Path, small_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_prefill_pairs_time_a_new_prompt_each_time(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     paired = load_benchmark("paired_decode")
-    config = tiny_config()
-    bundle = save_bundle(tmp_path / "bundle", config, build_model(config, seed=0), tokenizer=small_tokenizer)
-    engine = Engine.from_bundle(bundle, EngineConfig(compile="off", device="cpu", threads=1))
     prompts: list[list[int]] = []
     real_add = engine.add_request
 
