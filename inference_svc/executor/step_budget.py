@@ -13,10 +13,11 @@ Contract:
   - on a GPU, `GPU_DEFAULT` (its steps are short at any of these sizes), never below `max_num_seqs`.
 - `choose_prefill_group(setting, device, budget)` resolves `EngineConfig.prefill_group_tokens`: the most prefill
   tokens a step holds before it admits no further waiting prompt (its first chunk always fits). A number is used as
-  given; 'auto' on a CPU is `CPU_PREFILL_GROUP` (256) tokens, or the budget where that is smaller: a CPU prefill
+  given; 'auto' on a CPU is `CPU_PREFILL_GROUP` (128) tokens, or the budget where that is smaller: a CPU prefill
   step's time grows with its tokens and every prompt in it waits for the whole step, so a burst of short prompts
-  is answered over two or more steps, the first group's first tokens after about half the time of one big step
-  (docs/benchmarks.md §44). A single prompt's chunk is never cut by it. On a GPU 'auto' is the budget: no limit.
+  is answered over several steps, the first group's first tokens after about a quarter of the time of one big
+  step (docs/benchmarks.md §44, §46). A single prompt's chunk is never cut by it. On a GPU 'auto' is the budget:
+  no limit.
 - The engine builds its scheduler (and the embeddings' batches) from the resolved counts; each choice says which
   rule gave it.
 """
@@ -26,8 +27,9 @@ from __future__ import annotations
 from inference_svc.executor.plan import Choice
 
 GPU_DEFAULT = 2048
-CPU_PREFILL_GROUP = 256
-"""'auto' prefill group on a CPU, in tokens: half of a default chunk (docs/benchmarks.md §44)."""
+CPU_PREFILL_GROUP = 128
+"""'auto' prefill group on a CPU, in tokens: a quarter of a default chunk (docs/benchmarks.md §44: 256 against the
+whole budget; §46: 128 against 256, a 16-prompt burst's median prompt answered sooner at 16 and 64 streams)."""
 
 
 def choose_step_budget(setting: int | str, device: str, chunk: int, max_num_seqs: int) -> tuple[int, Choice]:

@@ -11,6 +11,7 @@ engine's real verify path.
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -230,15 +231,19 @@ def test_verify_items_run_as_decode_queries_with_the_prefill_paths_logits(model_
     )  # fmt: skip
     runner = spec.runner
     run, factory = runner.run, runner.backend_factory
-    seen: list[tuple[int, int]] = []  # (decode queries, tokens) of each step with a verify item
-
-    def recording_factory(cache, meta):
-        seen.append((meta.num_decode_tokens, int(meta.slot_mapping.shape[0])))
-        return factory(cache, meta)
+    # per step with a verify item: the context lengths of its verify tokens, and of the step's decode queries (a
+    # prompt chunk in the same step runs as a prefill chunk and is in neither)
+    seen: list[tuple[Counter[int], Counter[int]]] = []
 
     def checked_run(batch):
         if not any(b.draft for b in batch):
             return run(batch)
+        verify = Counter(p + 1 for b in batch if b.draft for p in range(b.start, b.start + b.num_tokens))
+
+        def recording_factory(cache, meta):
+            seen.append((verify, Counter(meta.decode_context_lens[: meta.num_decode_tokens].tolist())))
+            return factory(cache, meta)
+
         with monkeypatch.context() as m:
             m.setattr(model_runner, "QUERY_CHUNK_MAX", 0)  # every chunk a prefill chunk
             as_prefill = run(batch).sample
@@ -253,8 +258,8 @@ def test_verify_items_run_as_decode_queries_with_the_prefill_paths_logits(model_
     runner.run = checked_run
     assert _tokens(spec, prompts, params) == plain
     assert seen, "no verify step ran"
-    assert all(queries == tokens for queries, tokens in seen)  # every verify token was a decode query
-    assert max(tokens for _, tokens in seen) > len(prompts)  # and there were drafts among them
+    assert all(not verify - queries for verify, queries in seen)  # every verify token was a decode query
+    assert max(verify.total() for verify, _ in seen) > len(prompts)  # and there were drafts among them
 
 
 def test_no_drafts_while_the_engine_holds_more_requests_than_the_cap(model_dir, make_engine) -> None:

@@ -1,7 +1,7 @@
 """The step budget's rule (`inference_svc.executor.step_budget`): 'auto' on a CPU is one whole prefill chunk beside
 every running decode, on a GPU its fixed default (at least max_num_seqs); a number is used as given; the engine's
 scheduler runs the resolved count and the load plan says why. The prefill group's rule likewise: 'auto' on a CPU is
-256 tokens or the budget if smaller, on a GPU the budget; a step admits prompts while its prefill tokens stay within
+128 tokens or the budget if smaller, on a GPU the budget; a step admits prompts while its prefill tokens stay within
 it, its first chunk always."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_the_engine_schedules_with_the_resolved_budget(qwen3_dir: Path) -> None:
     config = EngineConfig(device="cpu", compile="off", max_num_seqs=8, prefill_chunk_size=32)
     engine = Engine.from_bundle(qwen3_dir, config)
     assert engine.config.max_num_batched_tokens == engine.scheduler.config.max_num_batched_tokens == 40
-    assert engine.scheduler.config.prefill_group_tokens == 40  # 'auto' on a CPU: 256, within the budget
+    assert engine.scheduler.config.prefill_group_tokens == 40  # 'auto' on a CPU: 128, within the budget
     choice = next(c for c in engine.info().load_plan if c.lever == "step_budget")
     assert choice.value == "40" and "chunk (32)" in choice.reason
     # a burst of 8 prompts of 16 tokens: the first step's 40 tokens answer two of them (and start a third)
