@@ -320,7 +320,7 @@ class Engine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()
-        if now >= self.thread_governor.due:  # at most once a second: other processes' load -> this step's threads
+        if now >= self.thread_governor.due:  # the governor's reading when due: this step's threads
             self.thread_governor.poll(now)
         events: list[StepEvent] = []
         if self._pending_aborts:

@@ -16,7 +16,7 @@ import torch
 from inference_svc.async_engine import AsyncEngine
 from inference_svc.engine import EngineConfig, EngineConfigError, SamplingParams
 from inference_svc.executor import governor
-from inference_svc.executor.governor import BUSY, HOLD, ThreadGovernor, decide
+from inference_svc.executor.governor import BUSY, HOLD, INTERVAL, RECOVER_INTERVAL, ThreadGovernor, decide
 from inference_svc.metrics import ServiceMetrics
 
 HZ = 100  # ticks per second in the written files (any rate: the rule is a ratio of ticks)
@@ -120,6 +120,62 @@ def test_others_busy_takes_a_thread_away_and_it_comes_back_when_they_leave(tmp_p
     proc.advance(own=1.0)  # it left
     gov.poll(4.0)
     assert gov.others == pytest.approx(0.0) and gov.active == 2 and applied == [1, 2] and gov.changes == 2
+
+
+def test_quick_readings_give_the_thread_back_soon_after_the_others_leave(tmp_path: Path, monkeypatch) -> None:
+    """While a thread is given up, readings come every RECOVER_INTERVAL; the first whose window has the others gone
+    gives it back and becomes the baseline, so the next regular reading covers only the time since (one over the
+    window from the last regular reading would still hold their load and take the thread away again)."""
+    applied: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", applied.append)
+    q = RECOVER_INTERVAL
+    assert q <= INTERVAL / 4  # several quick readings in a regular one's interval
+    proc = Proc(tmp_path, 2)
+    gov = ThreadGovernor(2, (0, 1), root=tmp_path)
+    gov.poll(0.0)
+    for t in (1.0, 2.0):
+        proc.advance(busy={1: 1.0}, own=1.0)
+        gov.poll(t)
+    assert gov.active == 1 and gov.due == pytest.approx(2.0 + q)  # a quick reading next
+    for k in (1, 2):  # still there at the first two quick readings
+        proc.advance(q, busy={1: 1.0}, own=1.0)
+        gov.poll(gov.due)
+        assert gov.active == 1 and gov.others == pytest.approx(1.0) and gov.due == pytest.approx(2.0 + (k + 1) * q)
+    proc.advance(q, own=1.0)  # it left
+    gov.poll(gov.due)
+    assert gov.active == 2 and applied == [1, 2] and gov.others == pytest.approx(0.0)
+    back = 2.0 + 3 * q
+    assert gov.due == pytest.approx(back + INTERVAL)  # at the ceiling: regular readings only, from there
+    proc.advance(INTERVAL, own=2.0)
+    gov.poll(gov.due)
+    assert gov.active == 2 and gov.others == pytest.approx(0.0) and applied == [1, 2]
+    for k in (2, 3):  # and the rule is as before: two regular readings to take a thread
+        proc.advance(busy={1: 0.5}, own=1.5)
+        gov.poll(back + k * INTERVAL)
+    assert applied == [1, 2, 1]
+
+
+def test_a_quick_reading_never_gives_a_thread_up(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    q = RECOVER_INTERVAL
+    proc = Proc(tmp_path, 4)
+    gov = ThreadGovernor(4, (0, 1, 2, 3), root=tmp_path)
+    gov.poll(0.0)
+    for t in (1.0, 2.0):
+        proc.advance(busy={3: 0.5}, own=3.5)
+        gov.poll(t)
+    assert gov.active == 3
+    for k in range(1, 5):  # three CPUs' worth of load, read only by quick readings
+        proc.advance(q, busy={1: 1.0, 2: 1.0, 3: 1.0}, own=1.0)
+        gov.poll(2.0 + k * q)
+        assert gov.active == 3 and gov.others == pytest.approx(3.0)
+    assert gov.due == pytest.approx(3.0)  # the next regular reading keeps its time
+    proc.advance(1.0 - 4 * q, busy={1: 1.0, 2: 1.0, 3: 1.0}, own=1.0)
+    gov.poll(3.0)  # regular: the window since 2.0, and the reading before asked for one thread only
+    assert gov.active == 3
+    proc.advance(busy={1: 1.0, 2: 1.0, 3: 1.0}, own=1.0)
+    gov.poll(4.0)
+    assert gov.active == 1
 
 
 def test_this_process_own_time_is_never_others_load(tmp_path: Path, monkeypatch) -> None:
