@@ -54,6 +54,8 @@ Contract:
   even where Tandem's row kernels run (`int4_row_kernels=False`: for the int4 layers alone); the caller's choice
   (serving: `inference_svc.executor.prepare`).
   `QuantizedLinear.method()` names the method a layer runs and its row-count table, for that record.
+- `dequantizes_at(model, rows)`: whether a call of that many rows to any quantized layer dequantizes its weight
+  (`QuantizedLinear.path`, the branch `forward` takes); the engine's prefill group reads it.
 - `serving_weight_bytes(model)` is what the weights occupy as served: every distinct tensor storage reachable
   from the model, the merged projections' included (shared storage counted once).
 """
@@ -302,25 +304,39 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
-        rows = x2.shape[0]
-        if self._row_kernel and self.kind == "int8" and rows <= self._gemv_rows:
+        path = self.path(x2.shape[0])
+        if path == "int8_gemv":
             y = torch.ops.tandem.int8_gemv(x2, self.qweight, self.scales, self._group)  # [M, N]
-        elif self._row_kernel and self.kind == "int4" and rows <= self._gemv_rows:
+        elif path == "int4_gemv":
             y = torch.ops.tandem.int4_gemv(x2, self.qweight, self.scales_and_zeros, self.group_size)  # [M, N]
-        elif self._tile_kernel and rows <= TILE_MAX_ROWS:
+        elif path == "tiles":
             if self.kind == "int8":
                 y = torch.ops.tandem.tile_gemm_int8(x2, self.qweight, self.scales)  # [M, N]
             else:
                 y = torch.ops.tandem.tile_gemm_int4(x2, self.qweight, self.scales_and_zeros, self.group_size)  # [M, N]
-        elif rows <= PACKED_MAX_ROWS and not (self._row_kernel and self.kind == "int4"):  # no torch layout then
+        elif path == "packed":
             y = self._packed(x2)
-        elif self.kind == "int8" or self._int4_block_rows or self._row_kernel or self.qweight.device.type == "cuda":
+        elif path == "dequantize":
             y = F.linear(x2, self.dequantize())
         else:  # int4 in a packed layout this module cannot unpack: the packed kernel, a few rows at a time
             y = torch.cat([self._packed(rows) for rows in x2.split(PACKED_MAX_ROWS)])
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)  # [..., N]
+
+    def path(self, rows: int) -> str:
+        """`forward`'s path for a call of `rows` rows: 'int8_gemv' or 'int4_gemv' (Tandem's row kernels), 'tiles'
+        (AMX), 'packed' (torch's packed kernels), 'dequantize' (the whole weight dequantized for this call, then the
+        dense GEMM) or 'packed_slices' (int4 in a layout this module cannot unpack)."""
+        if self._row_kernel and rows <= self._gemv_rows:
+            return f"{self.kind}_gemv"
+        if self._tile_kernel and rows <= TILE_MAX_ROWS:
+            return "tiles"
+        if rows <= PACKED_MAX_ROWS and not (self._row_kernel and self.kind == "int4"):  # no torch layout then
+            return "packed"
+        if self.kind == "int8" or self._int4_block_rows or self._row_kernel or self.qweight.device.type == "cuda":
+            return "dequantize"
+        return "packed_slices"
 
     def row_kernel(self) -> RowKernel | None:
         """Tandem's kernel that `forward` runs for calls of the fewest rows, with its arguments: `int8_gemv` and
@@ -570,3 +586,9 @@ def serving_weight_bytes(model: ServingDecoder) -> int:
     tensors = model.state_dict(keep_vars=True).values()
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
+
+
+def dequantizes_at(model: nn.Module, rows: int) -> bool:
+    """Whether a call of `rows` rows to any of `model`'s quantized layers dequantizes the layer's whole weight for
+    that call (`QuantizedLinear.path`): a cost paid once per call whatever its rows, so per step."""
+    return any(m.path(rows) == "dequantize" for m in model.modules() if isinstance(m, QuantizedLinear))

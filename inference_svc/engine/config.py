@@ -104,8 +104,9 @@ class EngineConfig:
     """Most prefill tokens of one step, prompts of the running sequences' chunks and new admissions summed: once a
     step holds this many, no further waiting prompt joins it (the step's first chunk always does, up to
     prefill_chunk_size). A number, or 'auto' (on a CPU 128 tokens or the step budget if smaller, so a burst of short
-    prompts gets its first tokens over two or more steps instead of all at the end of one; on a GPU the step budget,
-    no limit: `inference_svc.executor.step_budget`)."""
+    prompts gets its first tokens over two or more steps instead of all at the end of one; 256 where the quantized
+    products of 128 rows dequantize their weights at each step; on a GPU the step budget, no limit:
+    `inference_svc.executor.step_budget`)."""
     enable_chunked_prefill: bool = True
     """Split long prompts into chunks of at most prefill_chunk_size tokens, interleaved with decodes."""
     prefill_chunk_size: int = 512

@@ -86,7 +86,7 @@ from inference_svc.executor.threads import settle as settle_threads
 from inference_svc.lora import requests as lora_requests
 from shared_model.bundle import Bundle
 from shared_model.config import ModelConfig
-from shared_model.quantize import serving_weight_bytes
+from shared_model.quantize import dequantizes_at, serving_weight_bytes
 from shared_model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -112,14 +112,15 @@ class Engine:
         governed, governor_choice = governor.resolve(config.thread_governor, settled.threads, device.type == "cpu")
         budget, budget_choice = choose_step_budget(config.max_num_batched_tokens, device.type,
                                                    config.prefill_chunk_size, config.max_num_seqs)  # fmt: skip
-        group, group_choice = choose_prefill_group(config.prefill_group_tokens, device.type, budget)
-        self.config = config = dataclasses.replace(config, max_num_batched_tokens=budget,
-                                                   prefill_group_tokens=group)  # the scheduler's counts  # fmt: skip
         self.thread_governor = ThreadGovernor(settled.threads, settled.cpus, governed)
         """The intra-op thread count of the steps, polled between them (`inference_svc.executor.governor`)."""
         native, cpu_choice = executor.choose_cpu_kernels(config, device)
         prepared = executor.prepare(bundle, config, native)
         model = prepared.model
+        group, group_choice = choose_prefill_group(config.prefill_group_tokens, device.type, budget,
+                                                   lambda rows: dequantizes_at(model, rows))  # fmt: skip
+        self.config = config = dataclasses.replace(config, max_num_batched_tokens=budget,
+                                                   prefill_group_tokens=group)  # the scheduler's counts  # fmt: skip
         draft_model = None
         if draft is not None:
             loader.check_draft(bundle, draft)

@@ -11,18 +11,24 @@ Contract:
     paying its own fixed costs (the weights read again, scheduling): lower TTFT at every load measured, slightly
     lower tokens/s for a load of long prompts, which sets the flag higher (docs/benchmarks.md §34);
   - on a GPU, `GPU_DEFAULT` (its steps are short at any of these sizes), never below `max_num_seqs`.
-- `choose_prefill_group(setting, device, budget)` resolves `EngineConfig.prefill_group_tokens`: the most prefill
-  tokens a step holds before it admits no further waiting prompt (its first chunk always fits). A number is used as
-  given; 'auto' on a CPU is `CPU_PREFILL_GROUP` (128) tokens, or the budget where that is smaller: a CPU prefill
-  step's time grows with its tokens and every prompt in it waits for the whole step, so a burst of short prompts
-  is answered over several steps, the first group's first tokens after about a quarter of the time of one big
-  step (docs/benchmarks.md §44, §46). A single prompt's chunk is never cut by it. On a GPU 'auto' is the budget:
-  no limit.
+- `choose_prefill_group(setting, device, budget, dequantizes)` resolves `EngineConfig.prefill_group_tokens`: the
+  most prefill tokens a step holds before it admits no further waiting prompt (its first chunk always fits). A
+  number is used as given; 'auto' on a CPU is `CPU_PREFILL_GROUP` (128) tokens, or the budget where that is
+  smaller: a CPU prefill step's time grows with its tokens and every prompt in it waits for the whole step, so a
+  burst of short prompts is answered over several steps, the first group's first tokens after about a quarter of
+  the time of one big step (docs/benchmarks.md §44, §46). Where the model's products of that many rows dequantize
+  their weights at every call (`dequantizes(rows)`: `shared_model.quantize.dequantizes_at`; int8 and int4 on a CPU
+  without AMX tiles), each step pays that whole-weight pass once whatever its tokens, so 'auto' is
+  `CPU_DEQUANTIZING_GROUP` (256): four steps of 128 cost a quantized burst more throughput than two of 256 and
+  answered its median prompt no sooner (§47). A single prompt's chunk is never cut by it. On a GPU 'auto' is the
+  budget: no limit.
 - The engine builds its scheduler (and the embeddings' batches) from the resolved counts; each choice says which
   rule gave it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from inference_svc.executor.plan import Choice
 
@@ -30,6 +36,9 @@ GPU_DEFAULT = 2048
 CPU_PREFILL_GROUP = 128
 """'auto' prefill group on a CPU, in tokens: a quarter of a default chunk (docs/benchmarks.md §44: 256 against the
 whole budget; §46: 128 against 256, a 16-prompt burst's median prompt answered sooner at 16 and 64 streams)."""
+CPU_DEQUANTIZING_GROUP = 256
+"""'auto' prefill group on a CPU where products of `CPU_PREFILL_GROUP` rows dequantize their weights at each call
+(docs/benchmarks.md §47)."""
 
 
 def choose_step_budget(setting: int | str, device: str, chunk: int, max_num_seqs: int) -> tuple[int, Choice]:
@@ -44,13 +53,23 @@ def choose_step_budget(setting: int | str, device: str, chunk: int, max_num_seqs
     return budget, Choice("step_budget", str(budget), f"auto on a GPU: {GPU_DEFAULT}, at least --max-running")
 
 
-def choose_prefill_group(setting: int | str, device: str, budget: int) -> tuple[int, Choice]:
-    """The most prefill tokens a step holds before it admits no more prompts, and its `prefill_group` choice."""
+def choose_prefill_group(
+    setting: int | str, device: str, budget: int, dequantizes: Callable[[int], bool] | None = None
+) -> tuple[int, Choice]:
+    """The most prefill tokens a step holds before it admits no more prompts, and its `prefill_group` choice
+    (`dequantizes(rows)`: whether the model's products of that many rows dequantize their weights; None: never)."""
     if setting != "auto":
         assert isinstance(setting, int)
         return setting, Choice("prefill_group", str(setting), "--prefill-group-tokens as given")
     if device == "cpu":
-        group = min(CPU_PREFILL_GROUP, budget)
-        why = f"auto on a CPU: {CPU_PREFILL_GROUP} tokens or the step budget; a step's first chunk always fits"
+        if dequantizes is not None and dequantizes(CPU_PREFILL_GROUP):
+            group = min(CPU_DEQUANTIZING_GROUP, budget)
+            why = (
+                f"auto on a CPU: {CPU_DEQUANTIZING_GROUP} tokens or the step budget, as the quantized products of "
+                f"{CPU_PREFILL_GROUP} rows dequantize their weights at each step; a step's first chunk always fits"
+            )
+        else:
+            group = min(CPU_PREFILL_GROUP, budget)
+            why = f"auto on a CPU: {CPU_PREFILL_GROUP} tokens or the step budget; a step's first chunk always fits"
         return group, Choice("prefill_group", str(group), why)
     return budget, Choice("prefill_group", str(budget), "auto on a GPU: the step budget (no limit)")

@@ -149,3 +149,23 @@ def test_int4_refusals_name_the_weight_and_change_nothing(overrides, group: int,
     after = model.state_dict()
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
     assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)  # not even merged: all or nothing
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_path_named_is_the_path_forward_takes(kind: str, dtype: torch.dtype, monkeypatch) -> None:
+    """`QuantizedLinear.path(rows)` (what the prefill group's rule reads through `dequantizes_at`) is the branch
+    `forward` runs: at every row count around the kernels' bounds, the layer dequantizes its weight exactly where
+    the path says 'dequantize', and `dequantizes_at` of a model holding it says the same."""
+    layer = qz.QuantizedLinear(torch.randn(64, 128), None, kind, 64, dtype)
+    calls: list[int] = []
+    dequantize = layer.dequantize
+    monkeypatch.setattr(layer, "dequantize", lambda: calls.append(1) or dequantize())
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), layer)
+    for rows in sorted({1, 2, 4, 5, 8, 9, 16, 17, 64, 65, 128, 192, 193, 256}):
+        calls.clear()
+        layer(torch.randn(rows, 128, dtype=dtype))
+        assert bool(calls) == (layer.path(rows) == "dequantize"), (rows, layer.path(rows))
+        assert qz.dequantizes_at(model, rows) == bool(calls)
+    assert layer.path(256) == "dequantize"  # past every kernel's rows, whatever the machine
+    assert not qz.dequantizes_at(torch.nn.Sequential(torch.nn.Linear(4, 4)), 256)  # nothing quantized

@@ -12,7 +12,13 @@ import pytest
 
 from inference_svc.engine import Engine, EngineConfig, SamplingParams
 from inference_svc.engine.config import EngineConfigError
-from inference_svc.executor.step_budget import CPU_PREFILL_GROUP, GPU_DEFAULT, choose_prefill_group, choose_step_budget
+from inference_svc.executor.step_budget import (
+    CPU_DEQUANTIZING_GROUP,
+    CPU_PREFILL_GROUP,
+    GPU_DEFAULT,
+    choose_prefill_group,
+    choose_step_budget,
+)
 
 
 @pytest.mark.parametrize(
@@ -65,6 +71,32 @@ def test_auto_prefill_group_on_a_cpu_is_its_constant_within_the_budget(device: s
     for bad in (0, -1, "many", 2.5):
         with pytest.raises(EngineConfigError, match="prefill_group_tokens"):
             EngineConfig(prefill_group_tokens=bad)  # type: ignore[arg-type]
+
+
+def test_auto_prefill_group_is_larger_where_a_steps_products_dequantize_their_weights() -> None:
+    asked: list[int] = []
+
+    def dequantizes(rows: int) -> bool:
+        asked.append(rows)
+        return True
+
+    group, choice = choose_prefill_group("auto", "cpu", 576, dequantizes)
+    assert asked == [CPU_PREFILL_GROUP]  # asked at the group it would otherwise be
+    assert group == CPU_DEQUANTIZING_GROUP > CPU_PREFILL_GROUP and "dequantize" in choice.reason
+    assert choose_prefill_group("auto", "cpu", 200, dequantizes)[0] == 200  # still within the budget
+    assert choose_prefill_group("auto", "cpu", 576, lambda rows: False)[0] == CPU_PREFILL_GROUP
+    asked.clear()
+    assert choose_prefill_group("auto", "cuda", 2048, dequantizes)[0] == 2048 and not asked  # a GPU: no limit
+    assert choose_prefill_group(48, "cpu", 576, dequantizes)[0] == 48 and not asked  # a number: as given
+
+
+@pytest.mark.parametrize(("quantization", "expected"), [("none", CPU_PREFILL_GROUP), ("int8", CPU_DEQUANTIZING_GROUP)])
+def test_an_int8_engine_groups_by_its_dequantizing_products(qwen3_dir: Path, quantization: str, expected: int) -> None:
+    """int8 in fp32 dequantizes its weight past `int8_gemv`'s rows (AMX tiles take bf16 only), on every machine."""
+    engine = Engine.from_bundle(qwen3_dir, EngineConfig(device="cpu", compile="off", quantization=quantization))
+    assert engine.config.prefill_group_tokens == engine.scheduler.config.prefill_group_tokens == expected
+    choice = next(c for c in engine.info().load_plan if c.lever == "prefill_group")
+    assert choice.value == str(expected) and ("dequantize" in choice.reason) == (quantization == "int8")
 
 
 def test_a_step_admits_prompts_within_the_prefill_group_and_always_its_first_chunk(qwen3_dir: Path) -> None:
