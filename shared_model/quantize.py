@@ -54,8 +54,9 @@ Contract:
   even where Tandem's row kernels run (`int4_row_kernels=False`: for the int4 layers alone); the caller's choice
   (serving: `inference_svc.executor.prepare`).
   `QuantizedLinear.method()` names the method a layer runs and its row-count table, for that record.
-- `dequantizes_at(model, rows)`: whether a call of that many rows to any quantized layer dequantizes its weight
-  (`QuantizedLinear.path`, the branch `forward` takes); the engine's prefill group reads it.
+- `dequantizes_at(model, rows)`: whether a call of that many rows to any quantized projection of the decoder's
+  layers dequantizes its weight (`QuantizedLinear.path`, the branch `forward` takes; the LM head is called with the
+  sampled rows only); the engine's prefill group reads it.
 - `serving_weight_bytes(model)` is what the weights occupy as served: every distinct tensor storage reachable
   from the model, the merged projections' included (shared storage counted once).
 """
@@ -588,7 +589,9 @@ def serving_weight_bytes(model: ServingDecoder) -> int:
     return sum(storages.values())
 
 
-def dequantizes_at(model: nn.Module, rows: int) -> bool:
-    """Whether a call of `rows` rows to any of `model`'s quantized layers dequantizes the layer's whole weight for
-    that call (`QuantizedLinear.path`): a cost paid once per call whatever its rows, so per step."""
-    return any(m.path(rows) == "dequantize" for m in model.modules() if isinstance(m, QuantizedLinear))
+def dequantizes_at(model: ServingDecoder, rows: int) -> bool:
+    """Whether a call of `rows` rows to any of the decoder layers' quantized projections dequantizes the layer's
+    whole weight for that call (`QuantizedLinear.path`): a cost paid once per call whatever its rows, so per step.
+    Not the LM head: a step calls it with the rows it samples only."""
+    layers = [m for m in model.projections() if m is not model.lm_head]
+    return any(isinstance(m, QuantizedLinear) and m.path(rows) == "dequantize" for m in layers)

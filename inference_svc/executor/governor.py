@@ -25,9 +25,9 @@ Contract:
   returns one or two quick readings after the others leave (a regular reading's window would still hold up to a
   second of their load), and taking a thread still needs `HOLD` regular readings. A reading `idle_gap`
   (`IDLE_GAP`) seconds or more after the previous one (an engine stepped by hand, with pauses) is a new baseline,
-  not a decision: an average over a long gap says little about now, and the next poll, an interval later, decides
-  (and cannot give a thread up: it has no reading before it). A reading in which no clock tick passed on these
-  CPUs decides nothing either.
+  not a decision: an average over a long gap says little about now, and the next regular reading decides (and
+  cannot give a thread up: it has no reading before it). A reading in which no clock tick passed on these CPUs
+  decides nothing either.
 - Each change calls `torch.set_num_threads(active)` on the polling thread and is logged once at INFO with the load
   that caused it; `changes` counts them. Tandem's kernels (`at::parallel_for`), oneDNN's and inductor's kernels
   compiled with `dynamic_threads` (`shared_model.compiled`) read the count at each call: the next step runs on it.
@@ -117,9 +117,11 @@ class ThreadGovernor:
         self.active = ceiling
         """The count the steps run on now (set on the polling thread)."""
         self.others: float | None = None
-        """Other processes' load on `cpus` over the last interval, in CPUs (None: not measured yet)."""
+        """Other processes' load on `cpus` over the last reading's window, in CPUs (None: not measured yet): a
+        regular reading's second, or a quick reading's fifth of a second while a thread is given up."""
         self._recent: list[float] = []
-        """The last `HOLD` readings' excess (oldest first), since the last baseline."""
+        """The last `HOLD` regular readings' excess (oldest first), since the last baseline (after a quick reading
+        gave threads back: that reading's alone)."""
         self.changes = 0
         self.due = 0.0 if enabled and ceiling > 1 else math.inf
         """When the next poll is due (`time.monotonic()` seconds); infinity when disabled."""
@@ -144,7 +146,7 @@ class ThreadGovernor:
         reading = (now, ticks, own)
         quick, self._quick = self._quick, reading
         last = self._last
-        if last is not None and quick is not None and self.active < self.ceiling and now - last[0] < self.interval:
+        if last is not None and quick is not None and self.active < self.ceiling and now < last[0] + self.interval:
             self._recover(quick, reading)
             return
         self._last = reading

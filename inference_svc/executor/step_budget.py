@@ -13,12 +13,12 @@ Contract:
   - on a GPU, `GPU_DEFAULT` (its steps are short at any of these sizes), never below `max_num_seqs`.
 - `choose_prefill_group(setting, device, budget, dequantizes)` resolves `EngineConfig.prefill_group_tokens`: the
   most prefill tokens a step holds before it admits no further waiting prompt (its first chunk always fits). A
-  number is used as given; 'auto' on a CPU is `CPU_PREFILL_GROUP` (128) tokens, or the budget where that is
-  smaller: a CPU prefill step's time grows with its tokens and every prompt in it waits for the whole step, so a
-  burst of short prompts is answered over several steps, the first group's first tokens after about a quarter of
-  the time of one big step (docs/benchmarks.md §44, §46). Where the model's products of that many rows dequantize
-  their weights at every call (`dequantizes(rows)`: `shared_model.quantize.dequantizes_at`; int8 and int4 on a CPU
-  without AMX tiles), each step pays that whole-weight pass once whatever its tokens, so 'auto' is
+  number is used as given; 'auto' on a CPU is `CPU_PREFILL_GROUP` (128) tokens, or the budget where that is smaller:
+  a CPU prefill step's time grows with its tokens and every prompt in it waits for the whole step, so a burst of
+  short prompts is answered over several steps, the first group's first tokens after about a quarter of the time of
+  one big step (docs/benchmarks.md §44, §46). Where the model's products of that many rows dequantize their weights
+  at every call (`dequantizes(rows)`: `shared_model.quantize.dequantizes_at`; int8 and int4 past their row kernels'
+  rows on a CPU without AMX tiles), each step pays that whole-weight pass once whatever its tokens, so 'auto' is
   `CPU_DEQUANTIZING_GROUP` (256): four steps of 128 cost a quantized burst more throughput than two of 256 and
   answered its median prompt no sooner (§47). A single prompt's chunk is never cut by it. On a GPU 'auto' is the
   budget: no limit.

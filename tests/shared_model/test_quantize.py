@@ -155,17 +155,30 @@ def test_int4_refusals_name_the_weight_and_change_nothing(overrides, group: int,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_path_named_is_the_path_forward_takes(kind: str, dtype: torch.dtype, monkeypatch) -> None:
     """`QuantizedLinear.path(rows)` (what the prefill group's rule reads through `dequantizes_at`) is the branch
-    `forward` runs: at every row count around the kernels' bounds, the layer dequantizes its weight exactly where
-    the path says 'dequantize', and `dequantizes_at` of a model holding it says the same."""
+    `forward` runs: at every row count around the kernels' bounds the layer dequantizes its weight exactly where the
+    path says 'dequantize'. With torch's kernels (`row_kernels=False`) the table is the same on every machine."""
     layer = qz.QuantizedLinear(torch.randn(64, 128), None, kind, 64, dtype)
     calls: list[int] = []
     dequantize = layer.dequantize
     monkeypatch.setattr(layer, "dequantize", lambda: calls.append(1) or dequantize())
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), layer)
     for rows in sorted({1, 2, 4, 5, 8, 9, 16, 17, 64, 65, 128, 192, 193, 256}):
         calls.clear()
         layer(torch.randn(rows, 128, dtype=dtype))
         assert bool(calls) == (layer.path(rows) == "dequantize"), (rows, layer.path(rows))
-        assert qz.dequantizes_at(model, rows) == bool(calls)
-    assert layer.path(256) == "dequantize"  # past every kernel's rows, whatever the machine
-    assert not qz.dequantizes_at(torch.nn.Sequential(torch.nn.Linear(4, 4)), 256)  # nothing quantized
+    torch_only = qz.QuantizedLinear(torch.randn(64, 128), None, kind, 64, dtype, row_kernels=False)
+    many = "dequantize" if kind == "int8" or torch_only._int4_block_rows else "packed_slices"
+    want = {1: "packed", qz.PACKED_MAX_ROWS: "packed", qz.PACKED_MAX_ROWS + 1: many, 128: many, 256: many}
+    assert {rows: torch_only.path(rows) for rows in want} == want
+
+
+def test_dequantizes_at_asks_the_layers_projections_not_the_lm_head() -> None:
+    """The engine's prefill group asks whether a step's prefill rows dequantize: the layers' projections take them,
+    the LM head only the sampled rows."""
+    decoder = qz.quantize_weights(build_model(tiny_config(), seed=0), "int8", row_kernels=False)
+    assert not qz.dequantizes_at(decoder, qz.PACKED_MAX_ROWS)  # torch's packed kernel
+    assert qz.dequantizes_at(decoder, qz.PACKED_MAX_ROWS + 1)
+    dense = qz.quantize_weights(build_model(tiny_config(), seed=0), "none")
+    assert not qz.dequantizes_at(dense, 256)  # nothing quantized
+    dense.lm_head = decoder.lm_head  # a quantized head alone
+    assert isinstance(dense.lm_head, qz.QuantizedLinear) and dense.lm_head.path(256) == "dequantize"
+    assert not qz.dequantizes_at(dense, 256)

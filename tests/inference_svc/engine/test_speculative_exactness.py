@@ -231,17 +231,26 @@ def test_verify_items_run_as_decode_queries_with_the_prefill_paths_logits(model_
     )  # fmt: skip
     runner = spec.runner
     run, factory = runner.run, runner.backend_factory
-    # per step with a verify item: the context lengths of its verify tokens, and of the step's decode queries (a
-    # prompt chunk in the same step runs as a prefill chunk and is in neither)
-    seen: list[tuple[Counter[int], Counter[int]]] = []
+    # per step with a verify item: its verify tokens and the step's decode queries, each as (the blocks of its
+    # context, its context length), so a query is its sequence's (a prompt chunk in the same step runs as a prefill
+    # chunk and is in neither)
+    seen: list[tuple[Counter[tuple], Counter[tuple]]] = []
+    bs = spec.config.block_size
+
+    def query(blocks, length: int) -> tuple:
+        return tuple(blocks[: -(-length // bs)]), length
 
     def checked_run(batch):
         if not any(b.draft for b in batch):
             return run(batch)
-        verify = Counter(p + 1 for b in batch if b.draft for p in range(b.start, b.start + b.num_tokens))
+        verify = Counter(
+            query(b.seq.block_table, p + 1) for b in batch if b.draft for p in range(b.start, b.start + b.num_tokens)
+        )
 
         def recording_factory(cache, meta):
-            seen.append((verify, Counter(meta.decode_context_lens[: meta.num_decode_tokens].tolist())))
+            n = meta.num_decode_tokens
+            lens, tables = meta.decode_context_lens[:n].tolist(), meta.decode_block_tables[:n].tolist()
+            seen.append((verify, Counter(query(t, length) for t, length in zip(tables, lens, strict=True))))
             return factory(cache, meta)
 
         with monkeypatch.context() as m:

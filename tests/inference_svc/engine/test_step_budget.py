@@ -92,8 +92,10 @@ def test_auto_prefill_group_is_larger_where_a_steps_products_dequantize_their_we
 
 @pytest.mark.parametrize(("quantization", "expected"), [("none", CPU_PREFILL_GROUP), ("int8", CPU_DEQUANTIZING_GROUP)])
 def test_an_int8_engine_groups_by_its_dequantizing_products(qwen3_dir: Path, quantization: str, expected: int) -> None:
-    """int8 in fp32 dequantizes its weight past `int8_gemv`'s rows (AMX tiles take bf16 only), on every machine."""
-    engine = Engine.from_bundle(qwen3_dir, EngineConfig(device="cpu", compile="off", quantization=quantization))
+    """With torch's kernels (`--cpu-kernels off`) int8 dequantizes its weight past `PACKED_MAX_ROWS` rows on every
+    machine (Tandem's own take 128 rows on AMX tiles, and dequantize there only without them)."""
+    config = EngineConfig(device="cpu", compile="off", quantization=quantization, cpu_kernels="off")
+    engine = Engine.from_bundle(qwen3_dir, config)
     assert engine.config.prefill_group_tokens == engine.scheduler.config.prefill_group_tokens == expected
     choice = next(c for c in engine.info().load_plan if c.lever == "prefill_group")
     assert choice.value == str(expected) and ("dequantize" in choice.reason) == (quantization == "int8")
