@@ -127,10 +127,10 @@ class ThreadGovernor:
         """When the next poll is due (`time.monotonic()` seconds); infinity when disabled."""
         self._stat = Path(root) / "proc/stat"
         self._self_stat = Path(root) / "proc/self/stat"
-        self._last: tuple[float, dict[int, tuple[int, int]], int] | None = None
-        """(when, per-CPU ticks, own ticks) of the previous regular reading (or quick one that gave threads back)."""
-        self._quick: tuple[float, dict[int, tuple[int, int]], int] | None = None
-        """The same of the previous reading of either kind: a quick reading's window starts there."""
+        self._last: _Reading | None = None
+        """The previous regular reading (or quick one that gave threads back)."""
+        self._quick: _Reading | None = None
+        """The previous reading of either kind: a quick reading's window starts there."""
 
     @property
     def enabled(self) -> bool:
@@ -163,9 +163,10 @@ class ThreadGovernor:
         still holds the load that has left). Never gives a thread up."""
         assert self._last is not None
         excess = self._excess(since, reading)
-        if excess is not None and decide(self.ceiling, self.active, [excess]) > self.active:
+        active = self.active if excess is None else decide(self.ceiling, self.active, [excess])
+        if excess is not None and active > self.active:
             self._last, self._recent = reading, [excess]
-            self._set(decide(self.ceiling, self.active, [excess]), reading[0] - since[0])
+            self._set(active, reading[0] - since[0])
         regular = self._last[0] + self.interval
         self.due = regular if self.active == self.ceiling else min(reading[0] + self.recover_interval, regular)
 
