@@ -4,8 +4,11 @@
 venv:
 	@bash scripts/bootstrap.sh
 
-demo: venv
-	.venv/bin/python scripts/demo.py
+# The demo writes bytecode as it imports (each module compiled once, at its first import, and only what it imports),
+# not the whole venv's first: scripts/bootstrap.sh, --bytecode.
+demo:
+	@bash scripts/bootstrap.sh --bytecode lazy
+	PYTHONDONTWRITEBYTECODE= .venv/bin/python scripts/demo.py
 
 test: venv
 	.venv/bin/ruff check .

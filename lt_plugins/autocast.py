@@ -8,13 +8,14 @@ Contract:
   `reduce_bucket_size` elements each), which the ledger's bucket term does not count. It needs 32-true
   (`check_autocast`): `bf16-mixed` already computes in bf16, with DeepSpeed's 16-bit weights.
 - `resolve_autocast(mode, precision, accelerator, cpu_capabilities)` is the rule behind `auto`, returned with its
-  reason: bf16 on a CPU with AMX-BF16 tiles (oneDNN's bf16 matmuls run on them: 1.4-1.6x fp32's steps measured,
-  docs/benchmarks.md §37) or on a CUDA device with native bf16 (emulated bf16, as on V100 or T4, is not counted);
-  none on a CPU without AMX, where bf16 matmuls run on AVX-512-BF16 dot products or are emulated (not measured for
-  autocast: DeepSpeed's bf16 mode there ran several times slower than fp32), and none whenever the precision is not
-  32-true. `resolved_config(cfg)` returns the config with `auto` replaced and logs the reason, so the run's
-  config.yaml says what ran. Each attempt resolves again: a run resumed on another machine may continue under the
-  other choice (its state is fp32 either way), and its log line says so.
+  reason: bf16 on a CPU with AMX-BF16 tiles or AVX-512 BF16 dot products (`vdpbf16ps`), where oneDNN's bf16
+  matmuls run natively (the demo's steps at 1.4-1.6x fp32's with tiles, docs/benchmarks.md §37; with the dot
+  products alone, on an AMD Zen 4, §48), or on a CUDA device with native bf16 (emulated bf16, as on V100 or T4, is
+  not counted); none on a CPU with neither, where bf16 matmuls are emulated (DeepSpeed's bf16 mode there ran
+  several times slower than fp32), and none whenever the precision is not 32-true. `resolved_config(cfg)` returns
+  the config with `auto` replaced and logs the reason, so the run's config.yaml says what ran. Each attempt
+  resolves again: a run resumed on another machine may continue under the other choice (its state is fp32 either
+  way), and its log line says so.
 - Under ZeroStrategy the choice is DeepSpeed's own `torch_autocast` section (`deepspeed_section`): DeepSpeed opens
   the autocast region around the forward and reduces the Linear gradients in bf16 (its `comm_dtype`). Under `ddp`
   it is Lightning's `bf16-mixed` precision plugin, which is torch.autocast over fp32 weights (`lightning_precision`).
@@ -81,7 +82,9 @@ def resolve_autocast(
     caps = torch.cpu.get_capabilities() if cpu_capabilities is None else cpu_capabilities
     if caps.get("amx_bf16"):
         return AutocastChoice("bf16", "this CPU has AMX-BF16 tiles for bf16 matmuls")
-    return AutocastChoice("none", "this CPU has no AMX-BF16 tiles for bf16 matmuls")
+    if caps.get("avx512_bf16"):
+        return AutocastChoice("bf16", "this CPU has AVX-512 BF16 dot products for bf16 matmuls")
+    return AutocastChoice("none", "this CPU has neither AMX-BF16 tiles nor AVX-512 BF16 dot products for bf16 matmuls")
 
 
 def resolved_config(cfg: Any) -> Any:

@@ -334,8 +334,8 @@ class TrainerSection:
     """bf16-mixed | 16-mixed (CUDA only) | 32-true."""
     autocast: str = "none"
     """none | bf16 | auto: with precision 32-true, run the matmuls in bf16 under torch.autocast over fp32 weights,
-    gradients and optimizer state; auto: bf16 on a CPU with AMX-BF16 or a CUDA device with bf16, else none
-    (lt_plugins/autocast.py; the run's config.yaml records the choice)."""
+    gradients and optimizer state; auto: bf16 on a CPU with AMX-BF16 or AVX-512 BF16 or a CUDA device with bf16,
+    else none (lt_plugins/autocast.py; the run's config.yaml records the choice)."""
     max_steps: int = 100
     """Optimizer steps to train."""
     accumulate_grad_batches: int = 1

@@ -10,12 +10,29 @@
 # installs with pip alone, as before; the bootstrap falls back to pip by itself when uv cannot be installed, when
 # pip's settings cannot be read, or when a uv install fails.
 #
-# After an install the bootstrap writes the bytecode (.pyc) of the venv's packages and of Tandem's own: uv installs
-# without it, and where PYTHONDONTWRITEBYTECODE is set (CI here) nothing writes it later, so every process would
-# compile each module it imports from source at every start (docs/benchmarks.md §46). Files already compiled are
-# skipped, so a venv made before this step gets it at its next install.
+# Bytecode (.pyc): uv installs without it, and where PYTHONDONTWRITEBYTECODE is set (CI here) nothing writes it
+# later, so every process would compile each module it imports from source at every start (docs/benchmarks.md §46).
+#   --bytecode all (the default; `make test`): write it for the whole venv and Tandem's packages once after an
+#     install (about 25 s on 2 cores; files already compiled are skipped). The suite's hundreds of processes import
+#     most of what is installed.
+#   --bytecode lazy (`make demo`): write none here; the caller runs with bytecode writing on
+#     (`PYTHONDONTWRITEBYTECODE=` in the Makefile), so each module is compiled once, at its first import, and only
+#     what the run imports is compiled (a sixth of the files; docs/benchmarks.md §48).
+# A later `--bytecode all` completes a lazy venv; a new install redoes it (its stamp names the install).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+BYTECODE=all
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bytecode) BYTECODE=${2:-}; shift 2 || shift ;;
+    --bytecode=*) BYTECODE=${1#--bytecode=}; shift ;;
+    *) echo "bootstrap: unknown argument '$1' (usage: bootstrap.sh [--bytecode all|lazy])" >&2; exit 2 ;;
+  esac
+done
+case "$BYTECODE" in
+  all | lazy) ;;
+  *) echo "bootstrap: --bytecode must be all or lazy, got '$BYTECODE'" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-python3}
 VENV=.venv
 TORCH_VERSION=${TANDEM_TORCH_VERSION:-2.13.0}
@@ -31,16 +48,35 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 stamp="$VENV/.tandem-installed"
-want="$(sha256sum pyproject.toml | cut -d' ' -f1) torch=$TORCH_VERSION bytecode"
+bytecode_stamp="$VENV/.tandem-bytecode"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) torch=$TORCH_VERSION"
 build_kernels() {
   # Tandem's CPU kernels (tandem_native/loader.py) are built on first use; building them here keeps that
   # 30-60 s out of the first server start (and out of the tests' start-up bounds). Cached: about 2 s when built.
   "$VENV/bin/python" -m tandem_native
 }
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+compile_bytecode() {
+  # quiet=2: a file that does not compile (test data in some packages) is skipped, as an import of it would fail
+  "$VENV/bin/python" - <<'PY'
+import compileall, sysconfig, time
+t0 = time.perf_counter()
+for folder in (sysconfig.get_paths()["purelib"], "shared_model", "lt_plugins", "inference_svc", "tandem_native"):
+    compileall.compile_dir(folder, quiet=2, workers=0)
+print(f"bootstrap: bytecode written in {time.perf_counter() - t0:.0f} s")
+PY
+}
+finish() {
+  if [ "$BYTECODE" = all ] && ! { [ -f "$bytecode_stamp" ] && [ "$(cat "$bytecode_stamp")" = "$want" ]; }; then
+    compile_bytecode
+    echo "$want" > "$bytecode_stamp"
+  fi
   build_kernels
+}
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  finish
   exit 0
 fi
+rm -f "$bytecode_stamp"
 
 install() {
   if [ "$INSTALLER" = uv ]; then
@@ -64,16 +100,6 @@ install() {
   fi
   "$VENV/bin/python" -m pip install --quiet "$@"
 }
-compile_bytecode() {
-  # quiet=2: a file that does not compile (test data in some packages) is skipped, as an import of it would fail
-  "$VENV/bin/python" - <<'PY'
-import compileall, sysconfig, time
-t0 = time.perf_counter()
-for folder in (sysconfig.get_paths()["purelib"], "shared_model", "lt_plugins", "inference_svc", "tandem_native"):
-    compileall.compile_dir(folder, quiet=2, workers=0)
-print(f"bootstrap: bytecode written in {time.perf_counter() - t0:.0f} s")
-PY
-}
 uv_works() { "$VENV/bin/python" -m uv --version >/dev/null 2>&1; }
 if [ "$INSTALLER" = uv ] && ! uv_works; then
   # a uv module that is there but broken reads as installed to pip: reinstall it, then check again
@@ -91,6 +117,5 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.s
 fi
 echo "bootstrap: installing tandem[$EXTRAS] ($INSTALLER)"
 install -e ".[$EXTRAS]"
-compile_bytecode
 echo "$want" > "$stamp"
-build_kernels
+finish

@@ -1,7 +1,8 @@
 """`make demo`: the main job end to end, on this machine's CPUs (about 4 minutes on 2 cores, set-up excluded).
 
-1. Train the `tiny` model on the default corpus (the standard library's own sources) for about 3–4 minutes:
-   1 CPU process, DeepSpeed ZeRO-2, fp32 (`tandem train --config configs/demo.yaml`); the run exports a bundle.
+1. Train the `tiny` model on the default corpus (the standard library's own sources) for about 3 minutes:
+   1 CPU process, DeepSpeed ZeRO-2, fp32 state with bf16 matmuls where the CPU has native bf16
+   (`tandem train --config configs/demo.yaml`, `trainer.autocast=auto`); the run exports a bundle.
 2. Load the bundle in shared_model and in transformers, compare their logits, and compare the held-out loss of the
    trained model with that of its random initialisation (the windows `tandem eval` scores).
 3. Print the memory ledger of the bundle and of qwen3-8b (the lecture's table).
@@ -53,7 +54,10 @@ def step(title: str) -> None:
 
 
 def train() -> Path:
-    step("train: tiny model, 1 CPU process, ZeRO-2, fp32, ~3-4 min (tandem train --config configs/demo.yaml)")
+    step(
+        "train: tiny model, 1 CPU process, ZeRO-2, fp32 state with bf16 matmuls where the CPU has native bf16, "
+        "~3 min (tandem train --config configs/demo.yaml)"
+    )
     cmd = [sys.executable, "-m", "shared_model.cli", "train", "--config", str(CONFIG)]
     t0 = time.perf_counter()
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}  # no "unable to detect" warning

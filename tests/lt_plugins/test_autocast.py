@@ -26,14 +26,16 @@ from lt_plugins.errors import TrainingConfigError
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 AMX = {"amx_bf16": True, "amx_tile": True, "avx512_bf16": True}
-NO_AMX = {"amx_bf16": False, "amx_tile": False, "avx512_bf16": True, "avx512_f": True}
+NO_AMX = {"amx_bf16": False, "amx_tile": False, "avx512_bf16": True, "avx512_f": True}  # an AMD Zen 4
+NO_BF16 = {"amx_bf16": False, "amx_tile": False, "avx512_bf16": False, "avx512_f": True}  # an Ice Lake
 
 
 @pytest.mark.parametrize(
     ("mode", "precision", "caps", "expected"),
     [
         ("auto", "32-true", AMX, "bf16"),
-        ("auto", "32-true", NO_AMX, "none"),  # AVX-512 BF16 alone: bf16 matmuls slower than fp32
+        ("auto", "32-true", NO_AMX, "bf16"),  # AVX-512 BF16 dot products: native bf16 matmuls (§48)
+        ("auto", "32-true", NO_BF16, "none"),  # emulated bf16 matmuls
         ("auto", "32-true", {}, "none"),
         ("auto", "bf16-mixed", AMX, "none"),  # the precision already computes in bf16
         ("bf16", "32-true", NO_AMX, "bf16"),  # asked for: given, whatever the CPU
@@ -71,7 +73,7 @@ def test_the_config_refuses_bad_values_and_two_places_for_autocast() -> None:
     assert load_config(tiny).trainer.autocast == "none"
 
 
-@pytest.mark.parametrize(("caps", "expected"), [(AMX, "bf16"), (NO_AMX, "none")])
+@pytest.mark.parametrize(("caps", "expected"), [(AMX, "bf16"), (NO_AMX, "bf16"), (NO_BF16, "none")])
 def test_resolved_config_replaces_auto_by_the_machines_choice(
     monkeypatch: pytest.MonkeyPatch, caps: dict, expected: str
 ) -> None:
