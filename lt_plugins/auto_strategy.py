@@ -74,6 +74,7 @@ def resolve_auto(cfg: Any) -> Any:
         modes=CHECKPOINT_MODES if mode == "auto" else (mode,),
         bucket_elements=cfg.strategy.bucket_size,
         lora="off",  # the run trains the whole model: never swap in LoRA behind the user's back
+        loss_chunk_tokens=cfg.model.loss_chunk_tokens,
     )
     result = plan(get_preset(cfg.model.preset), request, model_name=cfg.model.preset)
     choice = result.recommended

@@ -131,12 +131,27 @@ class ModelSection:
     """Your own LightningModule, `package.module.ClassName` (as LightningCLI spells it); None: LitCausalLM."""
     init_args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of class_path's constructor (vocab_size and optim are filled in when it declares them)."""
+    loss_chunk_tokens: int = 0
+    """The built-in LitCausalLM's training loss in chunks of this many tokens (0: unchunked): the LM head and the
+    cross-entropy never hold the [tokens, vocab] logits whole, and each chunk's gradients are formed while it is in
+    cache (lt_plugins/lm_loss.py). Not with class_path (your module computes its own loss)."""
 
     def __post_init__(self) -> None:
         from shared_model.config import PRESETS
 
         if self.preset not in PRESETS:
             raise TrainingConfigError(f"model.preset={self.preset!r} is unknown; choose one of {sorted(PRESETS)}")
+        if isinstance(self.loss_chunk_tokens, bool) or not isinstance(self.loss_chunk_tokens, int):
+            raise TrainingConfigError(f"model.loss_chunk_tokens must be an integer, got {self.loss_chunk_tokens!r}")
+        if self.loss_chunk_tokens < 0:
+            raise TrainingConfigError(
+                f"model.loss_chunk_tokens must be 0 (unchunked) or more, got {self.loss_chunk_tokens}"
+            )
+        if self.loss_chunk_tokens and self.class_path is not None:
+            raise TrainingConfigError(
+                f"model.loss_chunk_tokens={self.loss_chunk_tokens} sets the built-in LitCausalLM's loss; "
+                f"model.class_path={self.class_path!r} computes its own"
+            )
         if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
             what = "has no config.json" if Path(self.init_from).is_dir() else "is not a folder"
             raise TrainingConfigError(f"model.init_from={self.init_from!r} {what} (a Hugging Face model folder)")

@@ -4,6 +4,9 @@ Contract:
 - Holds the decoder as `self.model` (so checkpoint keys are `model.<HF name>`, see `STATE_PREFIX`) and the loss as
   a module (`self.loss_fn`, a CrossEntropyLoss) so that a precision policy can keep it in fp32.
 - Batches are token rows [B, T+1]: inputs are row[:, :-1], targets row[:, 1:].
+- The training loss is the mean next-token cross-entropy; with `loss_chunk_tokens` > 0 the LM head and the loss
+  run in chunks of that many tokens (lt_plugins.lm_loss: the [B·T, vocab] logits never exist whole; the same
+  value and gradients up to summation order) wherever `chunks_loss()` holds. Validation scores full logits.
 - Logs `train_loss`, `lr` and `tokens_per_s` (global: all processes) on the progress bar; `val_loss` and
   `val_ppl` (averaged over processes) after each validation.
 - AdamW (no decay on vectors), linear warm-up then cosine to `min_lr_ratio`·lr, stepped every optimizer step.
@@ -40,6 +43,7 @@ from torch import nn
 
 from lt_plugins.config import ModelSection, OptimSection, resolve_class
 from lt_plugins.errors import TrainingConfigError, one_line
+from lt_plugins.lm_loss import chunked_lm_loss
 from lt_plugins.lora import LoraConfig, apply_lora
 from shared_model.bundle import TOKENIZER_FILE, FolderTensors, read_config, tokenizer_id_bound
 from shared_model.config import ModelConfig
@@ -62,13 +66,17 @@ class LitCausalLM(pl.LightningModule):
         seed: int = 0,
         init_from: str | Path | None = None,
         lora: LoraConfig | None = None,
+        loss_chunk_tokens: int = 0,
     ) -> None:
         super().__init__()
+        if loss_chunk_tokens < 0:
+            raise TrainingConfigError(f"model.loss_chunk_tokens must be 0 (unchunked) or more, got {loss_chunk_tokens}")
         self.model_config = model_config
         self.optim = optim or OptimSection()
         self.seed = seed
         self.init_from = Path(init_from) if init_from is not None else None
         self.lora = lora if lora is not None and lora.enabled else None
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.model: CausalLM | None = None  # built in configure_model
         self.loss_fn = nn.CrossEntropyLoss()
         self._last_step_time: float | None = None
@@ -91,8 +99,22 @@ class LitCausalLM(pl.LightningModule):
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]  # [B, T] each
+        if self.chunks_loss():
+            hidden = self.model.hidden_states(inputs)  # [B, T, hidden]
+            head = self.model.lm_head.weight  # [vocab, hidden]
+            flat = hidden.reshape(-1, hidden.shape[-1])  # [B·T, hidden]
+            return chunked_lm_loss(flat, head, targets.reshape(-1), self.loss_chunk_tokens, self.loss_fn.ignore_index)
         logits = self.model(inputs)  # [B, T, vocab]
         return self.loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def chunks_loss(self) -> bool:
+        """Whether the training loss runs in chunks (lt_plugins.lm_loss): `loss_chunk_tokens` set, and the head a
+        plain Linear whose whole weight this process holds. A LoRA-wrapped head, or one ZeRO-3 partitions (its
+        weight is gathered only inside its own forward), takes the unchunked path."""
+        if not self.loss_chunk_tokens or self.model is None:
+            return False
+        head = self.model.lm_head
+        return type(head) is nn.Linear and not hasattr(head.weight, "ds_id")
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -351,7 +373,14 @@ def build_module(
     `lora`, LitCausalLM applies it in configure_model; a class_path module gets `apply_lora` on the whole module
     right after its own configure_model (`with_lora`)."""
     if section.class_path is None:
-        return LitCausalLM(model_config, optim, seed=section.seed, init_from=section.init_from, lora=lora)
+        return LitCausalLM(
+            model_config,
+            optim,
+            seed=section.seed,
+            init_from=section.init_from,
+            lora=lora,
+            loss_chunk_tokens=section.loss_chunk_tokens,
+        )
     cls = resolve_class(section.class_path)
     declared = inspect.signature(cls.__init__).parameters
     injected = {"vocab_size": tokenizer_id_bound(tokenizer), "optim": optim}

@@ -225,25 +225,41 @@ def layer_saved_bytes_per_token(config: ModelConfig, mode: str, b: int) -> float
     raise ValueError(f"unknown checkpointing mode {mode!r}; choose one of {', '.join(CHECKPOINT_MODES)}")
 
 
-def head_saved_bytes_per_token(config: ModelConfig, b: int, loss_bytes: int = FP32) -> float:
+def head_saved_bytes_per_token(config: ModelConfig, b: int, loss_bytes: int = FP32, chunked: bool = False) -> float:
     """Outside the layers: token ids and targets, RoPE tables, the final norm, the LM-head input and the loss's
-    log-softmax over the vocabulary (in fp32 by default)."""
+    log-softmax over the vocabulary (in fp32 by default). With the chunked loss (lt_plugins.lm_loss) neither the
+    targets nor a vocabulary term: the LM-head input's place is taken by its gradient, formed in forward."""
     h = config.hidden_size
-    return float(8 + 8 + 2 * b * config.head_dim + FP32 * h + FP32 + 2 * b * h + loss_bytes * config.vocab_size)
+    loss = 0 if chunked else 8 + loss_bytes * config.vocab_size  # targets and log-softmax
+    return float(8 + 2 * b * config.head_dim + FP32 * h + FP32 + 2 * b * h + loss)
+
+
+def loss_weight_grad_bytes(config: ModelConfig) -> float:
+    """What the chunked loss holds from forward to backward besides its per-token gradient: the LM head's weight
+    gradient [vocab, hidden] in fp32 and the target count (when the head trains)."""
+    return float(FP32 * config.vocab_size * config.hidden_size + 8)
 
 
 def activation_bytes(
-    config: ModelConfig, micro_batch: int, seq_len: int, mode: str, precision: str, every_n: int = 1
+    config: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    mode: str,
+    precision: str,
+    every_n: int = 1,
+    chunked_loss: bool = False,
 ) -> dict[str, float]:
     """Saved activations of one micro-batch: `saved` (held at the end of forward) and `peak` (saved + the one
-    layer being recomputed in backward). Every `every_n`-th layer is checkpointed, the others save as `none`."""
+    layer being recomputed in backward). Every `every_n`-th layer is checkpointed, the others save as `none`.
+    `chunked_loss`: LitCausalLM's chunked loss with a trained head (`LitCausalLM.chunks_loss`)."""
     b = model_bytes_per_element(precision)
     tokens = micro_batch * seq_len
     ckpt_layers = 0 if mode == "none" else config.num_layers // every_n
     per_none = layer_saved_bytes_per_token(config, "none", b)
     per_mode = layer_saved_bytes_per_token(config, mode, b)
     layers = ckpt_layers * per_mode + (config.num_layers - ckpt_layers) * per_none
-    saved = tokens * (layers + head_saved_bytes_per_token(config, b))
+    saved = tokens * (layers + head_saved_bytes_per_token(config, b, chunked=chunked_loss))
+    saved += loss_weight_grad_bytes(config) if chunked_loss else 0.0
     recompute = tokens * (per_none - per_mode) if ckpt_layers else 0.0
     return {"saved": saved, "peak": saved + recompute, "per_layer_token": per_mode, "none_per_layer_token": per_none}
 

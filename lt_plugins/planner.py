@@ -90,6 +90,9 @@ class PlanRequest:
     """auto (LoRA when full fine-tuning does not fit) | only | off."""
     lora_rank: int = 16
     """Rank of the LoRA candidates."""
+    loss_chunk_tokens: int = 0
+    """model.loss_chunk_tokens of the run (0: unchunked): the chunked loss holds no [tokens, vocab] log-softmax but
+    the head's fp32 weight gradient; counted where LitCausalLM chunks (stages 0-2, full fine-tuning)."""
 
     def __post_init__(self) -> None:
         if self.lora not in LORA_MODES:
@@ -97,6 +100,8 @@ class PlanRequest:
         for name in ("gpus", "micro_batch", "seq_len", "bucket_elements", "lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.loss_chunk_tokens < 0:
+            raise ValueError(f"loss_chunk_tokens must be >= 0, got {self.loss_chunk_tokens}")
 
 
 @dataclass
@@ -198,6 +203,8 @@ def train_overrides(c: Candidate, request: PlanRequest, model: str | None = None
             f"lora.rank={c.lora_rank}",
             f"lora.base_dtype={'int8' if c.lora_base == 'int8' else 'model'}",
         ]
+    if request.loss_chunk_tokens:
+        out.append(f"model.loss_chunk_tokens={request.loss_chunk_tokens}")
     out += [
         f"checkpointing.mode={c.checkpointing}",
         f"data.batch_size={request.micro_batch}",
@@ -223,7 +230,8 @@ def evaluate(
         trainable = lora_adapter_params(config, request.lora_rank)
         frozen = lora_frozen_bytes(config, lora_base) / (layout.world if layout.stage == 3 else 1)
     terms = lecture_state_terms(trainable, layout)
-    acts = activation_bytes(config, request.micro_batch, request.seq_len, mode, layout.precision)
+    chunked = request.loss_chunk_tokens > 0 and layout.stage < 3 and lora_base is None  # LitCausalLM.chunks_loss
+    acts = activation_bytes(config, request.micro_batch, request.seq_len, mode, layout.precision, chunked_loss=chunked)
     gpu = {t.name: t.gpu_bytes for t in terms}
     gpu[FROZEN] = 0.0 if layout.offload_params else frozen
     if layout.stage == 3:

@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: plan LoRA when full fine-tuning fits nothing; only: LoRA alone; off: full fine-tuning alone",
     )
     p.add_argument("--lora-rank", type=int, default=16, help="rank of the LoRA candidates (all seven projections)")
+    p.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        default=0,
+        help="the run's model.loss_chunk_tokens (0: unchunked): no [tokens, vocab] log-softmax held, the head's "
+        "fp32 weight gradient instead",
+    )
     p.add_argument("--top", type=int, default=16, help="rows of the table (0: all)")
     p.add_argument("--json", action="store_true", help="print JSON")
     return p
@@ -220,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             modes=tuple(args.checkpointing or CHECKPOINT_MODES),
             lora=args.lora,
             lora_rank=args.lora_rank,
+            loss_chunk_tokens=args.loss_chunk_tokens,
         )
         result = plan(config, request, model_name=name)
     except (SharedModelError, ValueError) as exc:

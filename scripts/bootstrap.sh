@@ -17,7 +17,7 @@
 #     most of what is installed.
 #   --bytecode lazy (`make demo`): write none here; the caller runs with bytecode writing on
 #     (`PYTHONDONTWRITEBYTECODE=` in the Makefile), so each module is compiled once, at its first import, and only
-#     what the run imports is compiled (a sixth of the files; docs/benchmarks.md §48).
+#     what the run imports is compiled (about a fifth of the files; docs/benchmarks.md §48).
 # A later `--bytecode all` completes a lazy venv; a new install redoes it (its stamp names the install).
 set -euo pipefail
 cd "$(dirname "$0")/.."

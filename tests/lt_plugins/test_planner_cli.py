@@ -116,6 +116,26 @@ def test_the_overrides_load_into_the_training_config(capsys) -> None:
     assert (cfg.data.batch_size, cfg.data.block_size) == (1, 4096)
 
 
+def test_the_chunked_loss_shrinks_activations_at_stages_0_to_2_and_its_override_loads(capsys) -> None:
+    from lt_plugins.config import load_config
+    from lt_plugins.memory_model import FP32
+    from shared_model.config import get_preset
+
+    argv = [*QWEN_8, "--lora", "off", "--precision", "bf16-mixed", "--checkpointing", "full", "--json"]
+    plain = {(c["stage"], c["offload"]): c for c in json.loads(_run(capsys, argv)[1])["candidates"]}
+    data = json.loads(_run(capsys, [*argv, "--loss-chunk-tokens", "1024"])[1])
+    chunked = {(c["stage"], c["offload"]): c for c in data["candidates"]}
+    config = get_preset("qwen3-8b")
+    # 4096 tokens: targets (8 B) and the fp32 log-softmax over the vocabulary a token, less the head's weight gradient
+    saved = 4096 * (8 + FP32 * config.vocab_size) - (FP32 * config.vocab_size * config.hidden_size + 8)
+    for key, c in chunked.items():
+        drop = plain[key]["gpu_bytes"]["Saved activations"] - c["gpu_bytes"]["Saved activations"]
+        assert drop == pytest.approx(0.0 if c["stage"] == 3 else saved), key  # ZeRO-3: the unchunked path
+    assert "model.loss_chunk_tokens=1024" in data["recommended"]["overrides"]
+    cfg = load_config(CONFIG, data["recommended"]["overrides"])
+    assert cfg.model.loss_chunk_tokens == 1024
+
+
 def test_default_sequence_length_is_capped_by_the_model(capsys) -> None:
     _, out, _ = _run(capsys, ["--model", "tiny", "--gpu-memory", "80GB"])
     assert "micro-batch 1 x 2048 tokens" in out  # tiny's max_position_embeddings; 4096 is the default otherwise
