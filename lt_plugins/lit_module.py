@@ -6,7 +6,8 @@ Contract:
 - Batches are token rows [B, T+1]: inputs are row[:, :-1], targets row[:, 1:].
 - The training loss is the mean next-token cross-entropy; with `loss_chunk_tokens` > 0 the LM head and the loss
   run in chunks of that many tokens (lt_plugins.lm_loss: the [B·T, vocab] logits never exist whole; the same
-  value and gradients up to summation order) wherever `chunks_loss()` holds. Validation scores full logits.
+  value and gradients up to summation order, and rounding under autocast) wherever `chunks_loss()` holds.
+  Validation scores full logits.
 - Logs `train_loss`, `lr` and `tokens_per_s` (global: all processes) on the progress bar; `val_loss` and
   `val_ppl` (averaged over processes) after each validation.
 - AdamW (no decay on vectors), linear warm-up then cosine to `min_lr_ratio`·lr, stepped every optimizer step.

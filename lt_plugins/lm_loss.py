@@ -6,14 +6,16 @@ Contract:
   over the targets that are not `ignore_index`, of −log softmax(hidden @ weightᵀ)[target] as an fp32 scalar: the
   value of `F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=ignore_index)`, with the same
   gradients for `hidden` and `weight`, up to the order of floating-point sums (NaN when every target is ignored,
-  as there).
+  as there). Under bf16 autocast, up to rounding too: the weight gradient is summed over the chunks in fp32, where
+  the unchunked backward rounds its one product to bf16.
 - The head's matmuls run in the dtype `F.linear` would use at the call: autocast's (bf16 under `trainer.autocast`)
   inside an autocast region, else `hidden`'s. The log-sum-exp and the softmax are fp32, as the precision policy
   keeps the unchunked loss.
 - When a gradient is wanted (grad mode on, `hidden` or `weight` requiring one), each chunk's logits gradient
   (softmax − one-hot) becomes at once the chunk's rows of d hidden and its share of d weight (of whichever
   requires one: a frozen head, as under LoRA, gets none), while the chunk is in cache; backward only scales them
-  by the incoming gradient over the count (`once_differentiable`). Held for backward: d hidden [N, H] in
+  by the incoming gradient over the count, in place (`once_differentiable`; a second backward through the same
+  loss, `retain_graph=True`, is refused). Held for backward: d hidden [N, H] in
   `hidden`'s dtype and d weight [V, H] in fp32, in place of the unchunked loss's [N, V] fp32 log-softmax
   (`memory_model.head_saved_bytes_per_token`, `loss_weight_grad_bytes`). Without a gradient (validation,
   no_grad) only the loss is computed.
@@ -96,13 +98,20 @@ class _ChunkedLMLoss(torch.autograd.Function):
                     d_weight += (grad_c.t() @ h[rows]).float()  # [V, H]
         ctx.save_for_backward(d_hidden, d_weight, count)
         ctx.weight_dtype = weight.dtype
+        ctx.used = False
         return total / count
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.used:
+            raise RuntimeError(
+                "chunked_lm_loss: its gradients were scaled in place by a first backward; a second "
+                "backward through the same loss (retain_graph=True) is not supported"
+            )
+        ctx.used = True
         d_hidden, d_weight, count = ctx.saved_tensors
         scale = grad_out.float() / count
-        grad_hidden = (d_hidden.float() * scale).to(d_hidden.dtype) if d_hidden is not None else None
-        grad_weight = (d_weight * scale).to(ctx.weight_dtype) if d_weight is not None else None
+        grad_hidden = d_hidden.mul_(scale) if d_hidden is not None else None  # scale as an fp32 scalar
+        grad_weight = d_weight.mul_(scale).to(ctx.weight_dtype) if d_weight is not None else None  # no copy in fp32
         return grad_hidden, grad_weight, None, None, None, None, None

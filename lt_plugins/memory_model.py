@@ -248,10 +248,13 @@ def activation_bytes(
     precision: str,
     every_n: int = 1,
     chunked_loss: bool = False,
+    head_trains: bool = True,
 ) -> dict[str, float]:
     """Saved activations of one micro-batch: `saved` (held at the end of forward) and `peak` (saved + the one
     layer being recomputed in backward). Every `every_n`-th layer is checkpointed, the others save as `none`.
-    `chunked_loss`: LitCausalLM's chunked loss with a trained head (`LitCausalLM.chunks_loss`)."""
+    `chunked_loss`: LitCausalLM's chunked loss (`LitCausalLM.chunks_loss`), which holds the head's weight gradient
+    when `head_trains` (not under LoRA's frozen head). It saves memory once a micro-batch holds more tokens than
+    the model's hidden size (the vocabulary terms a token against one [vocab, hidden] gradient)."""
     b = model_bytes_per_element(precision)
     tokens = micro_batch * seq_len
     ckpt_layers = 0 if mode == "none" else config.num_layers // every_n
@@ -259,7 +262,8 @@ def activation_bytes(
     per_mode = layer_saved_bytes_per_token(config, mode, b)
     layers = ckpt_layers * per_mode + (config.num_layers - ckpt_layers) * per_none
     saved = tokens * (layers + head_saved_bytes_per_token(config, b, chunked=chunked_loss))
-    saved += loss_weight_grad_bytes(config) if chunked_loss else 0.0
+    if chunked_loss:
+        saved += loss_weight_grad_bytes(config) if head_trains else 8.0  # the weight gradient and the count
     recompute = tokens * (per_none - per_mode) if ckpt_layers else 0.0
     return {"saved": saved, "peak": saved + recompute, "per_layer_token": per_mode, "none_per_layer_token": per_none}
 

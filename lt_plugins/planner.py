@@ -91,8 +91,9 @@ class PlanRequest:
     lora_rank: int = 16
     """Rank of the LoRA candidates."""
     loss_chunk_tokens: int = 0
-    """model.loss_chunk_tokens of the run (0: unchunked): the chunked loss holds no [tokens, vocab] log-softmax but
-    the head's fp32 weight gradient; counted where LitCausalLM chunks (stages 0-2, full fine-tuning)."""
+    """model.loss_chunk_tokens of the run (0: unchunked): the chunked loss holds no [tokens, vocab] log-softmax but,
+    when the head trains (full fine-tuning; not LoRA's frozen head), its fp32 weight gradient; counted where
+    LitCausalLM chunks (stages 0-2). It saves memory once a micro-batch holds more tokens than the hidden size."""
 
     def __post_init__(self) -> None:
         if self.lora not in LORA_MODES:
@@ -230,8 +231,16 @@ def evaluate(
         trainable = lora_adapter_params(config, request.lora_rank)
         frozen = lora_frozen_bytes(config, lora_base) / (layout.world if layout.stage == 3 else 1)
     terms = lecture_state_terms(trainable, layout)
-    chunked = request.loss_chunk_tokens > 0 and layout.stage < 3 and lora_base is None  # LitCausalLM.chunks_loss
-    acts = activation_bytes(config, request.micro_batch, request.seq_len, mode, layout.precision, chunked_loss=chunked)
+    chunked = request.loss_chunk_tokens > 0 and layout.stage < 3  # LitCausalLM.chunks_loss
+    acts = activation_bytes(
+        config,
+        request.micro_batch,
+        request.seq_len,
+        mode,
+        layout.precision,
+        chunked_loss=chunked,
+        head_trains=lora_base is None,  # the LoRA candidates adapt the projections; the head stays frozen
+    )
     gpu = {t.name: t.gpu_bytes for t in terms}
     gpu[FROZEN] = 0.0 if layout.offload_params else frozen
     if layout.stage == 3:

@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="the run's model.loss_chunk_tokens (0: unchunked): no [tokens, vocab] log-softmax held, the head's "
-        "fp32 weight gradient instead",
+        "fp32 weight gradient instead (a saving once a micro-batch holds more tokens than the hidden size)",
     )
     p.add_argument("--top", type=int, default=16, help="rows of the table (0: all)")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -38,7 +38,7 @@ NO_BF16 = {"amx_bf16": False, "amx_tile": False, "avx512_bf16": False, "avx512_f
         ("auto", "32-true", NO_BF16, "none"),  # emulated bf16 matmuls
         ("auto", "32-true", {}, "none"),
         ("auto", "bf16-mixed", AMX, "none"),  # the precision already computes in bf16
-        ("bf16", "32-true", NO_AMX, "bf16"),  # asked for: given, whatever the CPU
+        ("bf16", "32-true", NO_BF16, "bf16"),  # asked for: given, whatever the CPU
         ("none", "32-true", AMX, "none"),
     ],
 )

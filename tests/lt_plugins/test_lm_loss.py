@@ -80,10 +80,19 @@ def test_a_frozen_head_gets_no_gradient_and_holds_no_weight_sized_buffer() -> No
     loss.backward()
     assert weight.grad is None
     assert meter.bytes == N * H * 4 + 8  # d hidden [N, H] fp32 and the target count, no [V, H]
-    hidden.grad = None
+    chunked_grad, hidden.grad = hidden.grad, None
     ref = _reference(hidden, weight, targets)
     ref.backward()
     torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(chunked_grad, hidden.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_second_backward_through_the_same_loss_is_refused() -> None:
+    hidden, weight, targets = _inputs(torch.float32)
+    loss = chunked_lm_loss(hidden, weight, targets, 8)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=re.escape("a second backward through the same loss")):
+        loss.backward()
 
 
 def test_without_grad_only_the_loss_is_computed() -> None:
@@ -116,10 +125,20 @@ def test_bad_arguments_are_refused_naming_them(hidden, weight, targets, chunk, m
 
 
 # ------------------------------------------------------------------------------------------------ LitCausalLM
-def _module(chunk: int, lora: LoraConfig | None = None) -> LitCausalLM:
-    module = LitCausalLM(tiny_config(num_layers=2), seed=0, lora=lora, loss_chunk_tokens=chunk)
+def _module(chunk: int, lora: LoraConfig | None = None, **config) -> LitCausalLM:
+    module = LitCausalLM(tiny_config(num_layers=2, **config), seed=0, lora=lora, loss_chunk_tokens=chunk)
     module.configure_model()
     return module
+
+
+def test_tied_embeddings_get_both_gradients_summed() -> None:
+    batch = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(3))
+    plain, chunked = _module(0, tie_word_embeddings=True), _module(16, tie_word_embeddings=True)
+    assert chunked.model.lm_head.weight is chunked.model.model.embed_tokens.weight
+    plain._loss(batch).backward()
+    chunked._loss(batch).backward()
+    for (name, p), q in zip(chunked.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=f"gradient of {name}")
 
 
 def test_lit_module_chunked_loss_matches_its_unchunked_loss_and_the_memory_model() -> None:
@@ -154,8 +173,15 @@ def test_a_lora_wrapped_head_takes_the_unchunked_path() -> None:
     frozen_head = _module(16, LoraConfig(enabled=True, rank=2))  # adapters on the projections; head frozen, plain
     assert frozen_head.chunks_loss()
     batch = torch.randint(0, 512, (1, 17), generator=torch.Generator().manual_seed(2))
-    frozen_head._loss(batch).backward()
+    with SavedActivationMeter(exclude=frozen_head.parameters()) as meter:
+        loss = frozen_head._loss(batch)
+    loss.backward()
     assert frozen_head.model.lm_head.weight.grad is None
+    config = frozen_head.model_config
+    modelled = activation_bytes(config, 1, 16, "none", "32-true", chunked_loss=True, head_trains=False)["saved"]
+    unchunked = activation_bytes(config, 1, 16, "none", "32-true")["saved"]
+    assert unchunked - modelled == 16 * (8 + 4 * config.vocab_size) - 8  # no weight gradient: only the count
+    assert meter.bytes > 0
 
 
 def test_the_config_validates_the_key() -> None:

@@ -121,13 +121,14 @@ def test_the_chunked_loss_shrinks_activations_at_stages_0_to_2_and_its_override_
     from lt_plugins.memory_model import FP32
     from shared_model.config import get_preset
 
-    argv = [*QWEN_8, "--lora", "off", "--precision", "bf16-mixed", "--checkpointing", "full", "--json"]
+    argv = [*QWEN_8[:-1], "8", "--lora", "off", "--precision", "bf16-mixed", "--checkpointing", "full", "--json"]
     plain = {(c["stage"], c["offload"]): c for c in json.loads(_run(capsys, argv)[1])["candidates"]}
     data = json.loads(_run(capsys, [*argv, "--loss-chunk-tokens", "1024"])[1])
     chunked = {(c["stage"], c["offload"]): c for c in data["candidates"]}
     config = get_preset("qwen3-8b")
-    # 4096 tokens: targets (8 B) and the fp32 log-softmax over the vocabulary a token, less the head's weight gradient
-    saved = 4096 * (8 + FP32 * config.vocab_size) - (FP32 * config.vocab_size * config.hidden_size + 8)
+    # 8 x 4096 tokens: targets (8 B) and fp32 log-softmax over the vocabulary a token, less the head weight gradient
+    saved = 8 * 4096 * (8 + FP32 * config.vocab_size) - (FP32 * config.vocab_size * config.hidden_size + 8)
+    assert saved > 10e9  # above the break-even of about hidden-size tokens
     for key, c in chunked.items():
         drop = plain[key]["gpu_bytes"]["Saved activations"] - c["gpu_bytes"]["Saved activations"]
         assert drop == pytest.approx(0.0 if c["stage"] == 3 else saved), key  # ZeRO-3: the unchunked path
