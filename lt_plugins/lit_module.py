@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import inspect
+import logging
 import math
 import sys
 import time
@@ -52,6 +53,8 @@ from shared_model.errors import SharedModelError
 from shared_model.evaluate import token_nll
 from shared_model.model import CausalLM, RMSNorm
 from shared_model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 STATE_PREFIX = "model."
 """Prefix of the decoder's parameters in this module's state dict (stripped on export)."""
@@ -109,13 +112,31 @@ class LitCausalLM(pl.LightningModule):
         return self.loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def chunks_loss(self) -> bool:
-        """Whether the training loss runs in chunks (lt_plugins.lm_loss): `loss_chunk_tokens` set, and the head a
-        plain Linear whose whole weight this process holds. A LoRA-wrapped head, or one ZeRO-3 partitions (its
+        """Whether the training loss runs in chunks (lt_plugins.lm_loss): see `unchunked_reason`."""
+        return self.unchunked_reason() is None
+
+    def unchunked_reason(self) -> str | None:
+        """None when the training loss runs in chunks: `loss_chunk_tokens` set, and the head a plain Linear whose
+        whole weight this process holds. Otherwise why not: a LoRA-wrapped head, or one ZeRO-3 partitions (its
         weight is gathered only inside its own forward), takes the unchunked path."""
-        if not self.loss_chunk_tokens or self.model is None:
-            return False
+        if not self.loss_chunk_tokens:
+            return "model.loss_chunk_tokens is 0"
+        if self.model is None:
+            return "the decoder is not built yet"
         head = self.model.lm_head
-        return type(head) is nn.Linear and not hasattr(head.weight, "ds_id")
+        if type(head) is not nn.Linear:
+            return f"the LM head is a {type(head).__name__}, not a plain Linear"
+        if hasattr(head.weight, "ds_id"):
+            return "ZeRO-3 partitions the LM head's weight"
+        return None
+
+    def on_fit_start(self) -> None:
+        """Log once which loss the run takes when `loss_chunk_tokens` asks for chunks (the fallback is silent
+        otherwise)."""
+        if self.loss_chunk_tokens and self.global_rank == 0:
+            reason = self.unchunked_reason()
+            taken = "chunked" if reason is None else f"unchunked ({reason})"
+            log.warning("model.loss_chunk_tokens=%d -> %s", self.loss_chunk_tokens, taken)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

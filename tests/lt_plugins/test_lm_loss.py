@@ -167,21 +167,35 @@ def test_lit_module_chunked_loss_matches_its_unchunked_loss_and_the_memory_model
     assert modelled - modelled_chunked == measured
 
 
-def test_a_lora_wrapped_head_takes_the_unchunked_path() -> None:
+def test_a_lora_wrapped_head_takes_the_unchunked_path_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     wrapped = _module(16, LoraConfig(enabled=True, rank=2, targets=("lm_head",)))
     assert not wrapped.chunks_loss()
-    frozen_head = _module(16, LoraConfig(enabled=True, rank=2))  # adapters on the projections; head frozen, plain
-    assert frozen_head.chunks_loss()
+    with caplog.at_level("WARNING", logger="lt_plugins.lit_module"):
+        wrapped.on_fit_start()
+        _module(16).on_fit_start()
+    assert "model.loss_chunk_tokens=16 -> unchunked (the LM head is a LoraLinear, not a plain Linear)" in caplog.text
+    assert "model.loss_chunk_tokens=16 -> chunked" in caplog.text
+
+
+def test_a_frozen_head_holds_no_weight_gradient_as_the_memory_model_counts() -> None:
     batch = torch.randint(0, 512, (1, 17), generator=torch.Generator().manual_seed(2))
-    with SavedActivationMeter(exclude=frozen_head.parameters()) as meter:
-        loss = frozen_head._loss(batch)
-    loss.backward()
-    assert frozen_head.model.lm_head.weight.grad is None
-    config = frozen_head.model_config
-    modelled = activation_bytes(config, 1, 16, "none", "32-true", chunked_loss=True, head_trains=False)["saved"]
-    unchunked = activation_bytes(config, 1, 16, "none", "32-true")["saved"]
-    assert unchunked - modelled == 16 * (8 + 4 * config.vocab_size) - 8  # no weight gradient: only the count
-    assert meter.bytes > 0
+    lora = _module(16, LoraConfig(enabled=True, rank=2))  # adapters on the projections; the head frozen, plain
+    assert lora.chunks_loss()
+    lora._loss(batch).backward()
+    assert lora.model.lm_head.weight.grad is None
+    module = _module(16)
+    held = {}
+    for trains in (True, False):
+        module.model.lm_head.weight.requires_grad_(trains)
+        with SavedActivationMeter(exclude=module.parameters()) as meter:
+            module._loss(batch)
+        held[trains] = meter.bytes
+    config = module.model_config
+    modelled = {
+        trains: activation_bytes(config, 1, 16, "none", "32-true", chunked_loss=True, head_trains=trains)["saved"]
+        for trains in (True, False)
+    }
+    assert held[True] - held[False] == modelled[True] - modelled[False] == 4 * config.vocab_size * config.hidden_size
 
 
 def test_the_config_validates_the_key() -> None:
